@@ -1,0 +1,1 @@
+"""The `prism` torch.distributed backend: virtual groups, data policies, timed work handles."""

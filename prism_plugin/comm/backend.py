@@ -1,0 +1,203 @@
+"""The `prism` torch.distributed backend: a Python ProcessGroup over a virtual group.
+
+Registered with ``torch.distributed.Backend.register_backend("prism", ..., extended_api=True)``,
+so every Python-level collective reaches it, including module-level aliases taken at import time
+(``dist_all_gather_func = torch.distributed.all_gather_into_tensor``) and functional collectives.
+Each method only unpacks torch's options and hands over to `collectives`.
+
+What it will NOT do: `recv` from any source (ANY_SOURCE cannot be emulated deterministically),
+PREMUL_SUM or custom reduce ops, NCCL-style coalescing groups (`_start_coalescing` with a device),
+CUDA-stream placement of emulated delays. Each raises `NotImplementedError` naming the op.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from prism_plugin.comm import collectives as C
+from prism_plugin.comm.group import VirtualGroup
+from prism_plugin.comm.work import TimedWork
+
+if TYPE_CHECKING:
+    from prism_plugin.session import Session
+
+__all__ = ["PrismProcessGroup", "BACKEND_NAME"]
+
+BACKEND_NAME = "prism"
+Tensor = torch.Tensor
+
+
+def _op(opts: Any) -> Any:
+    return opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+
+def _root(opts: Any) -> int:
+    return opts.rootRank if opts is not None else 0
+
+
+def _split(t: Tensor, sizes: list[int], n: int) -> list[Tensor]:
+    """Chunks of `t` along dim 0 by `sizes` (empty: n equal chunks), as all_to_all_single splits."""
+    if not sizes:
+        if t.shape[0] % n:
+            raise ValueError(f"prism: all_to_all_single dim 0 ({t.shape[0]}) does not split into {n} chunks")
+        rows = t.shape[0] // n
+        return [t.narrow(0, i * rows, rows) for i in range(n)]
+    if len(sizes) != n:
+        raise ValueError(f"prism: all_to_all_single split sizes list has {len(sizes)} entries, group has {n}")
+    return list(torch.split(t, sizes, dim=0))
+
+
+class PrismProcessGroup(dist.ProcessGroup):
+    """One real process's view of a virtual group: rank `group.rank` of `group.size`."""
+
+    def __init__(self, group: VirtualGroup) -> None:
+        super().__init__(group.rank, group.size)
+        self.vg = group
+        self._group_name: str | None = None
+        self._group_desc: str | None = None
+
+    # -- identity (a Python PG has no C++ backend that would hold these) -----------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+        self.vg.name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name or ""
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc or ""
+
+    def __repr__(self) -> str:
+        return f"PrismProcessGroup(name={self._group_name!r}, rank={self.vg.rank}, size={self.vg.size})"
+
+    # -- subgroups: torch >= 2.13 hands every new_group() (any backend=) to the default group ----
+    def new_group(self, ranks: list[int], timeout: Any = None, pg_options: Any = None,
+                  group_name: str | None = None, group_desc: str | None = None) -> PrismProcessGroup | None:
+        return self.vg.session.create_group(ranks, group_name, group_desc)
+
+    # -- reductions ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def allreduce(self, tensors: list[Tensor], opts: Any = None) -> TimedWork:
+        return C.all_reduce(self.vg, tensors, _op(opts))
+
+    @torch.no_grad()
+    def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> TimedWork:
+        return C.all_reduce(self.vg, tensors, _op(opts))
+
+    @torch.no_grad()
+    def reduce(self, tensors: list[Tensor], opts: Any = None) -> TimedWork:
+        return C.reduce(self.vg, tensors, _root(opts), _op(opts))
+
+    @torch.no_grad()
+    def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> TimedWork:
+        return C.reduce_scatter(self.vg, outputs, input_lists, _op(opts))
+
+    @torch.no_grad()
+    def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> TimedWork:
+        return C.reduce_scatter(self.vg, [output], [C.split_rows(input, self.vg.size)], _op(opts))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    @torch.no_grad()
+    def reduce_scatter_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor],
+                                        opts: Any = None) -> TimedWork:
+        lists = [C.split_rows(t, self.vg.size) for t in inputs]
+        return C.reduce_scatter(self.vg, outputs, lists, _op(opts))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- gathers, broadcasts ---------------------------------------------------------------------
+    @torch.no_grad()
+    def broadcast(self, tensors: list[Tensor], opts: Any = None) -> TimedWork:
+        return C.broadcast(self.vg, tensors, _root(opts))
+
+    @torch.no_grad()
+    def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> TimedWork:
+        return C.all_gather(self.vg, output_lists, inputs)
+
+    @torch.no_grad()
+    def allgather_coalesced(self, output_lists: list[list[Tensor]], inputs: list[Tensor],
+                            opts: Any = None) -> TimedWork:
+        # output_lists[rank][i] receives member rank's inputs[i]: transpose to one list per tensor
+        per_tensor = [[output_lists[r][i] for r in range(self.vg.size)] for i in range(len(inputs))]
+        work = C.all_gather(self.vg, per_tensor, inputs)
+        work._result = output_lists
+        return work
+
+    @torch.no_grad()
+    def all_gather_single(self, output: Tensor, input: Tensor, opts: Any = None) -> TimedWork:
+        return C.all_gather(self.vg, [C.split_rows(output, self.vg.size)], [input])
+
+    _allgather_base = all_gather_single
+
+    @torch.no_grad()
+    def all_gather_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor],
+                                    opts: Any = None) -> TimedWork:
+        return C.all_gather(self.vg, [C.split_rows(o, self.vg.size) for o in outputs], inputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    @torch.no_grad()
+    def gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> TimedWork:
+        return C.gather(self.vg, output_lists, inputs, _root(opts))
+
+    @torch.no_grad()
+    def scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> TimedWork:
+        return C.scatter(self.vg, outputs, input_lists, _root(opts))
+
+    @torch.no_grad()
+    def alltoall(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> TimedWork:
+        return C.all_to_all(self.vg, outputs, inputs)
+
+    @torch.no_grad()
+    def all_to_all_single(self, output: Tensor, input: Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], opts: Any = None) -> TimedWork:
+        n = self.vg.size
+        outs = _split(output, list(output_split_sizes), n)
+        ins = _split(input, list(input_split_sizes), n)
+        work = C.all_to_all(self.vg, outs, ins)
+        work._result = [output]
+        return work
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts: Any = None) -> TimedWork:
+        return C.barrier(self.vg)
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        C.barrier(self.vg).wait()
+
+    # -- point to point (peers are group ranks) ---------------------------------------------------
+    @torch.no_grad()
+    def send(self, tensors: list[Tensor], dstRank: int, tag: int = 0) -> TimedWork:  # noqa: N803
+        return C.send(self.vg, tensors, dstRank, tag)
+
+    @torch.no_grad()
+    def recv(self, tensors: list[Tensor], srcRank: int, tag: int = 0) -> TimedWork:  # noqa: N803
+        return C.recv(self.vg, tensors, srcRank, tag)
+
+    def recv_anysource(self, tensors: list[Tensor], tag: int = 0) -> TimedWork:
+        raise NotImplementedError(
+            "prism: recv from ANY_SOURCE is not emulated (a virtual sender cannot be chosen "
+            "deterministically); pass src= explicitly"
+        )
+
+    def _start_coalescing(self, device: Any) -> None:
+        raise NotImplementedError(
+            "prism: NCCL-style coalescing (_coalescing_manager with a device) is not emulated; "
+            "call _coalescing_manager without device= (the fast-path coalesced ops are supported)"
+        )
+
+    _end_coalescing = _start_coalescing

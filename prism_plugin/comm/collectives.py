@@ -1,0 +1,352 @@
+"""The emulation of every collective and transfer on a virtual group, in data and in time.
+
+Each function takes the `VirtualGroup`, writes results in place into the caller's tensors, and
+returns a `TimedWork`. Real members' data travels through the group's inner real group (async, so
+nothing blocks at issue); virtual members' share is written by `fill` rules; the work completes
+at ``max(arrivals) + cost``. With the RECORDED policy the outputs are finally overwritten with
+the payloads recorded for (group, sequence number).
+
+Temporaries: none when this rank is the group's only real member. With 2+ real members, a
+reduce-scatter needs one chunk-sized temporary per other real member, and PRODUCT/BXOR one
+tensor-sized temporary; each is freed when the op completes (nothing is retained).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from prism_plugin.comm.fill import RedOp, apply_virtual_share, fill_from, red_op
+from prism_plugin.comm.group import VirtualGroup
+from prism_plugin.comm.recording import payload_key
+from prism_plugin.comm.work import TimedWork
+from prism_plugin.kinds import DataPolicy, OpKind
+
+Tensor = torch.Tensor
+Finish = Callable[[], None]
+
+__all__ = [
+    "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather",
+    "scatter", "barrier", "send", "recv", "split_rows",
+]
+
+
+def _nbytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _chain(steps: list[Finish]) -> Finish | None:
+    if not steps:
+        return None
+    if len(steps) == 1:
+        return steps[0]
+
+    def run() -> None:
+        for step in steps:
+            step()
+
+    return run
+
+
+def _launch(
+    vg: VirtualGroup,
+    kind: OpKind,
+    arrival_s: float,
+    size_bytes: int,
+    received: Sequence[Tensor],
+    inner: list[dist.Work],
+    finish: Finish | None,
+    result: object,
+    peer: int | None = None,
+) -> TimedWork:
+    """Sequence-number the op, add replay/recording of what this rank received, time it."""
+    session = vg.session
+    seq = vg.next_seq()
+    steps = [finish] if finish is not None else []
+    if received:
+        key = payload_key(vg.name, seq)
+        outputs = list(received)
+        if session.replayer is not None:
+            steps.append(lambda: session.replayer.replay(key, outputs))
+        if session.recorder is not None:
+            steps.append(lambda: session.recorder.record(key, outputs))
+    cost_s = session.cost_s(kind, size_bytes, vg, peer)
+    session.count(kind, size_bytes)
+    return TimedWork(result, arrival_s, cost_s, inner, _chain(steps))
+
+
+def _policy(vg: VirtualGroup) -> DataPolicy:
+    # RECORDED runs the mirror path (real exchanges and timing) and then overwrites with payloads
+    policy = vg.session.config.data_policy
+    return DataPolicy.MIRROR if policy is DataPolicy.RECORDED else policy
+
+
+def _reduce_opts(op: RedOp, root: int | None = None) -> dist.AllreduceOptions | dist.ReduceOptions:
+    opts = dist.AllreduceOptions() if root is None else dist.ReduceOptions()
+    opts.reduceOp = dist.ReduceOp(op)
+    if root is not None:
+        opts.rootRank = root
+    return opts
+
+
+def _real_reduce(vg: VirtualGroup, t: Tensor, op: RedOp, dst: int | None) -> tuple[list[dist.Work], Finish]:
+    """Reduce `t` over the real members (all of them, or to real index `dst`), then add the
+    virtual members' share on every member that receives the result."""
+    n, k, policy = vg.size, vg.num_real, _policy(vg)
+    receives = dst is None or dst == vg.my_real_index
+    if k == 1:
+        return [], (lambda: apply_virtual_share(t, op, n, 1, policy)) if receives else (lambda: None)
+    pg = vg.inner(t.device)
+    works: list[dist.Work] = []
+    mirror_extra = policy is DataPolicy.MIRROR and n > k
+    mean = first = None
+    if mirror_extra and op == RedOp.PRODUCT:
+        mean = t.clone()
+        works.append(pg.allreduce([mean], _reduce_opts(RedOp.SUM)) if dst is None
+                     else pg.reduce([mean], _reduce_opts(RedOp.SUM, dst)))
+    if mirror_extra and op == RedOp.BXOR and (n - k) % 2:
+        first = t.clone()
+        bopts = dist.BroadcastOptions()
+        bopts.rootRank = 0
+        works.append(pg.broadcast([first], bopts))
+    real_op = RedOp.SUM if op == RedOp.AVG else op
+    works.append(pg.allreduce([t], _reduce_opts(real_op)) if dst is None
+                 else pg.reduce([t], _reduce_opts(real_op, dst)))
+
+    def finish() -> None:
+        if not receives:
+            return
+        if op == RedOp.AVG:
+            t.div_(k) if t.is_floating_point() else t.floor_divide_(k)
+        real_mean = None
+        if mean is not None:
+            real_mean = mean.div_(k) if mean.is_floating_point() else mean.floor_divide_(k)
+        apply_virtual_share(t, op, n, k, policy, real_mean=real_mean, first_real=first)
+
+    return works, finish
+
+
+# -- reductions ------------------------------------------------------------------------------------
+def all_reduce(vg: VirtualGroup, tensors: list[Tensor], op: object) -> TimedWork:
+    arrival = time.perf_counter()
+    rop = red_op(op)
+    inner: list[dist.Work] = []
+    steps: list[Finish] = []
+    for t in tensors:
+        works, finish = _real_reduce(vg, t, rop, None)
+        inner += works
+        steps.append(finish)
+    return _launch(vg, OpKind.ALL_REDUCE, arrival, _nbytes(tensors), tensors, inner, _chain(steps), tensors)
+
+
+def reduce(vg: VirtualGroup, tensors: list[Tensor], root: int, op: object) -> TimedWork:
+    arrival = time.perf_counter()
+    rop = red_op(op)
+    inner: list[dist.Work] = []
+    steps: list[Finish] = []
+    if vg.is_real(root):
+        for t in tensors:
+            works, finish = _real_reduce(vg, t, rop, vg.real_index(root))
+            inner += works
+            steps.append(finish)
+    received = tensors if root == vg.rank else []
+    return _launch(vg, OpKind.REDUCE, arrival, _nbytes(tensors), received, inner, _chain(steps), tensors)
+
+
+def split_rows(t: Tensor, n: int) -> list[Tensor]:
+    """n equal contiguous chunks of a flat view of `t` (the layout of *_into_tensor ops)."""
+    if t.numel() % n:
+        raise ValueError(f"prism: tensor of {t.numel()} elements does not split into {n} equal chunks")
+    if not t.is_contiguous():
+        raise NotImplementedError("prism: *_tensor collectives need a contiguous tensor (as NCCL does)")
+    return list(t.view(n, -1).unbind(0))
+
+
+def reduce_scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[list[Tensor]],
+                   op: object) -> TimedWork:
+    """outputs[i] = reduction over members of their input_lists[i][my group rank]."""
+    arrival = time.perf_counter()
+    rop = red_op(op)
+    inner: list[dist.Work] = []
+    steps: list[Finish] = []
+    for out, chunks in zip(outputs, input_lists, strict=True):
+        if len(chunks) != vg.size:
+            raise ValueError(f"prism: reduce_scatter needs {vg.size} input chunks, got {len(chunks)}")
+        fill_from(out, chunks[vg.rank])
+        if vg.num_real == 1:
+            _, finish = _real_reduce(vg, out, rop, None)
+            steps.append(finish)
+            continue
+        for idx, member in enumerate(vg.real_group_ranks):
+            target = out if member == vg.rank else chunks[member].clone()
+            works, finish = _real_reduce(vg, target, rop, idx)
+            inner += works
+            if member == vg.rank:
+                steps.append(finish)
+    size = sum(_nbytes(c) for c in input_lists)
+    return _launch(vg, OpKind.REDUCE_SCATTER, arrival, size, outputs, inner, _chain(steps), outputs)
+
+
+# -- gathers and broadcasts ----------------------------------------------------------------------
+def _fill_virtual_slots(vg: VirtualGroup, slots: list[Tensor]) -> Finish:
+    zeros = _policy(vg) is DataPolicy.ZEROS
+
+    def finish() -> None:
+        for j, slot in enumerate(slots):
+            if not vg.is_real(j):
+                slot.zero_() if zeros else fill_from(slot, slots[vg.mirror_source(j)])
+
+    return finish
+
+
+def all_gather(vg: VirtualGroup, output_lists: list[list[Tensor]], inputs: list[Tensor]) -> TimedWork:
+    """output_lists[i][j] = member j's inputs[i]; uneven slot sizes are allowed."""
+    arrival = time.perf_counter()
+    inner: list[dist.Work] = []
+    steps: list[Finish] = []
+    for slots, inp in zip(output_lists, inputs, strict=True):
+        if len(slots) != vg.size:
+            raise ValueError(f"prism: all_gather needs {vg.size} output tensors, got {len(slots)}")
+        fill_from(slots[vg.rank], inp)
+        if vg.num_real > 1:
+            pg = vg.inner(inp.device)
+            for idx, member in enumerate(vg.real_group_ranks):
+                opts = dist.BroadcastOptions()
+                opts.rootRank = idx
+                inner.append(pg.broadcast([slots[member]], opts))
+        steps.append(_fill_virtual_slots(vg, slots))
+    received = [t for slots in output_lists for t in slots]
+    size = _nbytes(received)
+    return _launch(vg, OpKind.ALL_GATHER, arrival, size, received, inner, _chain(steps), output_lists)
+
+
+def _fill_from_virtual_source(vg: VirtualGroup, t: Tensor, peer: bool) -> None:
+    """Values for a tensor whose source is a virtual member (before any replay overwrites them).
+
+    MIRROR: a payload queued for this op (object collectives), else for a receive the last tensor
+    this rank sent with the same shape and dtype (what the peer in its position would send), else
+    the buffer keeps this rank's own values (a broadcast root in the same position holds the same
+    parameters); a receive with nothing to mirror gets zeros. ZEROS: zeros.
+    """
+    if vg.pending_root_payloads:
+        fill_from(t, vg.pending_root_payloads.popleft())
+        return
+    if _policy(vg) is DataPolicy.ZEROS:
+        t.zero_()
+        return
+    if peer:
+        sent = vg.sent_like(t)
+        fill_from(t, sent) if sent is not None else t.zero_()
+
+
+def broadcast(vg: VirtualGroup, tensors: list[Tensor], root: int) -> TimedWork:
+    arrival = time.perf_counter()
+    inner: list[dist.Work] = []
+    if vg.is_real(root):
+        source = vg.real_index(root)
+    else:
+        for t in tensors:
+            _fill_from_virtual_source(vg, t, peer=False)
+        source = 0  # the first real member's values, so every real member agrees
+    if vg.num_real > 1:
+        pg = vg.inner(tensors[0].device)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = source
+        inner.append(pg.broadcast(tensors, opts))
+    received = [] if root == vg.rank else tensors
+    return _launch(vg, OpKind.BROADCAST, arrival, _nbytes(tensors), received, inner, None, tensors)
+
+
+def gather(vg: VirtualGroup, output_lists: list[list[Tensor]], inputs: list[Tensor], root: int) -> TimedWork:
+    arrival = time.perf_counter()
+    inner: list[dist.Work] = []
+    steps: list[Finish] = []
+    received: list[Tensor] = []
+    if root == vg.rank:
+        for slots, inp in zip(output_lists, inputs, strict=True):
+            fill_from(slots[vg.rank], inp)
+            for member in vg.real_group_ranks:
+                if member != vg.rank:
+                    inner.append(vg.inner(inp.device).recv([slots[member]], vg.real_index(member), 0))
+            steps.append(_fill_virtual_slots(vg, slots))
+            received += slots
+    elif vg.is_real(root):
+        for inp in inputs:
+            inner.append(vg.inner(inp.device).send([inp], vg.real_index(root), 0))
+    size = _nbytes(inputs) * vg.size
+    return _launch(vg, OpKind.GATHER, arrival, size, received, inner, _chain(steps), output_lists)
+
+
+def scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[list[Tensor]], root: int) -> TimedWork:
+    arrival = time.perf_counter()
+    inner: list[dist.Work] = []
+    if root == vg.rank:
+        for out, chunks in zip(outputs, input_lists, strict=True):
+            fill_from(out, chunks[vg.rank])
+            for member in vg.real_group_ranks:
+                if member != vg.rank:
+                    inner.append(vg.inner(out.device).send([chunks[member]], vg.real_index(member), 0))
+    elif vg.is_real(root):
+        for out in outputs:
+            inner.append(vg.inner(out.device).recv([out], vg.real_index(root), 0))
+    else:
+        for out in outputs:
+            _fill_from_virtual_source(vg, out, peer=False)
+    received = [] if root == vg.rank else outputs
+    size = _nbytes(outputs) * vg.size
+    return _launch(vg, OpKind.SCATTER, arrival, size, received, inner, None, outputs)
+
+
+def all_to_all(vg: VirtualGroup, outputs: list[Tensor], inputs: list[Tensor]) -> TimedWork:
+    """outputs[j] = member j's inputs[my group rank]; a virtual j mirrors this rank's own block."""
+    arrival = time.perf_counter()
+    if len(outputs) != vg.size or len(inputs) != vg.size:
+        raise ValueError(f"prism: all_to_all needs {vg.size} input and output chunks")
+    me = vg.rank
+    inner: list[dist.Work] = []
+    fill_from(outputs[me], inputs[me])
+    zeros = _policy(vg) is DataPolicy.ZEROS
+    for j in range(vg.size):
+        if j == me:
+            continue
+        if vg.is_real(j):
+            pg = vg.inner(inputs[j].device)
+            inner.append(pg.send([inputs[j].contiguous()], vg.real_index(j), 0))
+            inner.append(pg.recv([outputs[j]], vg.real_index(j), 0))
+        else:
+            outputs[j].zero_() if zeros else fill_from(outputs[j], inputs[me])
+    return _launch(vg, OpKind.ALL_TO_ALL, arrival, _nbytes(inputs), outputs, inner, None, outputs)
+
+
+def barrier(vg: VirtualGroup) -> TimedWork:
+    arrival = time.perf_counter()
+    inner = [vg.inner(torch.device("cpu")).barrier(dist.BarrierOptions())] if vg.num_real > 1 else []
+    return _launch(vg, OpKind.BARRIER, arrival, 0, [], inner, None, None)
+
+
+# -- point to point --------------------------------------------------------------------------------
+def send(vg: VirtualGroup, tensors: list[Tensor], dst: int, tag: int) -> TimedWork:
+    arrival = time.perf_counter()
+    inner: list[dist.Work] = []
+    if vg.is_real(dst):
+        inner.append(vg.inner(tensors[0].device).send(tensors, vg.real_index(dst), tag))
+    else:
+        for t in tensors:
+            vg.remember_sent(t)
+    return _launch(vg, OpKind.SEND, arrival, _nbytes(tensors), [], inner, None, tensors,
+                   peer=vg.global_ranks[dst])
+
+
+def recv(vg: VirtualGroup, tensors: list[Tensor], src: int, tag: int) -> TimedWork:
+    arrival = time.perf_counter()
+    inner: list[dist.Work] = []
+    if vg.is_real(src):
+        inner.append(vg.inner(tensors[0].device).recv(tensors, vg.real_index(src), tag))
+    else:
+        for t in tensors:
+            _fill_from_virtual_source(vg, t, peer=True)
+    return _launch(vg, OpKind.RECV, arrival, _nbytes(tensors), tensors, inner, None, tensors,
+                   peer=vg.global_ranks[src])

@@ -1,0 +1,103 @@
+"""A virtual group: a process group over virtual ranks, seen from one real process.
+
+It knows its members (global ranks), which of them are real, this process's position, and owns
+the inner real group among the real members (created lazily at the first op that needs it: the
+real members reach that op in the same order, as torch requires of every collective). Pure
+bookkeeping plus the inner group; the data and timing rules live in `collectives`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from prism_plugin.session import Session
+
+__all__ = ["VirtualGroup"]
+
+
+class VirtualGroup:
+    """Membership, inner real group and per-group sequence numbers of one virtual group."""
+
+    def __init__(self, session: Session, name: str, global_ranks: Sequence[int] | None) -> None:
+        world = session.config.world
+        self.session = session
+        self.name = name
+        self.is_world = global_ranks is None
+        self.global_ranks: Sequence[int] = range(world.world_size) if global_ranks is None else tuple(global_ranks)
+        self.size = len(self.global_ranks)
+        self.rank = self.group_rank_of(session.rank)
+        if self.rank is None:
+            raise AssertionError(f"rank {session.rank} is not a member of group {name}")
+        # real members in group order: group rank and physical process index of each
+        self.real_group_ranks: tuple[int, ...] = tuple(
+            sorted(g for g in (self.group_rank_of(r) for r in world.real_ranks) if g is not None)
+        )
+        self.real_process_indices: tuple[int, ...] = tuple(
+            world.real_ranks.index(self.global_ranks[g]) for g in self.real_group_ranks
+        )
+        self.num_real = len(self.real_group_ranks)
+        self.my_real_index = self.real_group_ranks.index(self.rank)
+        self.all_real = self.num_real == self.size
+        self.seq = 0
+        self._inner: dict[str, dist.ProcessGroup] = {}
+        self.pending_root_payloads: deque[torch.Tensor] = deque()
+        self._sent: dict[tuple, weakref.ref] = {}
+
+    # -- membership -----------------------------------------------------------------------------
+    def group_rank_of(self, global_rank: int) -> int | None:
+        if self.is_world:
+            return global_rank if 0 <= global_rank < self.size else None
+        try:
+            return self.global_ranks.index(global_rank)  # type: ignore[union-attr]
+        except ValueError:
+            return None
+
+    def is_real(self, group_rank: int) -> bool:
+        return group_rank in self.real_group_ranks
+
+    def real_index(self, group_rank: int) -> int:
+        """Index of a real member among the real members (its rank in the inner group)."""
+        return self.real_group_ranks.index(group_rank)
+
+    def mirror_source(self, group_rank: int) -> int:
+        """The real member whose block fills virtual slot `group_rank` (fixed by position)."""
+        return self.real_group_ranks[group_rank % self.num_real]
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    # -- inner real group -------------------------------------------------------------------------
+    def inner(self, device: torch.device) -> dist.ProcessGroup:
+        """The real group among the real members (gloo for CPU tensors, NCCL for CUDA)."""
+        key = device.type
+        pg = self._inner.get(key)
+        if pg is None:
+            if self.num_real < 2:
+                raise AssertionError(f"group {self.name} has no other real member")
+            pg = self.session.make_inner_group(
+                f"prism/{self.name}/{key}", self.my_real_index, self.num_real, key,
+                timedelta(seconds=self.session.config.timeout_s),
+            )
+            self._inner[key] = pg
+        return pg
+
+    # -- mirror memory for receives from virtual peers ---------------------------------------------
+    def remember_sent(self, tensor: torch.Tensor) -> None:
+        """Remember (weakly: no memory is held) the last tensor sent with this shape and dtype."""
+        self._sent[(tuple(tensor.shape), tensor.dtype, tensor.device)] = weakref.ref(tensor)
+
+    def sent_like(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        ref = self._sent.get((tuple(tensor.shape), tensor.dtype, tensor.device))
+        return None if ref is None else ref()
+
+    def __repr__(self) -> str:
+        return f"VirtualGroup({self.name}, size={self.size}, rank={self.rank}, real={list(self.real_group_ranks)})"

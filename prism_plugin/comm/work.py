@@ -1,0 +1,131 @@
+"""Work handles of the `prism` backend: real handles that complete at the emulated time.
+
+A `TimedWork` is done when (1) the real exchanges among real members (inner gloo/NCCL works) have
+finished, (2) the finishing step that writes the virtual members' share into the outputs has run,
+and (3) the emulated completion time `deadline_s` has passed. Issuing one never blocks; `wait()`
+blocks only for what is left, so computation issued between the op and its wait overlaps the
+emulated communication exactly as it would overlap a real one.
+
+Non-goals: no CUDA-stream semantics here (the host blocks); `wait(timeout)` honours the timeout
+only for the emulated delay, not for inner real works, which carry their group's own timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from prism_plugin.clock import sleep_until
+
+__all__ = ["TimedWork", "completed_work"]
+
+Finish = Callable[[], None]
+
+
+class TimedWork(dist.Work):
+    """A handle that completes once its inner works are done, `finish` ran and `deadline_s` passed."""
+
+    def __init__(
+        self,
+        result: Any,
+        arrival_s: float = 0.0,
+        cost_s: float = 0.0,
+        inner: Sequence[dist.Work] = (),
+        finish: Finish | None = None,
+        on_complete: Callable[[TimedWork], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self._result = result
+        self.arrival_s = arrival_s
+        self.cost_s = cost_s
+        self._inner = list(inner)
+        self._finish = finish
+        self._on_complete = on_complete
+        self._lock = threading.Lock()
+        self._done = False
+        # Real members' arrival is observed as the completion of the inner exchange (it cannot
+        # finish before the last real member issued it); virtual members arrive with this rank.
+        self.deadline_s = arrival_s + cost_s
+        if self._inner:
+            self._inner[-1].get_future().then(self._stamp_inner_done)
+        else:
+            self._run_finish()
+
+    def _stamp_inner_done(self, _future: torch.futures.Future) -> None:
+        self.deadline_s = max(self.arrival_s, time.perf_counter()) + self.cost_s
+
+    # -- completion -------------------------------------------------------------------------
+    def _run_finish(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            with torch.no_grad():
+                finish()
+
+    def _complete_inner(self) -> None:
+        if self._inner:
+            for work in self._inner:
+                work.wait()
+            self._inner = []
+        self._run_finish()
+
+    def _mark_done(self) -> None:
+        if not self._done:
+            self._done = True
+            callback, self._on_complete = self._on_complete, None
+            if callback is not None:
+                callback(self)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        with self._lock:
+            self._complete_inner()
+        sleep_until(self.deadline_s)
+        self._mark_done()
+        return True
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        if self._inner and not all(w.is_completed() for w in self._inner):
+            return False
+        if time.perf_counter() < self.deadline_s:
+            return False
+        self.wait()
+        return True
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self) -> None:
+        return None
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        """A future that completes with the results when this work completes (no extra thread)."""
+        future: torch.futures.Future = torch.futures.Future()
+        if self.is_completed():
+            future.set_result(self._result)
+            return future
+
+        def resolve() -> None:
+            self.wait()
+            future.set_result(self._result)
+
+        threading.Thread(target=resolve, name="prism-future", daemon=True).start()
+        return future
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+def completed_work(result: Any = None) -> TimedWork:
+    """A handle that is already complete (zero emulated cost)."""
+    return TimedWork(result)

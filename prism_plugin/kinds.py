@@ -1,0 +1,58 @@
+"""Closed vocabularies shared by every layer: operation kinds, data policies, algorithms.
+
+Pure: imports nothing from torch. Enums instead of bare strings (STYLE.md practice 5).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class OpKind(str, Enum):
+    """Every communication operation the `prism` backend implements (DESIGN.md section 4)."""
+
+    ALL_REDUCE = "all_reduce"
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    BARRIER = "barrier"
+    SEND = "send"
+    RECV = "recv"
+
+    @property
+    def is_p2p(self) -> bool:
+        return self in (OpKind.SEND, OpKind.RECV)
+
+
+class DataPolicy(str, Enum):
+    """What values a virtual participant contributes.
+
+    MIRROR: a virtual member contributes what the real members contribute (their mean in a
+        reduction, a fixed real member's block in a gather); the default.
+    RECORDED: payloads recorded in a real run are replayed bit for bit.
+    ZEROS: virtual members contribute zeros (an explicit option, never a fallback).
+    """
+
+    MIRROR = "mirror"
+    RECORDED = "recorded"
+    ZEROS = "zeros"
+
+
+class Algorithm(str, Enum):
+    """Collective algorithms the cost model knows."""
+
+    RING = "ring"
+    TREE = "tree"
+    HIERARCHICAL = "hierarchical"
+    DIRECT = "direct"  # p2p and pairwise all-to-all
+
+
+class ArrivalAssumption(str, Enum):
+    """Where a virtual member's arrival time at an op comes from."""
+
+    SYMMETRIC = "symmetric"  # equals the real rank's own arrival (no execution graph loaded)
+    REPLAYED = "replayed"  # from the replay of an execution graph

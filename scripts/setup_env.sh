@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment at ${PRISM_VENV:-.venv} and install
+# prism_plugin with the Megatron-core, DeepSpeed and dev extras, pinned by
+# constraints/cpu-py311.txt. Idempotent: a second run only checks what is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+V=${PRISM_VENV:-.venv}
+C=constraints/cpu-py311.txt
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+stamp="$V/.prism-installed"
+want="$(cat "$C" pyproject.toml | sha1sum | cut -c1-12)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x "$V/bin/python" ] || "$PY" -m venv "$V"
+P="$V/bin/pip"
+"$P" install -q --upgrade "pip>=24"
+# 1. torch first, so no later requirement can pull a CUDA build.
+"$P" install -q -c "$C" torch "numpy<2.5" "packaging>=24.2"
+# 2. megatron-core's wheel declares Python >= 3.12 but runs on 3.11.
+"$P" install -q -c "$C" --ignore-requires-python megatron-core
+# 3. deepspeed builds from sdist with its ops disabled and keeps our torch; triton for megatron-core.
+"$P" install -q -c "$C" deepspeed triton
+# 4. the project itself, editable, with every extra this machine can run (not the GPU extra).
+"$P" install -q -c "$C" --ignore-requires-python -e ".[megatron,deepspeed,dev]"
+echo "$want" > "$stamp"
