@@ -5,10 +5,10 @@ Pure: imports nothing from torch. Enums instead of bare strings (STYLE.md practi
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class OpKind(str, Enum):
+class OpKind(StrEnum):
     """Every communication operation the `prism` backend implements (DESIGN.md section 4)."""
 
     ALL_REDUCE = "all_reduce"
@@ -28,7 +28,7 @@ class OpKind(str, Enum):
         return self in (OpKind.SEND, OpKind.RECV)
 
 
-class DataPolicy(str, Enum):
+class DataPolicy(StrEnum):
     """What values a virtual participant contributes.
 
     MIRROR: a virtual member contributes what the real members contribute (their mean in a
@@ -42,7 +42,7 @@ class DataPolicy(str, Enum):
     ZEROS = "zeros"
 
 
-class Algorithm(str, Enum):
+class Algorithm(StrEnum):
     """Collective algorithms the cost model knows."""
 
     RING = "ring"
@@ -51,7 +51,7 @@ class Algorithm(str, Enum):
     DIRECT = "direct"  # p2p and pairwise all-to-all
 
 
-class ArrivalAssumption(str, Enum):
+class ArrivalAssumption(StrEnum):
     """Where a virtual member's arrival time at an op comes from."""
 
     SYMMETRIC = "symmetric"  # equals the real rank's own arrival (no execution graph loaded)

@@ -81,9 +81,10 @@ class Session:
             if config.data_policy is DataPolicy.RECORDED and config.replay_dir is not None
             else None
         )
-        self.op_counts: Counter[str] = Counter()
-        self.op_bytes: Counter[str] = Counter()
+        self.op_counts: Counter[OpKind] = Counter()
+        self.op_bytes: Counter[OpKind] = Counter()
         self.groups_created = 0
+        self.modelled_comm_s = 0.0
         self._placements: dict[int, GroupPlacement] = {}
         self._costs: dict[tuple[int, OpKind, int, int | None], float] = {}
         self._undo: list[Any] = []
@@ -133,11 +134,12 @@ class Session:
             if len(self._costs) > 100_000:
                 self._costs.clear()
             self._costs[key] = cost
+        self.modelled_comm_s += cost
         return cost
 
     def count(self, kind: OpKind, size_bytes: int) -> None:
-        self.op_counts[kind.value] += 1
-        self.op_bytes[kind.value] += size_bytes
+        self.op_counts[kind] += 1
+        self.op_bytes[kind] += size_bytes
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -150,8 +152,9 @@ class Session:
             "arrivals_note": "virtual participants assumed to arrive at each op with this rank "
             "(no execution graph loaded)" if self.arrivals is ArrivalAssumption.SYMMETRIC else "replayed",
             "groups_created": self.groups_created,
-            "op_counts": dict(self.op_counts),
-            "op_bytes": dict(self.op_bytes),
+            "op_counts": {k.value: v for k, v in self.op_counts.items()},
+            "op_bytes": {k.value: v for k, v in self.op_bytes.items()},
+            "modelled_comm_s": round(self.modelled_comm_s, 9),
         }
 
     # -- process-wide seams ------------------------------------------------------------------------
@@ -221,16 +224,22 @@ def _creator(opts: Any, backend_options: Any) -> PrismProcessGroup:
 
 
 def activate(config: EmulationConfig, process_index: int = 0, real_store: dist.Store | None = None,
-             init_timeout_s: float | None = None) -> Session:
+             init_timeout_s: float | None = None, num_processes: int | None = None) -> Session:
     """Initialise torch.distributed as rank ``config.world.real_ranks[process_index]`` of N.
 
     `real_store` is a store shared by the real processes only (TCPStore/FileStore sized to the
-    real process count); it is needed when there are 2+ real ranks. Raises `ConfigError` before
-    touching torch.distributed when the input is invalid.
+    real process count); it is needed when there are 2+ real ranks. `num_processes`, when known
+    (a launcher's process count), must equal the number of real ranks. Raises `ConfigError`
+    before touching torch.distributed when the input is invalid.
     """
     global _CURRENT
     if not isinstance(config, EmulationConfig):
         raise ConfigError("activate() needs an EmulationConfig(world=VirtualWorld(...), ...)")
+    if num_processes is not None and num_processes != config.world.num_real:
+        raise ConfigError(
+            f"real_ranks lists {config.world.num_real} real ranks but {num_processes} processes were "
+            f"launched; launch {config.world.num_real} processes or list {num_processes} real ranks"
+        )
     with _LOCK:
         if _CURRENT is not None or dist.is_initialized():
             raise RuntimeError(

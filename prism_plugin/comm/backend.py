@@ -22,9 +22,29 @@ from prism_plugin.comm.group import VirtualGroup
 from prism_plugin.comm.work import TimedWork
 
 if TYPE_CHECKING:
-    from prism_plugin.session import Session
+    pass
 
 __all__ = ["PrismProcessGroup", "BACKEND_NAME"]
+
+
+def _no_grad(fn: Any) -> Any:
+    """In-place writes into autograd leaves, as a C++ backend does through raw storage.
+
+    (`torch.no_grad()` as a decorator costs several microseconds per call; this costs one.)
+    """
+    set_grad = torch._C._set_grad_enabled
+    is_enabled = torch.is_grad_enabled
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        prev = is_enabled()
+        set_grad(False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            set_grad(prev)
+
+    run.__name__, run.__doc__, run.__wrapped__ = fn.__name__, fn.__doc__, fn  # type: ignore[attr-defined]
+    return run
 
 BACKEND_NAME = "prism"
 Tensor = torch.Tensor
@@ -88,29 +108,29 @@ class PrismProcessGroup(dist.ProcessGroup):
         return self.vg.session.create_group(ranks, group_name, group_desc)
 
     # -- reductions ----------------------------------------------------------------------------
-    @torch.no_grad()
+    @_no_grad
     def allreduce(self, tensors: list[Tensor], opts: Any = None) -> TimedWork:
         return C.all_reduce(self.vg, tensors, _op(opts))
 
-    @torch.no_grad()
+    @_no_grad
     def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> TimedWork:
         return C.all_reduce(self.vg, tensors, _op(opts))
 
-    @torch.no_grad()
+    @_no_grad
     def reduce(self, tensors: list[Tensor], opts: Any = None) -> TimedWork:
         return C.reduce(self.vg, tensors, _root(opts), _op(opts))
 
-    @torch.no_grad()
+    @_no_grad
     def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> TimedWork:
         return C.reduce_scatter(self.vg, outputs, input_lists, _op(opts))
 
-    @torch.no_grad()
+    @_no_grad
     def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> TimedWork:
         return C.reduce_scatter(self.vg, [output], [C.split_rows(input, self.vg.size)], _op(opts))
 
     _reduce_scatter_base = reduce_scatter_single
 
-    @torch.no_grad()
+    @_no_grad
     def reduce_scatter_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor],
                                         opts: Any = None) -> TimedWork:
         lists = [C.split_rows(t, self.vg.size) for t in inputs]
@@ -119,15 +139,15 @@ class PrismProcessGroup(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # -- gathers, broadcasts ---------------------------------------------------------------------
-    @torch.no_grad()
+    @_no_grad
     def broadcast(self, tensors: list[Tensor], opts: Any = None) -> TimedWork:
         return C.broadcast(self.vg, tensors, _root(opts))
 
-    @torch.no_grad()
+    @_no_grad
     def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> TimedWork:
         return C.all_gather(self.vg, output_lists, inputs)
 
-    @torch.no_grad()
+    @_no_grad
     def allgather_coalesced(self, output_lists: list[list[Tensor]], inputs: list[Tensor],
                             opts: Any = None) -> TimedWork:
         # output_lists[rank][i] receives member rank's inputs[i]: transpose to one list per tensor
@@ -136,32 +156,32 @@ class PrismProcessGroup(dist.ProcessGroup):
         work._result = output_lists
         return work
 
-    @torch.no_grad()
+    @_no_grad
     def all_gather_single(self, output: Tensor, input: Tensor, opts: Any = None) -> TimedWork:
-        return C.all_gather(self.vg, [C.split_rows(output, self.vg.size)], [input])
+        return C.all_gather_into_tensors(self.vg, [output], [input])
 
     _allgather_base = all_gather_single
 
-    @torch.no_grad()
+    @_no_grad
     def all_gather_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor],
                                     opts: Any = None) -> TimedWork:
-        return C.all_gather(self.vg, [C.split_rows(o, self.vg.size) for o in outputs], inputs)
+        return C.all_gather_into_tensors(self.vg, outputs, inputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    @torch.no_grad()
+    @_no_grad
     def gather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> TimedWork:
         return C.gather(self.vg, output_lists, inputs, _root(opts))
 
-    @torch.no_grad()
+    @_no_grad
     def scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> TimedWork:
         return C.scatter(self.vg, outputs, input_lists, _root(opts))
 
-    @torch.no_grad()
+    @_no_grad
     def alltoall(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> TimedWork:
         return C.all_to_all(self.vg, outputs, inputs)
 
-    @torch.no_grad()
+    @_no_grad
     def all_to_all_single(self, output: Tensor, input: Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> TimedWork:
         n = self.vg.size
@@ -180,11 +200,11 @@ class PrismProcessGroup(dist.ProcessGroup):
         C.barrier(self.vg).wait()
 
     # -- point to point (peers are group ranks) ---------------------------------------------------
-    @torch.no_grad()
+    @_no_grad
     def send(self, tensors: list[Tensor], dstRank: int, tag: int = 0) -> TimedWork:  # noqa: N803
         return C.send(self.vg, tensors, dstRank, tag)
 
-    @torch.no_grad()
+    @_no_grad
     def recv(self, tensors: list[Tensor], srcRank: int, tag: int = 0) -> TimedWork:  # noqa: N803
         return C.recv(self.vg, tensors, srcRank, tag)
 

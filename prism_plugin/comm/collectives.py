@@ -30,7 +30,7 @@ Finish = Callable[[], None]
 
 __all__ = [
     "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather",
-    "scatter", "barrier", "send", "recv", "split_rows",
+    "scatter", "barrier", "send", "recv", "split_rows", "all_gather_into_tensors",
 ]
 
 
@@ -66,7 +66,7 @@ def _launch(
     session = vg.session
     seq = vg.next_seq()
     steps = [finish] if finish is not None else []
-    if received:
+    if received and (session.replayer is not None or session.recorder is not None):
         key = payload_key(vg.name, seq)
         outputs = list(received)
         if session.replayer is not None:
@@ -135,6 +135,11 @@ def all_reduce(vg: VirtualGroup, tensors: list[Tensor], op: object) -> TimedWork
     rop = red_op(op)
     inner: list[dist.Work] = []
     steps: list[Finish] = []
+    if vg.num_real == 1:  # the hot path: no exchange, the virtual share is written right away
+        policy = _policy(vg)
+        for t in tensors:
+            apply_virtual_share(t, rop, vg.size, 1, policy)
+        return _launch(vg, OpKind.ALL_REDUCE, arrival, _nbytes(tensors), tensors, inner, None, tensors)
     for t in tensors:
         works, finish = _real_reduce(vg, t, rop, None)
         inner += works
@@ -202,8 +207,31 @@ def _fill_virtual_slots(vg: VirtualGroup, slots: list[Tensor]) -> Finish:
     return finish
 
 
-def all_gather(vg: VirtualGroup, output_lists: list[list[Tensor]], inputs: list[Tensor]) -> TimedWork:
-    """output_lists[i][j] = member j's inputs[i]; uneven slot sizes are allowed."""
+def all_gather_into_tensors(vg: VirtualGroup, outputs: list[Tensor], inputs: list[Tensor]) -> TimedWork:
+    """outputs[i] = concatenation over members of their inputs[i] (all_gather_into_tensor)."""
+    if vg.num_real > 1 or _policy(vg) is DataPolicy.ZEROS:
+        return all_gather(vg, [split_rows(o, vg.size) for o in outputs], inputs, flat_outputs=outputs)
+    # one real member, mirror: every slot is this rank's input; two copies, no per-slot loop
+    arrival = time.perf_counter()
+    me = vg.rank
+    for out, inp in zip(outputs, inputs, strict=True):
+        rows = out.view(vg.size, -1)
+        src = inp.reshape(1, -1)
+        if src.data_ptr() == rows[me].data_ptr():  # in-place gather: the input is my slot
+            rows[:me].copy_(src.expand(me, -1))
+            rows[me + 1:].copy_(src.expand(vg.size - me - 1, -1))
+        else:
+            rows.copy_(src.expand(vg.size, -1))
+    return _launch(vg, OpKind.ALL_GATHER, arrival, _nbytes(outputs), outputs, [], None, outputs)
+
+
+def all_gather(vg: VirtualGroup, output_lists: list[list[Tensor]], inputs: list[Tensor],
+               flat_outputs: list[Tensor] | None = None) -> TimedWork:
+    """output_lists[i][j] = member j's inputs[i]; uneven slot sizes are allowed.
+
+    `flat_outputs`: the tensors `output_lists` are rows of (into_tensor forms); they are what
+    recording and replay see, so both paths key the same payloads.
+    """
     arrival = time.perf_counter()
     inner: list[dist.Work] = []
     steps: list[Finish] = []
@@ -218,9 +246,10 @@ def all_gather(vg: VirtualGroup, output_lists: list[list[Tensor]], inputs: list[
                 opts.rootRank = idx
                 inner.append(pg.broadcast([slots[member]], opts))
         steps.append(_fill_virtual_slots(vg, slots))
-    received = [t for slots in output_lists for t in slots]
+    received = flat_outputs if flat_outputs is not None else [t for slots in output_lists for t in slots]
     size = _nbytes(received)
-    return _launch(vg, OpKind.ALL_GATHER, arrival, size, received, inner, _chain(steps), output_lists)
+    result = flat_outputs if flat_outputs is not None else output_lists
+    return _launch(vg, OpKind.ALL_GATHER, arrival, size, received, inner, _chain(steps), result)
 
 
 def _fill_from_virtual_source(vg: VirtualGroup, t: Tensor, peer: bool) -> None:

@@ -29,7 +29,7 @@ _SUPPORTED = {RedOp.SUM, RedOp.AVG, RedOp.PRODUCT, RedOp.MIN, RedOp.MAX, RedOp.B
 
 def red_op(op: object) -> RedOp:
     """The RedOpType of a ReduceOp / RedOpType; refuse ops this backend cannot emulate."""
-    kind = getattr(op, "op", op)
+    kind = op.op if type(op) is dist.ReduceOp else op
     if kind not in _SUPPORTED:
         raise NotImplementedError(
             f"prism: ReduceOp {kind} is not emulated (PREMUL_SUM and custom reduce ops are NCCL-only); "

@@ -47,7 +47,7 @@ class TimedWork(dist.Work):
         self._inner = list(inner)
         self._finish = finish
         self._on_complete = on_complete
-        self._lock = threading.Lock()
+        self._lock = threading.Lock() if inner else None
         self._done = False
         # Real members' arrival is observed as the completion of the inner exchange (it cannot
         # finish before the last real member issued it); virtual members arrive with this rank.
@@ -64,8 +64,12 @@ class TimedWork(dist.Work):
     def _run_finish(self) -> None:
         finish, self._finish = self._finish, None
         if finish is not None:
-            with torch.no_grad():
+            grad_enabled = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)  # finishes write in place into autograd leaves
+            try:
                 finish()
+            finally:
+                torch._C._set_grad_enabled(grad_enabled)
 
     def _complete_inner(self) -> None:
         if self._inner:
@@ -82,9 +86,11 @@ class TimedWork(dist.Work):
                 callback(self)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        with self._lock:
-            self._complete_inner()
-        sleep_until(self.deadline_s)
+        if self._lock is not None:
+            with self._lock:
+                self._complete_inner()
+        if self.deadline_s > 0:
+            sleep_until(self.deadline_s)
         self._mark_done()
         return True
 

@@ -270,6 +270,7 @@ class CostModel:
                 return (*self._ring(kind, size, pl), Algorithm.RING)
             return self._best_spanning(kind, size, pl)
         algorithm = _algorithm(algorithm, kind)
+        # Inside one node there is no inter-node phase: HIERARCHICAL is the intra-node ring.
         if algorithm is Algorithm.RING or (algorithm is Algorithm.HIERARCHICAL and pl.num_nodes == 1):
             return (*self._ring(kind, size, pl), algorithm)
         if algorithm is Algorithm.TREE:

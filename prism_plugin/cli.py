@@ -1,0 +1,133 @@
+"""The `prism` command line.
+
+    prism run --world-size N --real-ranks 0,5 [--profile dgx-h100] -- script.py args
+    prism run --world-size N --real-ranks 0 -m package.module args
+    prism profiles [NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from prism_plugin.config import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
+from prism_plugin.cost.profiles import ProfileError
+
+__all__ = ["main", "build_config"]
+
+console = Console(stderr=True)
+
+
+def _add_world_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", type=int, required=True, help="N, the job's total number of ranks")
+    p.add_argument("--real-ranks", required=True, help="virtual ranks to run for real, e.g. 0,5 or 0-3")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node of the target cluster")
+    p.add_argument("--profile", default="local-cpu-gloo", help="hardware profile name or YAML path")
+    p.add_argument("--data-policy", default="mirror", choices=["mirror", "recorded", "zeros"])
+    p.add_argument("--record", type=Path, default=None, help="record received payloads into DIR")
+    p.add_argument("--replay", type=Path, default=None, help="recorded payloads to replay (policy recorded)")
+    p.add_argument("--output", type=Path, default=None, help="write per-rank summaries into DIR")
+    p.add_argument("--no-timing", action="store_true", help="complete ops when their data is ready")
+    p.add_argument("--timeout", type=float, default=1800.0, help="collective timeout of the job, seconds")
+
+
+def build_config(args: argparse.Namespace) -> EmulationConfig:
+    """The EmulationConfig for parsed `prism run` arguments (raises ConfigError on bad input)."""
+    policy = args.data_policy
+    if args.replay is not None and policy == "mirror":
+        policy = "recorded"
+    world = VirtualWorld(world_size=args.world_size, real_ranks=parse_rank_list(args.real_ranks),
+                         gpus_per_node=args.gpus_per_node)
+    config = EmulationConfig(world=world, profile=args.profile, data_policy=policy, record_dir=args.record,
+                             replay_dir=args.replay, timing=not args.no_timing, timeout_s=args.timeout,
+                             output_dir=args.output)
+    from prism_plugin.cost import load_profile
+
+    load_profile(config.profile)  # an unknown profile fails here, before any process starts
+    return config
+
+
+def _summaries_table(output: Path) -> Table | None:
+    files = sorted(output.glob("rank*.summary.json"))
+    if not files:
+        return None
+    table = Table(title=f"prism: what the real ranks saw ({output})")
+    for col in ("rank", "of N", "profile", "policy", "groups", "ops", "bytes", "modelled comm (ms)"):
+        table.add_column(col, justify="right")
+    for f in files:
+        s = json.loads(f.read_text())
+        table.add_row(str(s["rank"]), str(s["world_size"]), s["profile"], s["data_policy"],
+                      str(s["groups_created"]), str(sum(s["op_counts"].values())),
+                      f"{sum(s['op_bytes'].values()):,}", f"{1e3 * s['modelled_comm_s']:.3f}")
+    table.caption = "arrivals: " + json.loads(files[0].read_text())["arrivals_note"]
+    return table
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from prism_plugin.launch import LaunchSpec, launch
+
+    target = list(args.target)
+    if target and target[0] == "--":
+        target = target[1:]
+    if args.module:
+        target = ["-m", *args.module]
+    if not target:
+        raise ConfigError("prism run: name the program to run: `-- script.py args` or `-m module args`")
+    config = build_config(args)
+    rc = launch(LaunchSpec(config=config, target=target, store_dir=args.output))
+    if config.output_dir is not None:
+        table = _summaries_table(config.output_dir)
+        if table is not None:
+            console.print(table)
+    return rc
+
+
+def _cmd_profiles(args: argparse.Namespace) -> int:
+    from prism_plugin.cost import available_profiles, load_profile
+    from prism_plugin.cost.profiles import profile_to_yaml
+
+    if args.name:
+        print(profile_to_yaml(load_profile(args.name)))
+        return 0
+    table = Table(title="hardware profiles")
+    for col in ("name", "gpus/node", "intra GB/s", "inter GB/s", "description"):
+        table.add_column(col)
+    for name in available_profiles():
+        p = load_profile(name)
+        table.add_row(name, str(p.gpus_per_node), f"{p.intra_node.bandwidth_gbytes_per_s:g}",
+                      f"{p.inter_node.bandwidth_gbytes_per_s:g}", p.description.splitlines()[0][:60])
+    Console().print(table)
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="prism", description="Emulate an N-rank job with a few real ranks.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="launch real ranks of an N-rank torch.distributed program")
+    _add_world_args(run)
+    run.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None,
+                     help="run a module and its arguments, like python -m")
+    run.add_argument("target", nargs=argparse.REMAINDER, help="-- script.py args")
+    run.set_defaults(func=_cmd_run)
+    prof = sub.add_parser("profiles", help="list hardware profiles, or print one as YAML")
+    prof.add_argument("name", nargs="?")
+    prof.set_defaults(func=_cmd_profiles)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, ProfileError) as exc:
+        console.print(f"[bold red]prism: invalid input:[/] {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up the environment if needed, then lint and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+.venv/bin/ruff check prism_plugin tests integration_tests benchmarks
+# unit tests (pure and single-process), then the multi-process integration tests
+.venv/bin/python -m pytest -q -p no:cacheprovider -W ignore::FutureWarning tests integration_tests "$@"
