@@ -21,6 +21,7 @@ _LAZY = {
     "activate": "prism_plugin.session",
     "deactivate": "prism_plugin.session",
     "current_session": "prism_plugin.session",
+    "mark_iteration": "prism_plugin.session",
     "Session": "prism_plugin.session",
     "EmulationConfig": "prism_plugin.config",
     "VirtualWorld": "prism_plugin.config",

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from prism_plugin.clock import EmulationClock
 from prism_plugin.comm.backend import BACKEND_NAME, PrismProcessGroup
 from prism_plugin.comm.group import VirtualGroup
 from prism_plugin.comm.recording import Recorder, Replayer
@@ -36,7 +37,7 @@ from prism_plugin.cost import CostModel, load_profile
 from prism_plugin.cost.model import GroupPlacement
 from prism_plugin.kinds import ArrivalAssumption, DataPolicy, OpKind
 
-__all__ = ["Session", "activate", "deactivate", "current_session"]
+__all__ = ["Session", "activate", "deactivate", "current_session", "mark_iteration"]
 
 _CURRENT: Session | None = None
 _LOCK = threading.Lock()
@@ -75,6 +76,7 @@ class Session:
         self.cost_model = CostModel(self.profile)
         self.gpus_per_node = world.gpus_per_node
         self.arrivals = ArrivalAssumption.SYMMETRIC
+        self.clock = EmulationClock()
         self.recorder = Recorder(config.record_dir, self.rank, world.world_size) if config.record_dir else None
         self.replayer = (
             Replayer(config.replay_dir, self.rank, world.world_size)
@@ -152,6 +154,7 @@ class Session:
             "arrivals_note": "virtual participants assumed to arrive at each op with this rank "
             "(no execution graph loaded)" if self.arrivals is ArrivalAssumption.SYMMETRIC else "replayed",
             "groups_created": self.groups_created,
+            "iterations_marked": self.clock.iteration,
             "op_counts": {k.value: v for k, v in self.op_counts.items()},
             "op_bytes": {k.value: v for k, v in self.op_bytes.items()},
             "modelled_comm_s": round(self.modelled_comm_s, 9),
@@ -266,6 +269,13 @@ def activate(config: EmulationConfig, process_index: int = 0, real_store: dist.S
             _CURRENT = None
             raise
         return session
+
+
+def mark_iteration(iteration: int | None = None) -> None:
+    """Anchor the emulation clock at the start of a training iteration (adapters call this)."""
+    if _CURRENT is None:
+        raise RuntimeError("prism: mark_iteration() needs an active emulation (prism_plugin.activate)")
+    _CURRENT.clock.anchor(iteration)
 
 
 def deactivate() -> dict[str, Any] | None:
