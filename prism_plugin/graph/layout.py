@@ -1,0 +1,130 @@
+"""The virtual world's rank grid as the graph layer sees it: axes, coordinates, groups and peers.
+
+`WorldLayout` wraps Megatron-core's dense grid (`prism_plugin.topology.MegatronLayout`: tp, cp, dp, pp) and
+adds what the execution graph needs: each axis's size and stride, a rank's coordinates, the group of a
+role (an axis token such as "tp-dp") and the peer at an offset along an axis.
+
+Non-goals: expert-parallel axes and DeepSpeed layouts are not represented yet (they raise ValueError).
+
+Pure: stdlib and prism_plugin.topology only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from prism_plugin.topology import MegatronLayout
+
+__all__ = ["AxisSpec", "WorldLayout"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AxisSpec:
+    """One axis of the dense rank grid: coordinate = (rank // stride) % size."""
+
+    name: str
+    size: int
+    stride: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorldLayout:
+    """The virtual world: N ranks on Megatron-core's dense grid (tp, cp, dp, pp), as a pure value.
+
+    Group roles are tokens of the dense grid ("tp", "dp", "tp-dp", ...), resolved by `MegatronLayout`.
+
+    >>> w = WorldLayout(MegatronLayout(world_size=16, tp=2, pp=2))
+    >>> [(a.name, a.size, a.stride) for a in w.axes]
+    [('tp', 2, 1), ('cp', 1, 1), ('dp', 4, 2), ('pp', 2, 8)]
+    >>> w.group_of(5, "dp"), w.peer_of(5, "pp", +1)
+    ((1, 3, 5, 7), 13)
+    """
+
+    megatron: MegatronLayout
+    axes: tuple[AxisSpec, ...] = field(init=False, compare=False)
+    _index: Mapping[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.megatron, MegatronLayout):
+            raise ValueError(f"WorldLayout needs a MegatronLayout, got {type(self.megatron).__name__}")
+        m = self.megatron
+        sizes = {"tp": m.tp, "cp": m.cp, "dp": m.dp, "pp": m.pp}
+        names = list(m.coords(0))  # the dense grid's axes, fastest first
+        zero = {n: 0 for n in names if sizes[n] > 1}
+        axes = []
+        for name in names:
+            size = sizes[name]
+            stride = m.rank_at(**{**zero, name: 1}) if size > 1 else 1
+            axes.append(AxisSpec(name=name, size=size, stride=stride))
+        object.__setattr__(self, "axes", tuple(axes))
+        object.__setattr__(self, "_index", MappingProxyType({a.name: i for i, a in enumerate(axes)}))
+
+    @property
+    def world_size(self) -> int:
+        return self.megatron.world_size
+
+    def axis(self, name: str) -> AxisSpec:
+        try:
+            return self.axes[self._index[name]]
+        except KeyError:
+            raise ValueError(
+                f"axis {name!r} is not an axis of the dense grid: use one of {list(self._index)} "
+                "(expert-parallel axes are not modelled in execution graphs)"
+            ) from None
+
+    def axis_index(self, name: str) -> int:
+        self.axis(name)
+        return self._index[name]
+
+    def role_axes(self, role: str) -> tuple[str, ...]:
+        """The axes a group role spans: "tp-dp" -> ("tp", "dp"); each checked to be a dense axis."""
+        names = tuple(role.split("-"))
+        for name in names:
+            self.axis(name)
+        if len(set(names)) != len(names):
+            raise ValueError(f"group role {role!r} repeats an axis: name each axis once, e.g. 'tp-dp'")
+        return names
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Coordinates of `rank` on `axes`, in order."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank!r} is out of range: pass 0 <= rank < {self.world_size}")
+        return tuple((rank // a.stride) % a.size for a in self.axes)
+
+    def rank_at(self, coords: Sequence[int]) -> int:
+        return sum(c * a.stride for c, a in zip(coords, self.axes, strict=True))
+
+    def group_of(self, rank: int, role: str) -> tuple[int, ...]:
+        """Global ranks of the `role` group holding `rank`, ascending (Megatron's own order)."""
+        self.role_axes(role)
+        return self.megatron.group_of(rank, role)
+
+    def peer_of(self, rank: int, axis: str, offset: int) -> int:
+        """The rank whose coordinate on `axis` is this rank's plus `offset` (modulo the axis size)."""
+        spec = self.axis(axis)
+        own = (rank // spec.stride) % spec.size
+        return rank + ((own + offset) % spec.size - own) * spec.stride
+
+    def to_dict(self) -> dict[str, Any]:
+        m = self.megatron
+        return {
+            "kind": "megatron",
+            "world_size": m.world_size,
+            "tp": m.tp,
+            "pp": m.pp,
+            "cp": m.cp,
+            "ep": m.ep,
+            "expert_tp": m.expert_tp,
+            "order": m.order,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WorldLayout:
+        data = dict(data)
+        kind = data.pop("kind", None)
+        if kind != "megatron":
+            raise ValueError(f"layout kind {kind!r} is not supported: only 'megatron' layouts are")
+        return cls(MegatronLayout(**data))
