@@ -26,6 +26,7 @@ import enum
 import importlib
 import itertools
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import sys
 import time
@@ -35,12 +36,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Mode", "Setup", "Cluster", "WorkerError", "WorkerTimeout", "CaseError", "Ctx", "case_ref"]
+__all__ = ["Mode", "Setup", "Cluster", "WorkerError", "WorkerTimeout", "CaseError", "Ctx", "case_ref",
+           "all_subsets"]
 
 _HERE = str(Path(__file__).resolve().parent)
 
 
-class Mode(str, enum.Enum):
+class Mode(enum.StrEnum):
     GLOO = "gloo"
     """Plain torch.distributed over gloo: every rank is a real process (the reference run)."""
     PRISM = "prism"
@@ -259,12 +261,13 @@ class Cluster:
     """Up to `max_workers` long-lived worker processes, configured by `Setup`s (see module doc)."""
 
     def __init__(self, tmp_dir: Path, max_workers: int = 4, timeout_s: float = 60.0,
-                 spawn_timeout_s: float = 120.0) -> None:
+                 spawn_timeout_s: float = 120.0, error_grace_s: float = 5.0) -> None:
         self.tmp_dir = Path(tmp_dir)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         self.max_workers = max_workers
         self.timeout_s = timeout_s
         self.spawn_timeout_s = spawn_timeout_s
+        self.error_grace_s = error_grace_s
         self._ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
         self._conns: list[Any] = []
@@ -374,12 +377,52 @@ class Cluster:
             return
         self.teardown()
         self._ensure_workers(setup.num_workers)
-        store_path = str(self.tmp_dir / f"store{next(self._stores)}")
+        # a fresh file per setup: a FileStore file left by an earlier (killed) world would hand
+        # the new one stale peer addresses
+        store_file = self.tmp_dir / f"store-{os.getpid()}-{next(self._stores)}"
+        store_file.unlink(missing_ok=True)
+        store_path = str(store_file)
         self._guard(lambda: self._all(setup.num_workers, ("setup", setup, store_path), self.spawn_timeout_s))
         self._setup = setup
         self.setups += 1
 
     # -- running cases -------------------------------------------------------------------------------
+    def _gather_case(self, setup: Setup, index: int, ref: str, kwargs: dict[str, Any],
+                     timeout_s: float) -> dict[int, Any]:
+        """Collect one case's result from every active worker, whichever answers first.
+
+        Once a worker's case raised, the others may be stuck in a collective it never joined:
+        they get `error_grace_s` more, then the batch fails with the first traceback.
+        """
+        ranks = setup.ranks
+        pending = {self._conns[i]: i for i in range(setup.num_workers)}
+        per_rank: dict[int, Any] = {}
+        first_error: CaseError | None = None
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            ready = mp_connection.wait(list(pending), timeout=0.1)
+            for conn in ready:
+                i = pending.pop(conn)
+                _status, payload = self._recv(i, 1.0)
+                if isinstance(payload, CaseError) and first_error is None:
+                    first_error = payload
+                    deadline = min(deadline, time.monotonic() + self.error_grace_s)
+                per_rank[ranks[i]] = payload
+            for i in pending.values():
+                if not self._procs[i].is_alive():
+                    raise WorkerError(f"worker {i} died (exit code {self._procs[i].exitcode}) in case "
+                                      f"{index} {ref}({kwargs}) under {setup}")
+            if pending and time.monotonic() > deadline:
+                stuck = sorted(pending.values())
+                if first_error is not None:
+                    raise WorkerError(
+                        f"case {index} {ref}({kwargs}) raised on some workers and left workers {stuck} "
+                        f"waiting under {setup}:\n{first_error.traceback}"
+                    )
+                raise WorkerTimeout(f"case {index} {ref}({kwargs}): workers {stuck} did not answer "
+                                    f"within {timeout_s:.0f} s under {setup}")
+        return per_rank
+
     def run_batch(self, setup: Setup, cases: Sequence[tuple[Callable[..., Any] | str, dict[str, Any]]],
                   case_timeout_s: float | None = None) -> list[dict[int, Any]]:
         """Run `cases` in order on every worker of `setup`; per case, {rank: result or CaseError}.
@@ -389,20 +432,14 @@ class Cluster:
         """
         self.setup(setup)
         wire = [(case_ref(fn), dict(kwargs)) for fn, kwargs in cases]
-        count, ranks = setup.num_workers, setup.ranks
+        count = setup.num_workers
         timeout = case_timeout_s or self.timeout_s
 
         def go() -> list[dict[int, Any]]:
             for i in range(count):
                 self._conns[i].send(("batch", wire))
-            out: list[dict[int, Any]] = []
-            for _ in wire:
-                per_rank = {}
-                for i in range(count):
-                    _status, payload = self._recv(i, timeout)
-                    per_rank[ranks[i]] = payload
-                out.append(per_rank)
-            return out
+            return [self._gather_case(setup, index, ref, kwargs, timeout)
+                    for index, (ref, kwargs) in enumerate(wire)]
 
         return self._guard(go)
 
@@ -415,14 +452,6 @@ class Cluster:
             rank, err = next(iter(errors.items()))
             raise WorkerError(f"{case_ref(fn)} failed on rank {rank} under {setup}:\n{err.traceback}")
         return per_rank
-
-
-def raise_case_errors(per_rank: dict[int, Any], what: str) -> None:
-    """Fail with the first worker traceback in `per_rank`, if any."""
-    for rank, value in per_rank.items():
-        if isinstance(value, CaseError):
-            raise AssertionError(f"{what}: rank {rank} raised {value.type_name}: {value.message}\n"
-                                 f"{value.traceback}")
 
 
 def all_subsets(n: int) -> Iterable[tuple[int, ...]]:

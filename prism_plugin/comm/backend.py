@@ -126,7 +126,8 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     @_no_grad
     def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> TimedWork:
-        return C.reduce_scatter(self.vg, [output], [C.split_rows(input, self.vg.size)], _op(opts))
+        return C.reduce_scatter(self.vg, [output], [C.split_rows(input, self.vg.size)], _op(opts),
+                                flat_inputs=[input])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -134,7 +135,7 @@ class PrismProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor],
                                         opts: Any = None) -> TimedWork:
         lists = [C.split_rows(t, self.vg.size) for t in inputs]
-        return C.reduce_scatter(self.vg, outputs, lists, _op(opts))
+        return C.reduce_scatter(self.vg, outputs, lists, _op(opts), flat_inputs=list(inputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from prism_plugin.comm.fill import RedOp, apply_virtual_share, fill_from, red_op
+from prism_plugin.comm.fill import RedOp, apply_virtual_share, check_reduce_dtype, fill_from, red_op
 from prism_plugin.comm.group import VirtualGroup
 from prism_plugin.comm.recording import payload_key
 from prism_plugin.comm.work import TimedWork
@@ -95,6 +95,7 @@ def _reduce_opts(op: RedOp, root: int | None = None) -> dist.AllreduceOptions | 
 def _real_reduce(vg: VirtualGroup, t: Tensor, op: RedOp, dst: int | None) -> tuple[list[dist.Work], Finish]:
     """Reduce `t` over the real members (all of them, or to real index `dst`), then add the
     virtual members' share on every member that receives the result."""
+    check_reduce_dtype(op, t)
     n, k, policy = vg.size, vg.num_real, _policy(vg)
     receives = dst is None or dst == vg.my_real_index
     if k == 1:
@@ -138,6 +139,7 @@ def all_reduce(vg: VirtualGroup, tensors: list[Tensor], op: object) -> TimedWork
     if vg.num_real == 1:  # the hot path: no exchange, the virtual share is written right away
         policy = _policy(vg)
         for t in tensors:
+            check_reduce_dtype(rop, t)
             apply_virtual_share(t, rop, vg.size, 1, policy)
         return _launch(vg, OpKind.ALL_REDUCE, arrival, _nbytes(tensors), tensors, inner, None, tensors)
     for t in tensors:
@@ -152,6 +154,8 @@ def reduce(vg: VirtualGroup, tensors: list[Tensor], root: int, op: object) -> Ti
     rop = red_op(op)
     inner: list[dist.Work] = []
     steps: list[Finish] = []
+    for t in tensors:
+        check_reduce_dtype(rop, t)  # also when the root is virtual and nothing else runs
     if vg.is_real(root):
         for t in tensors:
             works, finish = _real_reduce(vg, t, rop, vg.real_index(root))
@@ -171,12 +175,33 @@ def split_rows(t: Tensor, n: int) -> list[Tensor]:
 
 
 def reduce_scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[list[Tensor]],
-                   op: object) -> TimedWork:
-    """outputs[i] = reduction over members of their input_lists[i][my group rank]."""
+                   op: object, flat_inputs: list[Tensor] | None = None) -> TimedWork:
+    """outputs[i] = reduction over members of their input_lists[i][my group rank].
+
+    `flat_inputs`: the tensors `input_lists` are rows of (reduce_scatter_tensor forms).
+    """
     arrival = time.perf_counter()
     rop = red_op(op)
     inner: list[dist.Work] = []
     steps: list[Finish] = []
+    if vg.all_real and vg.num_real > 1:
+        # Every member is real (a recording run): the inner group's own reduce_scatter, so the
+        # result is bit for bit what the real backend computes. The per-member reduces below sum
+        # in another order and differed from gloo in the last bits of float results.
+        for t, chunks in zip(outputs, input_lists, strict=True):
+            check_reduce_dtype(rop, t)
+            if len(chunks) != vg.size:
+                raise ValueError(f"prism: reduce_scatter needs {vg.size} input chunks, got {len(chunks)}")
+        pg = vg.inner(outputs[0].device)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp(rop)
+        if flat_inputs is not None:
+            for out, flat in zip(outputs, flat_inputs, strict=True):
+                inner.append(pg._reduce_scatter_base(out, flat, opts))
+        else:
+            inner.append(pg.reduce_scatter(list(outputs), [list(c) for c in input_lists], opts))
+        size = sum(_nbytes(c) for c in input_lists)
+        return _launch(vg, OpKind.REDUCE_SCATTER, arrival, size, outputs, inner, None, outputs)
     for out, chunks in zip(outputs, input_lists, strict=True):
         if len(chunks) != vg.size:
             raise ValueError(f"prism: reduce_scatter needs {vg.size} input chunks, got {len(chunks)}")
@@ -362,9 +387,11 @@ def send(vg: VirtualGroup, tensors: list[Tensor], dst: int, tag: int) -> TimedWo
     inner: list[dist.Work] = []
     if vg.is_real(dst):
         inner.append(vg.inner(tensors[0].device).send(tensors, vg.real_index(dst), tag))
-    else:
-        for t in tensors:
-            vg.remember_sent(t)
+    # Remember every send, to a real peer too: a later recv from a virtual peer mirrors "the last
+    # tensor this rank sent with that shape". Remembering only sends to virtual peers made a rank
+    # whose next peer is real (a ring/pipeline with 2+ real ranks) receive zeros instead.
+    for t in tensors:
+        vg.remember_sent(t)
     return _launch(vg, OpKind.SEND, arrival, _nbytes(tensors), [], inner, None, tensors,
                    peer=vg.global_ranks[dst])
 

@@ -22,7 +22,7 @@ from prism_plugin.kinds import DataPolicy
 
 RedOp = dist.ReduceOp.RedOpType
 
-__all__ = ["red_op", "apply_virtual_share", "fill_from", "zero_fill"]
+__all__ = ["red_op", "check_reduce_dtype", "apply_virtual_share", "fill_from", "zero_fill"]
 
 _SUPPORTED = {RedOp.SUM, RedOp.AVG, RedOp.PRODUCT, RedOp.MIN, RedOp.MAX, RedOp.BAND, RedOp.BOR, RedOp.BXOR}
 
@@ -36,6 +36,23 @@ def red_op(op: object) -> RedOp:
             "use SUM/AVG/PRODUCT/MIN/MAX/BAND/BOR/BXOR"
         )
     return kind  # type: ignore[return-value]
+
+
+_BITWISE = {RedOp.BAND, RedOp.BOR, RedOp.BXOR}
+
+
+def check_reduce_dtype(op: RedOp, t: torch.Tensor) -> None:
+    """Refuse a bitwise reduction of a floating tensor, at issue, whatever the group's real count.
+
+    gloo refuses it ("Cannot use ReduceOp.BAND with non-integral dtype") and NCCL has no bitwise
+    ops; without this check a group with one real member silently returned the input while a
+    group with two real members raised from the inner gloo group.
+    """
+    if op in _BITWISE and _is_float(t):
+        raise TypeError(
+            f"prism: ReduceOp.{op.name} needs an integral or bool tensor, got {t.dtype} "
+            "(real backends refuse bitwise reductions of floating tensors)"
+        )
 
 
 def _is_float(t: torch.Tensor) -> bool:

@@ -96,8 +96,16 @@ class VirtualGroup:
         self._sent[(tuple(tensor.shape), tensor.dtype, tensor.device)] = weakref.ref(tensor)
 
     def sent_like(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        ref = self._sent.get((tuple(tensor.shape), tensor.dtype, tensor.device))
-        return None if ref is None else ref()
+        key = (tuple(tensor.shape), tensor.dtype, tensor.device)
+        ref = self._sent.get(key)
+        sent = None if ref is None else ref()
+        # needed by megatron adapter: Megatron's pipeline schedules "deallocate" a sent output
+        # (``out.data = torch.empty((1,))``) while the tensor object lives on; its one element is
+        # uninitialised memory, which a later receive mirrored (grad norm inf). Mirror a sent tensor
+        # only while it still has the shape it was sent with.
+        if sent is not None and (tuple(sent.shape), sent.dtype, sent.device) != key:
+            return None
+        return sent
 
     def __repr__(self) -> str:
         return f"VirtualGroup({self.name}, size={self.size}, rank={self.rank}, real={list(self.real_group_ranks)})"

@@ -52,12 +52,21 @@ class TimedWork(dist.Work):
         # Real members' arrival is observed as the completion of the inner exchange (it cannot
         # finish before the last real member issued it); virtual members arrive with this rank.
         self.deadline_s = arrival_s + cost_s
+        self._stamped = False
         if self._inner:
-            self._inner[-1].get_future().then(self._stamp_inner_done)
+            try:
+                self._inner[-1].get_future().then(self._stamp_inner_done)
+            except RuntimeError:
+                # gloo send/recv works (all_to_all, gather, scatter, p2p between real members)
+                # raise "Work::getFuture not implemented": the completion is stamped in
+                # `_complete_inner` instead. (Raising here left the inner sends/recvs posted and
+                # orphaned, which desynchronised every later op of the inner group.)
+                pass
         else:
             self._run_finish()
 
-    def _stamp_inner_done(self, _future: torch.futures.Future) -> None:
+    def _stamp_inner_done(self, _future: torch.futures.Future | None = None) -> None:
+        self._stamped = True
         self.deadline_s = max(self.arrival_s, time.perf_counter()) + self.cost_s
 
     # -- completion -------------------------------------------------------------------------
@@ -73,9 +82,14 @@ class TimedWork(dist.Work):
 
     def _complete_inner(self) -> None:
         if self._inner:
+            # Without a future, the completion time is observed here: exact when the exchange was
+            # still running at wait(); when it had already finished, arrival + cost (a lower bound).
+            pending = not self._stamped and not all(w.is_completed() for w in self._inner)
             for work in self._inner:
                 work.wait()
             self._inner = []
+            if pending and not self._stamped:
+                self._stamp_inner_done()
         self._run_finish()
 
     def _mark_done(self) -> None:
