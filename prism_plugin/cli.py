@@ -3,6 +3,7 @@
     prism run --world-size N --real-ranks 0,5 [--profile dgx-h100] -- script.py args
     prism run --world-size N --real-ranks 0 -m package.module args
     prism profiles [NAME]
+    prism calibrate [--backend gloo|nccl] [--processes 2] [--from-nccl-tests DIR] --out profile.yaml
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def make_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profiles", help="list hardware profiles, or print one as YAML")
     prof.add_argument("name", nargs="?")
     prof.set_defaults(func=_cmd_profiles)
+    from prism_plugin.calibrate_run import add_calibrate_parser  # prism calibrate (issue 6, item 5)
+
+    add_calibrate_parser(sub)
     return ap
 
 
