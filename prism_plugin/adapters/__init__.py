@@ -1,0 +1,1 @@
+"""Framework adapters: the only code that imports Megatron-core or DeepSpeed."""

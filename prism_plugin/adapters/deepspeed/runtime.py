@@ -1,0 +1,293 @@
+"""DeepSpeed under emulation: `init_distributed(config)`, the drop-in for ``deepspeed.init_distributed()``.
+
+Usage (the training script's one change; or apply ``patches/deepspeed-0.19.8`` and change nothing)::
+
+    import prism_plugin.deepspeed as prism_ds
+    prism_ds.init_distributed("ds_config.json")   # instead of deepspeed.init_distributed()
+    net = PipelineModule(...)                      # unmodified from here on
+    engine, *_ = deepspeed.initialize(model=net, config="ds_config.json")
+
+With a ``"prism"`` section (see `section`) process i plays virtual rank ``real_ranks[i]`` of N; without
+one this calls ``deepspeed.init_distributed`` unchanged. Launch with ``torchrun --nproc-per-node k`` or
+``deepspeed --num_gpus k``: the launcher's RANK is the process index, its WORLD_SIZE must equal k.
+
+Seams (each installed here and undone by `shutdown`):
+- ``deepspeed.comm.comm.cdb``: a `TorchBackend` over the initialised prism world (DeepSpeed keeps a
+  pre-set, initialised cdb). Its shared-memory all-reduce op is not built: it would initialise shared
+  memory for N local ranks and wait for the absent ones (it only serves ``inference_all_reduce``,
+  which then falls back to ``torch.distributed.all_reduce``).
+- device: ``deepspeed.accelerator.set_accelerator`` pins the detected accelerator (CPU here), and the
+  process's physical device is ``LOCAL_RANK`` (set when the launcher did not). Environment seen by
+  the program afterwards: RANK = virtual rank, WORLD_SIZE = N, LOCAL_RANK = physical index.
+- pipeline: `grid` (closed-form topology queries; same groups, linear set-up) and `pipe` (tensor-meta
+  handshake from a virtual previous stage); ZeRO-3: `zero` (its rank-0 consistency broadcasts).
+
+Limitations: one emulation per process at a time; ``dist_backend`` is not used (the inner real groups
+are gloo for CPU tensors, NCCL for CUDA tensors); ``"graph"`` is refused (the session cannot load an
+execution graph yet); MPI discovery is not attempted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+import prism_plugin.session as session_mod
+from prism_plugin.adapters.deepspeed.section import PrismSection, parse_section
+from prism_plugin.config import ConfigError
+
+__all__ = ["DeepSpeedEmulation", "init_distributed", "shutdown", "active", "maybe_init_distributed"]
+
+_ACTIVE: DeepSpeedEmulation | None = None
+_MISSING = object()
+_ATEXIT_REGISTERED = False
+
+
+def active() -> DeepSpeedEmulation | None:
+    """The emulation this process runs under, if any."""
+    return _ACTIVE
+
+
+class DeepSpeedEmulation:
+    """Process-wide owner of the DeepSpeed seams of one emulation (one per process)."""
+
+    def __init__(self, section: PrismSection, process_index: int) -> None:
+        self.section = section
+        self.process_index = process_index
+        self.session: session_mod.Session | None = None
+        self.summary: dict[str, Any] | None = None
+        self._undo: list[tuple[Any, str, Any]] = []
+        self._saved_env: dict[str, str | None] = {}
+
+    @property
+    def rank(self) -> int:
+        return self.section.real_ranks[self.process_index]
+
+    def patch(self, owner: Any, name: str, new: Any) -> None:
+        """Replace ``owner.name`` until `close`."""
+        self._undo.append((owner, name, vars(owner).get(name, _MISSING)))
+        setattr(owner, name, new)
+
+    def _set_env(self, key: str, value: str) -> None:
+        if key not in self._saved_env:
+            self._saved_env[key] = os.environ.get(key)
+        os.environ[key] = value
+
+    def install(self, local_world_size: int) -> None:
+        from deepspeed import accelerator as ds_accelerator
+        from deepspeed.comm import comm as ds_comm
+
+        from prism_plugin.adapters.deepspeed import grid, pipe, zero
+
+        world = self.section.emulation.world
+        device_index = world.device_of(self.process_index, local_world_size)
+        self._set_env("RANK", str(self.rank))
+        self._set_env("WORLD_SIZE", str(world.world_size))
+        if "LOCAL_RANK" not in os.environ or world.devices is not None:
+            self._set_env("LOCAL_RANK", str(device_index))
+        accel = ds_accelerator.get_accelerator()
+        ds_accelerator.set_accelerator(accel)
+        if accel.device_name() != "cpu":
+            accel.set_device(int(os.environ["LOCAL_RANK"]))
+        self.patch(ds_comm, "cdb", _torch_backend(self.section.emulation.timeout_s))
+        grid.install(self)
+        pipe.install(self)
+        zero.install(self)
+
+    def close(self) -> dict[str, Any] | None:
+        """Undo every seam, reset DeepSpeed's cached groups, end the session; returns its summary."""
+        from deepspeed.comm import comm as ds_comm
+
+        try:
+            self.summary = session_mod.deactivate()
+        finally:
+            while self._undo:
+                owner, name, old = self._undo.pop()
+                if old is _MISSING:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, old)
+            ds_comm.cdb = None
+            _reset_deepspeed_globals()
+            for key, value in self._saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            self._saved_env.clear()
+        output = self.section.emulation.output_dir
+        if self.summary is not None and output is not None:
+            output.mkdir(parents=True, exist_ok=True)
+            (output / f"rank{self.summary['rank']}.summary.json").write_text(json.dumps(self.summary, indent=2))
+        return self.summary
+
+
+def _torch_backend(timeout_s: float) -> Any:
+    """DeepSpeed's TorchBackend over the already-initialised world, without its shm all-reduce op."""
+    ds_torch = sys.modules.get("deepspeed.comm.torch")
+    if ds_torch is None:
+        import deepspeed.comm.torch  # noqa: F401
+
+        ds_torch = sys.modules["deepspeed.comm.torch"]  # `import a.b.torch as x` would yield torch itself
+    build = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None
+    try:
+        return ds_torch.TorchBackend(dist.get_backend(), timedelta(seconds=timeout_s), None)
+    finally:
+        ds_torch.build_shm_op = build
+
+
+def _reset_deepspeed_globals() -> None:
+    """Forget groups DeepSpeed cached in module globals (they belonged to the world just destroyed)."""
+    from deepspeed.runtime.pipe import p2p
+    from deepspeed.utils import groups
+
+    p2p._groups = None
+    p2p._grid = None
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")) and name.isupper():
+            setattr(groups, name, {} if isinstance(value, dict) else None)
+    groups.mpu = None
+    groups.mesh_device = None
+    # ZeRO-3 numbers modules and parameters with process-wide counters (a mutable default argument and
+    # a class attribute); a process that runs a second job would number them differently from a fresh
+    # one, and ZeRO-3 compares these ids across ranks
+    from deepspeed.runtime.zero import parameter_offload, partition_parameters
+
+    defaults = parameter_offload.DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__
+    if defaults and isinstance(defaults[0], list) and defaults[0]:
+        defaults[0][0] = 0
+    partition_parameters.Init.param_id = 0
+
+
+def _launcher_process() -> tuple[int, int | None]:
+    """(this process's index among the real processes, how many the launcher started or None)."""
+    if "PRISM_PROCESS_INDEX" in os.environ:  # `prism run`: RANK is already the virtual rank
+        return int(os.environ["PRISM_PROCESS_INDEX"]), None
+    index = int(os.environ.get("RANK", "0"))
+    count = os.environ.get("WORLD_SIZE")
+    return index, int(count) if count else None
+
+
+def _real_store(num_real: int, index: int, store: dist.Store | None, init_method: str | None) -> dist.Store | None:
+    if num_real < 2:
+        return None
+    if store is not None:
+        return store
+    if os.environ.get("PRISM_STORE_FILE"):
+        return dist.FileStore(os.environ["PRISM_STORE_FILE"], num_real)
+    if init_method and init_method.startswith("file://"):
+        return dist.FileStore(init_method[len("file://"):], num_real)
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise ConfigError(
+            f"{num_real} real ranks need a rendezvous among the real processes: launch with torchrun / deepspeed "
+            "(MASTER_ADDR, MASTER_PORT set), or pass store= or init_method='file:///path'"
+        )
+    store, _, _ = next(dist.rendezvous("env://", rank=index, world_size=num_real))
+    return dist.PrefixStore("prism-deepspeed", store)
+
+
+def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, store: dist.Store | None = None,
+                     dist_backend: str | None = None, timeout: timedelta | None = None,
+                     init_method: str | None = None, rank: int = -1, world_size: int = -1,
+                     process_index: int | None = None, **deepspeed_kwargs: Any) -> DeepSpeedEmulation | None:
+    """Drop-in for ``deepspeed.init_distributed()`` that honours the config's ``"prism"`` section.
+
+    `config` is the ds_config dict or path. With a "prism" section: validates it (errors before any process
+    group exists), activates the emulation as rank ``real_ranks[i]`` of N and installs DeepSpeed's seams;
+    returns the `DeepSpeedEmulation`. Without one (or `config` None): ``deepspeed.init_distributed(...)``
+    with the same arguments, returning None. `rank`/`world_size`, when given, must be the virtual rank
+    and N. `store` (or ``init_method="file://..."``) overrides the real processes' rendezvous; by default
+    it is the launcher's MASTER_ADDR:MASTER_PORT. `process_index` overrides the launcher's RANK.
+    """
+    global _ACTIVE, _ATEXIT_REGISTERED
+    section = parse_section(config, required=False) if config is not None else None
+    if section is None:
+        import deepspeed
+
+        kwargs = dict(deepspeed_kwargs, dist_backend=dist_backend, init_method=init_method, rank=rank,
+                      world_size=world_size)
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        deepspeed.init_distributed(**kwargs)
+        return None
+    if _ACTIVE is not None:
+        if _ACTIVE.section.emulation == section.emulation:
+            return _ACTIVE  # DeepSpeed scripts may initialise twice
+        raise RuntimeError("prism: an emulation with another \"prism\" section is active; call shutdown() first")
+    if section.graph is not None:
+        raise NotImplementedError(
+            '"prism.graph": loading an execution graph into a live session is not implemented yet; remove it '
+            "(virtual participants then arrive with this rank: the symmetric assumption, stated in the summary)"
+        )
+    index, launched = _launcher_process()
+    if process_index is not None:
+        index, launched = process_index, None
+    world = section.emulation.world
+    if launched is not None and launched != world.num_real:
+        raise ConfigError(
+            f"prism.real_ranks lists {world.num_real} ranks but the launcher started {launched} processes; "
+            f"launch {world.num_real} (torchrun --nproc-per-node {world.num_real}) or list {launched} real ranks"
+        )
+    if not 0 <= index < world.num_real:
+        raise ConfigError(f"process index {index} has no entry in prism.real_ranks ({world.num_real} entries)")
+    if world_size not in (-1, world.world_size):
+        raise ConfigError(f"init_distributed(world_size={world_size}) but prism.world_size is {world.world_size}")
+    if rank not in (-1, world.real_ranks[index]):
+        raise ConfigError(f"init_distributed(rank={rank}) but this process plays rank {world.real_ranks[index]}")
+    if timeout is not None:
+        section = replace(section, emulation=replace(section.emulation, timeout_s=timeout.total_seconds()))
+    real_store = _real_store(world.num_real, index, store, init_method)
+    emulation = DeepSpeedEmulation(section, index)
+    emulation.session = session_mod.activate(section.emulation, index, real_store)
+    try:
+        emulation.install(int(os.environ.get("LOCAL_WORLD_SIZE", world.num_real)))
+    except BaseException:
+        emulation.close()
+        raise
+    _ACTIVE = emulation
+    if not _ATEXIT_REGISTERED:
+        atexit.register(shutdown)
+        _ATEXIT_REGISTERED = True
+    return emulation
+
+
+def maybe_init_distributed(config: Any) -> bool:
+    """The patched DeepSpeed entry points' hook: emulate when `config` carries a "prism" section.
+
+    `config` may be a dict, a path, or a ``DeepSpeedConfig`` (its ``_param_dict``). Returns True when
+    an emulation is (now) active, False when the config has no section (DeepSpeed proceeds as usual).
+    """
+    if config is None:
+        return _ACTIVE is not None
+    param_dict = getattr(config, "_param_dict", None)
+    if isinstance(param_dict, Mapping):
+        config = param_dict
+    if isinstance(config, Mapping) and "prism" not in config:
+        return _ACTIVE is not None
+    section = parse_section(config, required=False)
+    if section is None:
+        return _ACTIVE is not None
+    if _ACTIVE is None and dist.is_initialized():
+        raise RuntimeError('prism: torch.distributed was initialised before the "prism" section was read; '
+                           "pass the config to the first init_distributed call")
+    init_distributed(config)
+    return True
+
+
+def shutdown() -> dict[str, Any] | None:
+    """End the emulation: undo the seams, destroy the groups; returns the session summary (None if inactive)."""
+    global _ACTIVE
+    emulation, _ACTIVE = _ACTIVE, None
+    if emulation is None:
+        return None
+    return emulation.close()

@@ -1,0 +1,245 @@
+"""The ``"prism"`` section of a DeepSpeed config: parsed and validated before any process group exists.
+
+A DeepSpeed config (a dict, or a path to a JSON/HJSON file) turns emulation on with a top-level section::
+
+    "prism": {
+        "world_size": 8192,              # N, the job's rank count (required)
+        "real_ranks": [0, 8191],         # or "0,8191" / "0-3": virtual ranks run by processes 0, 1 (required)
+        "profile": "dgx-h100",           # hardware profile name or YAML path (default local-cpu-gloo)
+        "graph": null,                   # execution graph of the full job (not yet usable: refused if set)
+        "output": "prism_output",        # where each real rank writes rank<R>.summary.json (default: none)
+        "gpus_per_node": 8,              # node layout of the target cluster (default 8)
+        "data_policy": "mirror",         # mirror | recorded | zeros (default mirror)
+        "record_dir": null,              # recording run: write every payload received here
+        "replay_dir": null,              # data_policy "recorded": a recording run's record_dir
+        "timing": true,                  # hold each op until its emulated completion time
+        "topology": {"pipe": 4, "data": 2048, "model": 1},   # optional: checked against world_size
+        "pipe_activations": {"shape": [2, 64], "dtype": "float32"}   # optional, see below
+    }
+
+Checks (each a `ConfigError` naming the key and the fix): unknown keys; missing world_size/real_ranks;
+ranks out of range or repeated; `topology` whose product is not world_size; a batch arithmetic
+(``train_batch_size = micro_batch * gradient_accumulation_steps * data_parallel``) whose data-parallel
+size does not divide world_size, or disagrees with ``topology.data``.
+
+`pipe_activations` describes what a pipeline stage receives from a *virtual* previous stage in its
+tensor-meta handshake under the mirror policy (a dict: one tensor; a list of dicts: a tuple of
+tensors). DeepSpeed allocates its receive buffers from that handshake, so a real middle or last
+stage whose previous stage is virtual needs it, or the recorded policy (which replays the
+handshake). Without either, such a stage is refused with an error naming this key.
+
+Pure: no torch.distributed, no DeepSpeed import.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prism_plugin.config import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
+from prism_plugin.kinds import DataPolicy
+
+__all__ = ["PrismSection", "TensorSpec", "load_ds_config", "parse_section", "SECTION_KEY", "ALLOWED_KEYS"]
+
+SECTION_KEY = "prism"
+ALLOWED_KEYS: tuple[str, ...] = (
+    "world_size", "real_ranks", "profile", "graph", "output", "gpus_per_node", "data_policy",
+    "record_dir", "replay_dir", "timing", "topology", "pipe_activations",
+)
+_TOPOLOGY_AXES = ("pipe", "data", "model")
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorSpec:
+    """Shape and dtype name of one tensor a pipeline stage receives (``dtype`` as in ``torch.<dtype>``)."""
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrismSection:
+    """The validated ``"prism"`` section plus the DeepSpeed config it came from."""
+
+    emulation: EmulationConfig
+    """What `prism_plugin.activate` receives."""
+    topology: dict[str, int] | None = None
+    """Declared pipe/data/model sizes (their product is world_size), or None."""
+    pipe_activations: tuple[TensorSpec, ...] | TensorSpec | None = None
+    """What a stage receives from a virtual previous stage (mirror policy), see the module doc."""
+    graph: Path | None = None
+    ds_config: Mapping[str, Any] | None = None
+    """The whole DeepSpeed config (without modification)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.emulation.world.world_size
+
+    @property
+    def real_ranks(self) -> tuple[int, ...]:
+        return self.emulation.world.real_ranks
+
+
+def load_ds_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    """The DeepSpeed config as a dict: a mapping as given, or a JSON (HJSON when installed) file."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if not isinstance(config, (str, Path)):
+        raise ConfigError(f"config must be a ds_config dict or a path to one, got {type(config).__name__}")
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigError(f"DeepSpeed config file {str(path)!r} does not exist; pass the ds_config dict or its path")
+    text = path.read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            import hjson  # DeepSpeed's own config reader accepts HJSON
+        except ImportError:
+            raise ConfigError(f"{path}: not valid JSON") from None
+        try:
+            return dict(hjson.loads(text))
+        except Exception as exc:  # hjson's own error types
+            raise ConfigError(f"{path}: not valid JSON/HJSON ({exc})") from None
+
+
+def _int(section: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = section.get(key, default)
+    if value is None:
+        raise ConfigError(f'"prism": {{"{key}": ...}} is required; e.g. "{key}": 8192')
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f'"prism.{key}"={value!r} must be a positive integer')
+    return value
+
+
+def _ranks(value: Any) -> tuple[int, ...]:
+    if value is None:
+        raise ConfigError('"prism.real_ranks" is required: the virtual ranks the real processes play, e.g. [0, 5]')
+    if isinstance(value, str):
+        return parse_rank_list(value, field_name="prism.real_ranks")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(r, int) and not isinstance(r, bool) for r in value):
+        return tuple(value)
+    raise ConfigError(f'"prism.real_ranks"={value!r} must be a list of integers or a string like "0,5,8-11"')
+
+
+def _tensor_spec(value: Any, where: str) -> TensorSpec:
+    if not isinstance(value, Mapping) or set(value) - {"shape", "dtype"} or "shape" not in value:
+        raise ConfigError(f'{where} must look like {{"shape": [2, 64], "dtype": "float32"}}, got {value!r}')
+    shape = value["shape"]
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ConfigError(f"{where}.shape={shape!r} must be a list of non-negative integers")
+    dtype = value.get("dtype", "float32")
+    if dtype not in _DTYPES:
+        raise ConfigError(f"{where}.dtype={dtype!r} is unknown; use one of {list(_DTYPES)}")
+    return TensorSpec(shape=tuple(shape), dtype=dtype)
+
+
+def _pipe_activations(value: Any) -> tuple[TensorSpec, ...] | TensorSpec | None:
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return _tensor_spec(value, '"prism.pipe_activations"')
+    if isinstance(value, (list, tuple)) and value:
+        return tuple(_tensor_spec(v, f'"prism.pipe_activations"[{i}]') for i, v in enumerate(value))
+    raise ConfigError('"prism.pipe_activations" must be a tensor spec {"shape": [...], "dtype": ...} or a '
+                      "non-empty list of them")
+
+
+def _topology(value: Any, world_size: int) -> dict[str, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not value or set(value) - set(_TOPOLOGY_AXES):
+        raise ConfigError(f'"prism.topology"={value!r} must map some of {list(_TOPOLOGY_AXES)} to sizes, '
+                          'e.g. {"pipe": 4, "data": 2048}')
+    topo = {axis: value.get(axis, 1) for axis in _TOPOLOGY_AXES}
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in topo.values()):
+        raise ConfigError(f'"prism.topology"={dict(value)!r}: every size must be a positive integer')
+    product = topo["pipe"] * topo["data"] * topo["model"]
+    if product != world_size:
+        raise ConfigError(
+            f'"prism.topology" {topo} spans {product} ranks but "prism.world_size" is {world_size}; '
+            "make pipe * data * model equal world_size"
+        )
+    return topo
+
+
+def _check_batch(ds_config: Mapping[str, Any], world_size: int, topology: dict[str, int] | None) -> None:
+    """DeepSpeed's ``train_batch_size = micro_batch * gas * dp``: dp must fit the virtual world."""
+    tbs = ds_config.get("train_batch_size")
+    mbs = ds_config.get("train_micro_batch_size_per_gpu")
+    gas = ds_config.get("gradient_accumulation_steps")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (tbs, mbs, gas)):
+        if topology is not None and isinstance(tbs, int) and isinstance(mbs, int) and tbs % (mbs * topology["data"]):
+            raise ConfigError(
+                f"train_batch_size={tbs} is not a multiple of train_micro_batch_size_per_gpu={mbs} * "
+                f"data={topology['data']} (prism.topology): fix the batch sizes or the topology"
+            )
+        return
+    if tbs % (mbs * gas):
+        raise ConfigError(
+            f"train_batch_size={tbs} is not train_micro_batch_size_per_gpu={mbs} * gradient_accumulation_steps="
+            f"{gas} * data-parallel size for any integer size; fix the batch sizes"
+        )
+    dp = tbs // (mbs * gas)
+    if world_size % dp:
+        raise ConfigError(
+            f"the batch sizes imply data-parallel size {dp} (train_batch_size={tbs} / micro {mbs} / accumulation "
+            f"{gas}), which does not divide prism.world_size={world_size}; world_size must be data * pipe * model"
+        )
+    if topology is not None and topology["data"] != dp:
+        raise ConfigError(
+            f"the batch sizes imply data-parallel size {dp} but prism.topology has data={topology['data']}; "
+            "make train_batch_size = micro batch * accumulation steps * topology.data"
+        )
+
+
+def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool = True) -> PrismSection | None:
+    """Validate the ``"prism"`` section of `ds_config` (dict or path). None when absent and not `required`."""
+    config = load_ds_config(ds_config)
+    section = config.get(SECTION_KEY)
+    if section is None:
+        if required:
+            raise ConfigError('the DeepSpeed config has no "prism" section; add "prism": {"world_size": N, '
+                              '"real_ranks": [...]} to turn emulation on')
+        return None
+    if not isinstance(section, Mapping):
+        raise ConfigError(f'"prism" must be an object like {{"world_size": 8192, "real_ranks": [0]}}, got {section!r}')
+    unknown = sorted(set(section) - set(ALLOWED_KEYS))
+    if unknown:
+        raise ConfigError(f'"prism" has unknown keys {unknown}; allowed keys: {list(ALLOWED_KEYS)}')
+    world_size = _int(section, "world_size")
+    real_ranks = _ranks(section.get("real_ranks"))
+    try:
+        world = VirtualWorld(world_size=world_size, real_ranks=real_ranks,
+                             gpus_per_node=_int(section, "gpus_per_node", 8))
+    except ConfigError as exc:
+        raise ConfigError(f'"prism" section: {exc}') from None
+    topology = _topology(section.get("topology"), world_size)
+    _check_batch(config, world_size, topology)
+    graph = section.get("graph")
+    if graph is not None:
+        if not Path(graph).is_file():
+            raise ConfigError(f'"prism.graph"={graph!r} does not exist; give an execution graph file or omit it')
+    timing = section.get("timing", True)
+    if not isinstance(timing, bool):
+        raise ConfigError(f'"prism.timing"={timing!r} must be true or false')
+    profile = section.get("profile", "local-cpu-gloo")
+    policy = section.get("data_policy", DataPolicy.MIRROR.value)
+    if policy not in [p.value for p in DataPolicy]:
+        raise ConfigError(f'"prism.data_policy"={policy!r} is unknown; use one of {[p.value for p in DataPolicy]}')
+    try:
+        emulation = EmulationConfig(
+            world=world, profile=profile, data_policy=DataPolicy(policy), record_dir=section.get("record_dir"),
+            replay_dir=section.get("replay_dir"), timing=timing, output_dir=section.get("output"),
+        )
+    except ConfigError as exc:
+        raise ConfigError(f'"prism" section: {exc}') from None
+    return PrismSection(emulation=emulation, topology=topology,
+                        pipe_activations=_pipe_activations(section.get("pipe_activations")),
+                        graph=Path(graph) if graph is not None else None, ds_config=config)
