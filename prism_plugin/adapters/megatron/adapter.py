@@ -1,0 +1,185 @@
+"""The Megatron-core adapter: what an emulated process needs beyond the `prism` backend.
+
+`MegatronAdapter(session).install()` runs after `prism_plugin.activate` and before the training
+program builds its model. Every seam is explicit, listed here, and undone by `uninstall()`:
+
+1. **CPU mode** (torch without CUDA): the numbered `cpu_shim` patches.
+2. **Device mapping**: physical process i uses physical device ``world.device_of(i)`` (CUDA) or
+   the CPU; a virtual rank's LOCAL_RANK never selects a device. Megatron's own
+   ``torch.cuda.set_device(args.local_rank)`` is skipped because torch.distributed is already
+   initialised when Megatron's initialisation runs.
+3. **Iteration marks**: each call of a Megatron forward-backward schedule
+   (``forward_backward_{no_pipelining, pipelining_without_interleaving,
+   pipelining_with_interleaving}``) anchors the emulation clock (`prism_plugin.mark_iteration`).
+4. **Rank N-1 logs**: when rank N-1 is virtual, what Megatron keeps on the last rank (the
+   training log line, `print_rank_last`, ``is_last_rank()`` writers, timers, TensorBoard,
+   W&B, one-logger) is produced by the lowest real rank; `print_rank_0` output likewise when rank
+   0 is virtual. Said once on stdout. See `logs`.
+5. **Pipeline receives** from virtual neighbours (mirror policy): an all-zero receive (nothing to
+   mirror) becomes deterministic normal values; likewise a tied output layer whose first stage is
+   virtual. See `pipeline`.
+6. **TP data broadcast** (mirror policy): a real rank whose tensor-parallel rank 0 is virtual
+   receives a synthetic, valid batch instead of its uninitialised receive buffers, and the run
+   flags megatron.training broadcasts from a virtual rank 0 are set as rank 0 would. See `data`.
+
+Group construction needs no hook: megatron's ``create_group`` reaches the backend's
+``new_group`` (torch >= 2.13) or creator, gloo twins included, with no rendezvous; `groups`
+checks the memberships against Megatron's own ``RankGenerator``. Pipeline transfers to virtual
+neighbours are the backend's p2p (receives mirror the last tensor sent with that shape).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from prism_plugin.adapters.megatron import compat
+from prism_plugin.adapters.megatron.cpu_shim import CpuShim
+
+__all__ = ["MegatronAdapter", "rebind_everywhere", "current_adapter"]
+
+_CURRENT: MegatronAdapter | None = None
+
+_SCHEDULES = (
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_without_interleaving",
+    "forward_backward_pipelining_with_interleaving",
+)
+
+
+def current_adapter() -> MegatronAdapter | None:
+    """The installed adapter of this process, if any."""
+    return _CURRENT
+
+
+def rebind_everywhere(original: Any, replacement: Any, undo: list[Callable[[], None]],
+                      prefixes: tuple[str, ...] = ("megatron",)) -> int:
+    """Replace `original` by `replacement` in every loaded module under `prefixes` that holds it.
+
+    Megatron imports helpers by name (``from megatron.training.utils import is_last_rank``), so a
+    patch of the defining module alone misses them. Returns how many bindings were replaced.
+    """
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(prefixes):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not namespace:
+            continue
+        for attr, value in list(namespace.items()):
+            if value is original:
+                setattr(module, attr, replacement)
+                undo.append(functools.partial(setattr, module, attr, original))
+                count += 1
+    return count
+
+
+class MegatronAdapter:
+    """Installs the Megatron seams for the active session (see the module docstring)."""
+
+    def __init__(self, session: Any, *, cpu_mode: bool | None = None, redirect_logs: bool = True,
+                 fix_tp_data: bool = True, import_training: bool | None = None) -> None:
+        self.session = session
+        self.cpu_mode = (not torch.cuda.is_available()) if cpu_mode is None else cpu_mode
+        self.redirect_logs = redirect_logs
+        self.fix_tp_data = fix_tp_data
+        self.import_training = import_training
+        self.shim: CpuShim | None = None
+        self.log_rank: int | None = None
+        """The real rank that writes rank N-1's logs (None when N-1 is real)."""
+        self.device: torch.device = torch.device("cpu")
+        self._undo: list[Callable[[], None]] = []
+        self._p2p_fills = [0]
+
+    # -- install / uninstall -------------------------------------------------------------------------
+    def install(self) -> MegatronAdapter:
+        global _CURRENT
+        if _CURRENT is not None:
+            raise RuntimeError("prism: a Megatron adapter is already installed in this process")
+        compat.import_megatron_core()
+        training = self.import_training
+        if training is None:
+            training = "megatron.training" in sys.modules
+        if training:
+            compat.import_megatron_training()
+        try:
+            self._select_device()
+            if self.cpu_mode:
+                self.shim = CpuShim().install()
+            self._hook_schedules()
+            from prism_plugin.adapters.megatron import pipeline
+
+            self._p2p_fills = pipeline.install(self.session, self._undo)
+            if self.fix_tp_data:
+                from prism_plugin.adapters.megatron import data
+
+                data.install(self.session, self._undo)
+            if self.redirect_logs:
+                from prism_plugin.adapters.megatron import logs
+
+                self.log_rank = logs.install(self.session, self._undo)
+        except BaseException:
+            self._teardown()
+            raise
+        _CURRENT = self
+        return self
+
+    def uninstall(self) -> None:
+        global _CURRENT
+        self._teardown()
+        if _CURRENT is self:
+            _CURRENT = None
+
+    def _teardown(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+        if self.shim is not None:
+            self.shim.uninstall()
+            self.shim = None
+
+    # -- seams -----------------------------------------------------------------------------------------
+    def _select_device(self) -> None:
+        """Physical device of this real process: ``devices[i]`` or ``i mod local count``; never LOCAL_RANK
+        of a virtual rank (the launchers set LOCAL_RANK to the physical index i)."""
+        if self.cpu_mode or not torch.cuda.is_available():
+            self.device = torch.device("cpu")
+            return
+        world = self.session.config.world
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()) or 1)
+        index = world.device_of(self.session.process_index, local)
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"prism: real process {self.session.process_index} maps to cuda:{index} but this host has "
+                f"{torch.cuda.device_count()} device(s); pass devices= (one per real rank) or launch fewer processes"
+            )
+        torch.cuda.set_device(index)
+        self.device = torch.device("cuda", index)
+
+    def _hook_schedules(self) -> None:
+        import megatron.core.pipeline_parallel.schedules as schedules
+
+        import prism_plugin
+
+        for name in _SCHEDULES:
+            original = getattr(schedules, name)
+
+            def marked(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                prism_plugin.mark_iteration()
+                return _original(*args, **kwargs)
+
+            functools.update_wrapper(marked, original)
+            rebind_everywhere(original, marked, self._undo)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "cpu_mode": self.cpu_mode,
+            "cpu_patches": list(self.shim.applied) if self.shim is not None else [],
+            "device": str(self.device),
+            "last_rank_logs_by": self.log_rank,
+            "p2p_virtual_receives_filled": self._p2p_fills[0],
+        }

@@ -1,0 +1,257 @@
+"""The drop-in wrapper: an unmodified Megatron launch, plus the ``--prism-*`` flags.
+
+    torchrun --nproc-per-node K -m prism_plugin.megatron pretrain_gpt.py <the job's args for N GPUs> \\
+        --prism-world-size N --prism-real-ranks r1,...,rK [--prism-profile NAME] [--prism-graph FILE] \\
+        [--prism-output DIR] [--prism-gpus-per-node G] [--prism-data-policy mirror|recorded|zeros] \\
+        [--prism-record DIR] [--prism-replay DIR] [--prism-no-timing]
+
+(or ``prism megatron ...``; without torchrun, K > 1 real ranks are launched as K local processes.)
+
+What it does, in order, before the script runs:
+1. strips the ``--prism-*`` flags (anywhere in the argv, ``--flag value`` or ``--flag=value``);
+2. checks them and the job's Megatron arguments (parsed by Megatron's own parser): the layout must
+   divide N, refused features (`refusals`) fail here, before any process group exists;
+3. torchrun process i (its RANK) plays virtual rank ``r_{i+1}``: the environment the script sees
+   becomes RANK = that virtual rank and WORLD_SIZE = N; LOCAL_RANK stays the physical index i;
+4. activates the emulation with a store shared by the K real processes only (torchrun's own
+   rendezvous store under a ``prism/`` prefix, or a FileStore when self-launched);
+5. installs the Megatron adapter (CPU shim on a CPU-only torch, device mapping, log redirection)
+   and, in CPU mode, the tensor-storage tracker (peak memory);
+6. runs the script unmodified as ``__main__``; at exit prints ``PRISM_SUMMARY <json>`` and writes
+   ``<output>/rank<R>.summary.json``.
+
+``--prism-graph`` is loaded and validated, but the session does not replay arrivals from it yet:
+virtual participants keep the symmetric assumption, and the summary says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prism_plugin.adapters.megatron.refusals import Refusal
+from prism_plugin.config import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
+
+__all__ = ["PrismFlags", "split_prism_flags", "main"]
+
+_VALUE_FLAGS = ("world-size", "real-ranks", "profile", "graph", "output", "gpus-per-node", "data-policy",
+                "record", "replay")
+_BOOL_FLAGS = ("no-timing",)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrismFlags:
+    """The ``--prism-*`` flags of one launch (names without the prefix)."""
+
+    values: dict[str, str] = field(default_factory=dict)
+    switches: frozenset[str] = frozenset()
+
+    def to_config(self) -> EmulationConfig:
+        """The EmulationConfig these flags describe (ConfigError naming the flag when invalid)."""
+        v = self.values
+        for required in ("world-size", "real-ranks"):
+            if required not in v:
+                raise ConfigError(f"--prism-{required} is required (e.g. --prism-world-size 8192 "
+                                  "--prism-real-ranks 0,8191)")
+        try:
+            world_size = int(v["world-size"])
+            gpus_per_node = int(v.get("gpus-per-node", "8"))
+        except ValueError as exc:
+            raise ConfigError(f"--prism-world-size / --prism-gpus-per-node must be integers: {exc}") from None
+        world = VirtualWorld(world_size=world_size, gpus_per_node=gpus_per_node,
+                             real_ranks=parse_rank_list(v["real-ranks"], field_name="--prism-real-ranks"))
+        policy = v.get("data-policy", "recorded" if "replay" in v else "mirror")
+        extra = {"graph": v["graph"]} if "graph" in v else {}
+        return EmulationConfig(world=world, profile=v.get("profile", "local-cpu-gloo"), data_policy=policy,
+                               record_dir=v.get("record"), replay_dir=v.get("replay"),
+                               timing="no-timing" not in self.switches, output_dir=v.get("output"), extra=extra)
+
+
+def split_prism_flags(argv: list[str]) -> tuple[list[str], PrismFlags]:
+    """(argv without the ``--prism-*`` flags, the flags). Unknown ``--prism-*`` flags are errors."""
+    rest: list[str] = []
+    values: dict[str, str] = {}
+    switches: set[str] = set()
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--prism-"):
+            rest.append(token)
+            i += 1
+            continue
+        name, eq, value = token[len("--prism-"):].partition("=")
+        if name in _BOOL_FLAGS:
+            if eq:
+                raise ConfigError(f"--prism-{name} takes no value")
+            switches.add(name)
+            i += 1
+            continue
+        if name not in _VALUE_FLAGS:
+            known = ", ".join(f"--prism-{n}" for n in (*_VALUE_FLAGS, *_BOOL_FLAGS))
+            raise ConfigError(f"unknown flag --prism-{name}; the prism flags are {known}")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"--prism-{name} needs a value")
+            value = argv[i + 1]
+            i += 1
+        values[name] = value
+        i += 1
+    return rest, PrismFlags(values=values, switches=frozenset(switches))
+
+
+def _check_job(config: EmulationConfig, script_args: list[str], cpu_mode: bool) -> Any:
+    """Megatron's view of the job's arguments, checked against N and the refusals (no process group yet)."""
+    from prism_plugin.adapters.megatron.refusals import check_args, parse_megatron_argv
+
+    ns = parse_megatron_argv(script_args)
+    check_args(ns, cpu_mode=cpu_mode)
+    _check_layout(config, ns)
+    return ns
+
+
+def _check_layout(config: EmulationConfig, ns: Any) -> None:
+    """N must fit the job's tp/pp/cp/ep layout; an execution graph must load."""
+    from prism_plugin.topology import MegatronLayout
+
+    try:
+        MegatronLayout(world_size=config.world.world_size, tp=ns.tensor_model_parallel_size,
+                       pp=ns.pipeline_model_parallel_size, cp=ns.context_parallel_size,
+                       ep=ns.expert_model_parallel_size, expert_tp=ns.expert_tensor_parallel_size)
+    except ValueError as exc:
+        raise ConfigError(f"--prism-world-size {config.world.world_size} does not fit the job's layout: {exc}") \
+            from None
+    graph = config.extra.get("graph")
+    if graph is not None:
+        from prism_plugin.graph import ExecutionGraph
+
+        if not Path(graph).is_file():
+            raise ConfigError(f"--prism-graph {graph}: no such file; pass an execution graph JSON")
+        ExecutionGraph.load(graph)
+        warnings.warn(f"prism: --prism-graph {graph} is valid, but this version does not replay arrivals from "
+                      "it yet: virtual participants arrive with this rank (symmetric)", stacklevel=2)
+
+
+def _real_store(k: int, process_index: int) -> Any:
+    """A store shared by the K real processes only (None when K == 1)."""
+    if k < 2:
+        return None
+    import torch.distributed as dist
+
+    path = os.environ.get("PRISM_STORE_FILE")
+    if path:
+        return dist.FileStore(path, k)
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise ConfigError(f"{k} real ranks need a shared store: launch with torchrun (MASTER_ADDR/MASTER_PORT) "
+                          "or through `prism megatron`")
+    store, _rank, _size = next(dist.rendezvous("env://", rank=process_index, world_size=k))
+    return dist.PrefixStore("prism", store)
+
+
+def _self_launch(argv: list[str], k: int) -> int:
+    """Run K copies of this wrapper as local processes (torchrun-like env, FileStore rendezvous)."""
+    store_file = Path(tempfile.mkdtemp(prefix="prism-megatron-")) / "store"
+    procs = []
+    for i in range(k):
+        env = dict(os.environ, RANK=str(i), LOCAL_RANK=str(i), WORLD_SIZE=str(k), LOCAL_WORLD_SIZE=str(k),
+                   PRISM_STORE_FILE=str(store_file))
+        procs.append(subprocess.Popen([sys.executable, "-m", "prism_plugin.megatron", *argv], env=env))
+    code = 0
+    alive = list(procs)
+    while alive:
+        for p in list(alive):
+            rc = p.poll()
+            if rc is None:
+                continue
+            alive.remove(p)
+            if rc != 0 and code == 0:
+                code = rc
+                for other in alive:
+                    other.terminate()
+        time.sleep(0.05)
+    return code
+
+
+def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
+    """Run the script in this process as the real rank torchrun's RANK selects; returns the summary."""
+    import torch
+
+    import prism_plugin as P
+    from prism_plugin.adapters.megatron.adapter import MegatronAdapter
+    from prism_plugin.memory import StorageTracker
+
+    if not script_argv:
+        raise ConfigError("name the training script: python -m prism_plugin.megatron pretrain_gpt.py <args>")
+    config = flags.to_config()
+    cpu_mode = not torch.cuda.is_available()
+    _check_job(config, script_argv[1:], cpu_mode)
+    process_index = int(os.environ.get("RANK", "0"))
+    k = int(os.environ.get("WORLD_SIZE", "1"))
+    if k != config.world.num_real:
+        raise ConfigError(f"--prism-real-ranks lists {config.world.num_real} ranks but {k} processes were "
+                          f"launched; use torchrun --nproc-per-node {config.world.num_real}")
+    rank = config.world.virtual_rank_of(process_index)
+    store = _real_store(k, process_index)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(config.world.world_size), PRISM_PROCESS_INDEX=str(process_index))
+    os.environ.setdefault("LOCAL_RANK", str(process_index))
+    session = P.activate(config, process_index=process_index, real_store=store, num_processes=k)
+    adapter = MegatronAdapter(session, cpu_mode=cpu_mode, import_training=True).install()
+    tracker = StorageTracker().start() if cpu_mode else None
+    exit_code: Any = 0
+    try:
+        sys.argv = list(script_argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script_argv[0])))
+        runpy.run_path(script_argv[0], run_name="__main__")
+    except SystemExit as exc:
+        exit_code = exc.code
+    finally:
+        if tracker is not None:
+            tracker.stop()
+        summary = P.deactivate() or {}
+        summary["megatron"] = adapter.summary()
+        adapter.uninstall()
+    if tracker is not None:
+        summary["memory"] = {"source": "cpu tensor-storage tracker", **tracker.summary()}
+    elif torch.cuda.is_available():
+        summary["memory"] = {"source": "torch.cuda", "peak_bytes": int(torch.cuda.max_memory_allocated())}
+    if config.extra.get("graph"):
+        summary["graph"] = config.extra["graph"]
+    summary["exit_code"] = exit_code
+    _write_summary(summary, config.output_dir)
+    if exit_code not in (0, None):
+        raise SystemExit(exit_code)
+    return summary
+
+
+def _write_summary(summary: dict[str, Any], output_dir: Path | None) -> None:
+    print("PRISM_SUMMARY " + json.dumps(summary, default=str), flush=True)
+    if output_dir is not None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / f"rank{summary.get('rank', 'x')}.summary.json").write_text(
+            json.dumps(summary, indent=2, default=str))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m prism_plugin.megatron`` and ``prism megatron``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        script_argv, flags = split_prism_flags(argv)
+        config = flags.to_config()
+        if "RANK" not in os.environ and config.world.num_real > 1:
+            return _self_launch(argv, config.world.num_real)
+        run(script_argv, flags)
+    except ConfigError as exc:
+        print(f"prism: invalid input: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except Refusal as exc:
+        print(f"prism: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
