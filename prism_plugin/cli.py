@@ -3,6 +3,7 @@
     prism run --world-size N --real-ranks 0,5 [--profile dgx-h100] -- script.py args
     prism run --world-size N --real-ranks 0 -m package.module args
     prism profiles [NAME]
+    prism megatron pretrain_gpt.py <megatron args> --prism-world-size N --prism-real-ranks r1,...
     prism calibrate [--backend gloo|nccl] [--processes 2] [--from-nccl-tests DIR] --out profile.yaml
 """
 
@@ -115,6 +116,8 @@ def make_parser() -> argparse.ArgumentParser:
                      help="run a module and its arguments, like python -m")
     run.add_argument("target", nargs=argparse.REMAINDER, help="-- script.py args")
     run.set_defaults(func=_cmd_run)
+    sub.add_parser("megatron", help="run a Megatron script emulated: prism megatron pretrain_gpt.py <args> "
+                   "--prism-world-size N --prism-real-ranks r1,..")
     prof = sub.add_parser("profiles", help="list hardware profiles, or print one as YAML")
     prof.add_argument("name", nargs="?")
     prof.set_defaults(func=_cmd_profiles)
@@ -125,6 +128,12 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["megatron"]:
+        # prism megatron pretrain_gpt.py <megatron args> --prism-...: argparse would reject --prism-* flags
+        from prism_plugin.adapters.megatron.wrapper import main as megatron_main
+
+        return int(megatron_main(argv[1:]) or 0)
     args = make_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
