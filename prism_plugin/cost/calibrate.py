@@ -365,7 +365,8 @@ def _raw_profile(theta: dict[str, float], gpus_per_node: int = 1) -> HardwarePro
     return HardwareProfile(
         name="calibration-fit", description="", gpus_per_node=gpus_per_node,
         intra_node=LinkSpec(bandwidth_gbytes_per_s=link, latency_us=max(theta[_AI], 0.0)),
-        inter_node=LinkSpec(bandwidth_gbytes_per_s=re / bus, latency_us=max(theta[_AE], 0.0)),
+        # link * (re / rc) == re / bus, written so that tied rates (one loopback) give exactly `link`.
+        inter_node=LinkSpec(bandwidth_gbytes_per_s=link * (re / rc), latency_us=max(theta[_AE], 0.0)),
         bus_efficiency=min(bus, 1.0), p2p_efficiency=min(p2p, 1.0),
         collective_overhead_us=max(theta[_OC], 0.0), p2p_overhead_us=max(theta[_OP], 0.0),
     )
