@@ -331,12 +331,14 @@ def _describe(plan: CalibrationPlan) -> str:
 
 
 def calibrate_fit(plan: CalibrationPlan, *, name: str = "local-calibrated",
-                  on_round: Callable[[int, int], None] | None = None) -> CalibrationFit:
-    """Measure `plan` and fit a profile (with the measurements, predictions and residuals)."""
+                  on_round: Callable[[int, int], None] | None = None, per_op: bool = False) -> CalibrationFit:
+    """Measure `plan` and fit a profile (with the measurements, predictions and residuals); `per_op` also fits
+    a transfer multiplier per op (`prism_plugin.cost.calibrate.fit_op_factors`)."""
     from prism_plugin.cost.calibrate import fit_profile
 
     ms = measure_collectives(plan, on_round=on_round)
-    return fit_profile(ms, name=name, description=_describe(plan), gpus_per_node=plan.num_processes)
+    return fit_profile(ms, name=name, description=_describe(plan), gpus_per_node=plan.num_processes,
+                       per_op_factors=per_op)
 
 
 def calibrate(
@@ -384,6 +386,9 @@ def add_calibrate_parser(subparsers: Any) -> None:
     p.add_argument("--base", default=None,
                    help="with --from-nccl-tests: profile giving link rates and unmeasured figures "
                         "(default: from the GPU name in the logs)")
+    # needed by the recipes (issue 6): like-for-like CPU step times need gloo's per-op rates
+    p.add_argument("--per-op", action="store_true",
+                   help="also fit one transfer multiplier per op (op_transfer_factors in the profile)")
     p.set_defaults(func=_cmd_calibrate)
 
 
@@ -424,7 +429,8 @@ def _calibrate_command(args: argparse.Namespace) -> int:
             rounds = plan.warmup + plan.repeats
             task = bar.add_task(f"starting {plan.num_processes} {plan.backend} processes", total=rounds)
             fit = calibrate_fit(plan, name=args.name or "local-calibrated", on_round=lambda done, total: bar.update(
-                task, completed=done, description=f"round {done}/{total} ({len(plan.steps())} op x size each)"))
+                task, completed=done, description=f"round {done}/{total} ({len(plan.steps())} op x size each)"),
+                per_op=args.per_op)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(fit.to_yaml(), encoding="utf-8")
     table = Table(title=f"prism calibrate: {fit.profile.name} -> {args.out}")
@@ -439,6 +445,7 @@ def _calibrate_command(args: argparse.Namespace) -> int:
         f"inter {p.inter_node.bandwidth_gbytes_per_s:.4g} GB/s, {p.inter_node.latency_us:.3g} us/hop; "
         f"bus_eff {p.bus_efficiency:.3g}, p2p_eff {p.p2p_efficiency:.3g}; overheads "
         f"{p.collective_overhead_us:.3g} / {p.p2p_overhead_us:.3g} us"
+        + (f"; per-op transfer factors {dict(p.op_transfer_factors)}" if p.op_transfer_factors else "")
         + (f"; not fitted: {', '.join(fit.not_fitted)}" if fit.not_fitted else "")
     )
     Console().print(table)

@@ -2,6 +2,7 @@
 
     prism run --world-size N --real-ranks 0,5 [--profile dgx-h100] -- script.py args
     prism run --world-size N --real-ranks 0 -m package.module args
+    prism run ... --fault straggler:ranks=4-7,factor=1.3 --fault hang:rank=1,group=tp,op=3 --timeout 60 -- script.py
     prism profiles [NAME]
     prism megatron pretrain_gpt.py <megatron args> --prism-world-size N --prism-real-ranks r1,...
     prism calibrate [--backend gloo|nccl] [--processes 2] [--from-nccl-tests DIR] --out profile.yaml
@@ -19,6 +20,14 @@ from rich.table import Table
 
 from prism_plugin.config import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
 from prism_plugin.cost.profiles import ProfileError
+from prism_plugin.graph_cli import (
+    add_graph_parser,
+    add_profile_parser,
+    add_replay_parser,
+    add_slice_parser,
+    add_trace_run_args,
+    trace_config_kwargs,
+)
 
 __all__ = ["main", "build_config"]
 
@@ -47,7 +56,7 @@ def build_config(args: argparse.Namespace) -> EmulationConfig:
                          gpus_per_node=args.gpus_per_node)
     config = EmulationConfig(world=world, profile=args.profile, data_policy=policy, record_dir=args.record,
                              replay_dir=args.replay, timing=not args.no_timing, timeout_s=args.timeout,
-                             output_dir=args.output)
+                             output_dir=args.output, **trace_config_kwargs(args))
     from prism_plugin.cost import load_profile
 
     load_profile(config.profile)  # an unknown profile fails here, before any process starts
@@ -67,6 +76,14 @@ def _summaries_table(output: Path) -> Table | None:
                       str(s["groups_created"]), str(sum(s["op_counts"].values())),
                       f"{sum(s['op_bytes'].values()):,}", f"{1e3 * s['modelled_comm_s']:.3f}")
     table.caption = "arrivals: " + json.loads(files[0].read_text())["arrivals_note"]
+    for f in files:  # faults (issue 7): each real rank's waits on faulty ranks and its fault events
+        faults = json.loads(f.read_text()).get("faults")
+        if faults:
+            waited = sum(step["waited_s"] for step in faults["steps"])
+            on = sorted({w["rank"] for step in faults["steps"] for w in step["waited_on"]})
+            events = ", ".join(f"{e['event']} of rank {e['rank']} at step {e['step']}" for e in faults["events"][:3])
+            table.caption += (f"\nrank {json.loads(f.read_text())['rank']}: waited {1e3 * waited:.3f} ms on faulty "
+                              f"ranks {on} over {len(faults['steps'])} steps" + (f"; {events}" if events else ""))
     return table
 
 
@@ -112,6 +129,7 @@ def make_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="launch real ranks of an N-rank torch.distributed program")
     _add_world_args(run)
+    add_trace_run_args(run)
     run.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None,
                      help="run a module and its arguments, like python -m")
     run.add_argument("target", nargs=argparse.REMAINDER, help="-- script.py args")
@@ -124,6 +142,11 @@ def make_parser() -> argparse.ArgumentParser:
     from prism_plugin.calibrate_run import add_calibrate_parser  # prism calibrate (issue 6, item 5)
 
     add_calibrate_parser(sub)
+    from prism_plugin.recipes.cli import add_recipe_parser  # prism recipe (issue 6)
+
+    add_recipe_parser(sub)
+    for add in (add_slice_parser, add_profile_parser, add_graph_parser, add_replay_parser):  # issue 5
+        add(sub)
     return ap
 
 

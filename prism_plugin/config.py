@@ -15,8 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from prism_plugin.kinds import DataPolicy
+from prism_plugin.kinds import DataPolicy, IterationMarker
+
+if TYPE_CHECKING:
+    from prism_plugin.faults import FaultSpec
 
 __all__ = ["ConfigError", "VirtualWorld", "EmulationConfig", "parse_rank_list"]
 
@@ -148,6 +152,16 @@ class EmulationConfig:
     output_dir: Path | None = None
     """Where metrics and traces go (None: nothing written)."""
     extra: dict[str, str] = field(default_factory=dict)
+    trace_dir: Path | None = None
+    """Trace capture: write this rank's ops and compute spans per iteration to ``<trace_dir>/rank<R>.trace.json``."""
+    trace_max_iterations: int = 64
+    """Iterations traced (from the first mark); later ones are not recorded, so memory stays bounded."""
+    graph: Path | None = None
+    """Hybrid emulation: an execution graph (`prism graph build`) whose replay gives virtual arrivals."""
+    iteration_marker: IterationMarker = IterationMarker.AUTO
+    """What delimits iterations: explicit `mark_iteration()` calls, optimizer steps, or auto (both)."""
+    faults: tuple[FaultSpec, ...] = ()
+    """Faults and what-ifs (`prism_plugin.faults`): specs or strings like "straggler:ranks=4-7,factor=1.3"."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world, VirtualWorld):
@@ -159,7 +173,7 @@ class EmulationConfig:
                 f"data_policy={self.data_policy!r} is unknown; choose one of "
                 f"{[p.value for p in DataPolicy]}"
             ) from None
-        for name in ("record_dir", "replay_dir", "output_dir"):
+        for name in ("record_dir", "replay_dir", "output_dir", "trace_dir", "graph"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, Path(value))
@@ -178,5 +192,37 @@ class EmulationConfig:
             raise ConfigError("replay_dir is only read with data_policy='recorded'; set both or neither")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ConfigError(f"timeout_s={self.timeout_s!r} must be a positive number of seconds")
+        try:
+            object.__setattr__(self, "iteration_marker", IterationMarker(self.iteration_marker))
+        except ValueError:
+            raise ConfigError(
+                f"iteration_marker={self.iteration_marker!r} is unknown; choose one of "
+                f"{[m.value for m in IterationMarker]}"
+            ) from None
+        m = self.trace_max_iterations
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"trace_max_iterations={m!r} must be a positive integer (iterations to trace)")
+        if self.graph is not None and not self.graph.is_file():
+            raise ConfigError(
+                f"graph={str(self.graph)!r} is not a file; build one with `prism graph build` (or drop --graph)"
+            )
         if not isinstance(self.profile, str) or not self.profile:
             raise ConfigError("profile must be a profile name (e.g. dgx-h100) or a path to a profile YAML")
+        self._check_faults()
+
+    def _check_faults(self) -> None:
+        from prism_plugin.faults import Crash, FaultSet, Hang, Kill, parse_faults
+
+        object.__setattr__(self, "faults", parse_faults(self.faults))
+        FaultSet(self.faults, self.world.world_size, self.world.gpus_per_node)  # ranks in range
+        for spec in self.faults:
+            if isinstance(spec, Hang | Crash) and self.world.is_real(spec.rank):
+                raise ConfigError(
+                    f"fault {spec.to_text()!r}: rank {spec.rank} is a real rank; {spec.kind.value} applies to a "
+                    "virtual rank (to stop a real rank, use kill:rank=R,step=S)"
+                )
+            if isinstance(spec, Kill) and not self.world.is_real(spec.rank):
+                raise ConfigError(
+                    f"fault {spec.to_text()!r}: rank {spec.rank} is virtual; kill stops a real rank's process "
+                    f"(real ranks: {list(self.world.real_ranks)}); for a virtual rank use crash:rank=R,step=S"
+                )

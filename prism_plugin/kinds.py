@@ -56,3 +56,17 @@ class ArrivalAssumption(StrEnum):
 
     SYMMETRIC = "symmetric"  # equals the real rank's own arrival (no execution graph loaded)
     REPLAYED = "replayed"  # from the replay of an execution graph
+
+
+class IterationMarker(StrEnum):
+    """What delimits training iterations (the clock anchor, trace iterations, replayed arrivals).
+
+    EXPLICIT: only `prism_plugin.mark_iteration()` calls (the adapters make them each step).
+    OPTIMIZER_STEP: the end of every ``torch.optim.Optimizer.step()`` (plain scripts; a script with
+        two optimizers stepping each iteration marks twice: use EXPLICIT there).
+    AUTO: optimizer steps until the first explicit `mark_iteration()`, explicit marks from then on.
+    """
+
+    EXPLICIT = "explicit"
+    OPTIMIZER_STEP = "optimizer-step"
+    AUTO = "auto"

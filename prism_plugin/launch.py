@@ -41,6 +41,11 @@ def config_to_env(config: EmulationConfig) -> str:
         "timing": config.timing,
         "timeout_s": config.timeout_s,
         "output_dir": str(config.output_dir) if config.output_dir else None,
+        "trace_dir": str(config.trace_dir) if config.trace_dir else None,
+        "trace_max_iterations": config.trace_max_iterations,
+        "graph": str(config.graph) if config.graph else None,
+        "iteration_marker": config.iteration_marker.value,
+        "faults": [f.to_text() for f in config.faults],
     })
 
 
@@ -55,6 +60,7 @@ def config_from_env(text: str) -> EmulationConfig:
         gpus_per_node=data.pop("gpus_per_node"),
         devices=tuple(devices) if devices is not None else None,
     )
+    data["faults"] = tuple(data.get("faults") or ())
     return EmulationConfig(world=world, **data)
 
 
@@ -103,6 +109,10 @@ def launch(spec: LaunchSpec, *, timeout_s: float | None = None) -> int:
                 alive.remove(p)
                 if rc != 0 and code == 0:
                     code = rc
+                    rank = config.world.real_ranks[procs.index(p)]
+                    why = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+                    print(f"prism run: real rank {rank} (process {procs.index(p)}) ended with {why}; stopping the "
+                          f"other {len(alive)} real rank(s)", file=sys.stderr, flush=True)
                     for other in alive:  # a failed real rank ends the job: never a silent hang
                         other.send_signal(signal.SIGTERM)
             if deadline is not None and time.monotonic() > deadline:

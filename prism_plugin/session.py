@@ -12,6 +12,10 @@ Seams owned here (each explicit, each undone by `deactivate`):
   redirected to `prism`, since a real gloo group would wait forever for absent ranks.
 - `broadcast_object_list` from a virtual source under the mirror policy: the virtual root sends
   what this rank holds (its own objects), so the objects deserialize instead of reading garbage.
+- iteration marks of plain scripts: a global ``torch.optim`` step post-hook marks an iteration at the
+  end of each optimizer step (``iteration_marker`` auto / optimizer-step); explicit
+  `mark_iteration()` calls (the adapters') take over in auto mode. Each mark anchors the clock,
+  closes the traced iteration (``trace_dir``) and restarts the replayed-arrival counts (``graph``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from prism_plugin.comm.recording import Recorder, Replayer
 from prism_plugin.config import ConfigError, EmulationConfig
 from prism_plugin.cost import CostModel, load_profile
 from prism_plugin.cost.model import GroupPlacement
-from prism_plugin.kinds import ArrivalAssumption, DataPolicy, OpKind
+from prism_plugin.kinds import ArrivalAssumption, DataPolicy, IterationMarker, OpKind
 
 __all__ = ["Session", "activate", "deactivate", "current_session", "mark_iteration"]
 
@@ -90,6 +94,44 @@ class Session:
         self._placements: dict[int, GroupPlacement] = {}
         self._costs: dict[tuple[int, OpKind, int, int | None], float] = {}
         self._undo: list[Any] = []
+        self._comm_use: dict[str, list[Any]] = {}  # group name -> [ranks, collective used, p2p peers]
+        # execution-graph layer: trace capture, replayed arrivals, iteration marks
+        self._explicit_marks = False
+        self.tracer = None
+        self.replayed = None
+        if config.trace_dir is not None:
+            from prism_plugin.tracer import Tracer
+
+            self.tracer = Tracer(self.rank, world.world_size, config.trace_dir, config.trace_max_iterations, {
+                "profile": config.profile, "real_ranks": list(world.real_ranks),
+                "data_policy": config.data_policy.value, "iteration_marker": config.iteration_marker.value,
+                "graph": str(config.graph) if config.graph else None,
+            })
+        if config.graph is not None:
+            from prism_plugin.hybrid import load_arrivals
+
+            try:
+                self.replayed = load_arrivals(config.graph, self.cost_model, self.rank, world.real_ranks,
+                                              world.world_size, self.clock, config.faults)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            self.arrivals = ArrivalAssumption.REPLAYED
+        self.faults = None  # faults and what-ifs (prism_plugin.faults), applied per op by comm.collectives
+        if config.faults:
+            from prism_plugin.fault_runtime import LiveFaults
+            from prism_plugin.faults import FaultSet
+
+            self.faults = LiveFaults(FaultSet(config.faults, world.world_size, world.gpus_per_node), self.rank,
+                                     self.clock, config.timeout_s)
+            self.faults.timing = config.timing
+            if self.replayed is not None:  # the graph's replay already delays virtual stragglers' arrivals
+                self.faults.role_of = self.replayed._role
+                self.faults.live_stragglers = False
+        self.op_hooks = None
+        if self.tracer is not None or self.replayed is not None:
+            from prism_plugin.op_hooks import OpHooks
+
+            self.op_hooks = OpHooks(self.replayed, self.tracer, config.timing)
 
     # -- groups -----------------------------------------------------------------------------
     def create_group(self, ranks: Sequence[int] | None, group_name: str | None,
@@ -98,6 +140,7 @@ class Session:
         if not world and self.rank not in ranks:  # type: ignore[operator]
             return None
         vg = VirtualGroup(self, group_name or "", None if world else ranks)
+        vg.desc = group_desc or ""  # type: ignore[attr-defined]  # fault specs select groups by description
         cls = _NoDelegationGroup if world and not _delegation_enabled() else PrismProcessGroup
         pg = cls(vg)
         if group_name is not None:
@@ -139,9 +182,26 @@ class Session:
         self.modelled_comm_s += cost
         return cost
 
-    def count(self, kind: OpKind, size_bytes: int) -> None:
+    def count(self, kind: OpKind, size_bytes: int, vg: VirtualGroup | None = None, peer: int | None = None) -> None:
         self.op_counts[kind] += 1
         self.op_bytes[kind] += size_bytes
+        if vg is not None:  # which communicators NCCL would have created (cost/comm_memory.py)
+            use = self._comm_use.get(vg.name)
+            if use is None:
+                use = self._comm_use[vg.name] = [vg.global_ranks, False, set()]
+            if peer is None:
+                use[1] = True
+            elif peer != self.rank:
+                use[2].add(peer)
+
+    def communicator_memory(self) -> dict[str, Any]:
+        """Modelled NCCL buffer bytes of the groups this rank used (never part of the measured peak)."""
+        from prism_plugin.cost.comm_memory import CommUse, NcclBufferModel
+
+        uses = [CommUse(size=len(ranks), num_nodes=GroupPlacement.from_ranks(ranks, self.gpus_per_node).num_nodes,
+                        collective=collective, p2p_peers=len(peers))
+                for ranks, collective, peers in self._comm_use.values()]
+        return NcclBufferModel().report(uses)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -152,13 +212,44 @@ class Session:
             "data_policy": self.config.data_policy.value,
             "arrivals": self.arrivals.value,
             "arrivals_note": "virtual participants assumed to arrive at each op with this rank "
-            "(no execution graph loaded)" if self.arrivals is ArrivalAssumption.SYMMETRIC else "replayed",
+            "(no execution graph loaded)" if self.arrivals is ArrivalAssumption.SYMMETRIC else
+            f"virtual participants arrive when the replay of execution graph {self.config.graph} says",
             "groups_created": self.groups_created,
             "iterations_marked": self.clock.iteration,
             "op_counts": {k.value: v for k, v in self.op_counts.items()},
             "op_bytes": {k.value: v for k, v in self.op_bytes.items()},
             "modelled_comm_s": round(self.modelled_comm_s, 9),
+            "communicator_memory": self.communicator_memory(),
+            **({"graph": self.replayed.summary()} if self.replayed is not None else {}),
+            **({"trace": self.tracer.summary()} if self.tracer is not None else {}),
+            **({"faults": self._faults_summary()} if self.faults is not None else {}),
         }
+
+    def _faults_summary(self) -> dict[str, Any]:
+        """Live fault report, plus (hybrid) the graph replay's blame chain of this rank's steady step."""
+        assert self.faults is not None
+        out = self.faults.summary()
+        if self.replayed is not None and self.replayed.blame:
+            out["replay_blame"] = self.replayed.blame
+        return out
+
+    # -- iterations ---------------------------------------------------------------------------------
+    def mark_iteration(self, iteration: int | None = None, *, explicit: bool = True) -> None:
+        """Anchor the clock at an iteration start; close the traced iteration; restart replayed counts.
+
+        `explicit=False` is the optimizer-step marker: ignored once an explicit mark was seen (AUTO).
+        """
+        if explicit:
+            self._explicit_marks = True
+        elif self._explicit_marks and self.config.iteration_marker is IterationMarker.AUTO:
+            return
+        self.clock.anchor(iteration)
+        if self.tracer is not None:
+            self.tracer.on_iteration(self.clock.iteration_start_s, self.clock.iteration)
+        if self.replayed is not None:
+            self.replayed.on_iteration()
+        if self.faults is not None:
+            self.faults.on_mark(self.clock.iteration)
 
     # -- process-wide seams ------------------------------------------------------------------------
     def _patch(self, owner: Any, name: str, new: Any) -> None:
@@ -176,6 +267,12 @@ class Session:
 
         self._patch(c10d, "broadcast_object_list", broadcast_object_list)
         self._patch(dist, "broadcast_object_list", broadcast_object_list)
+        # iterations of plain scripts: the end of each optimizer step (IterationMarker)
+        if self.config.iteration_marker is not IterationMarker.EXPLICIT:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            handle = register_optimizer_step_post_hook(lambda *_: self.mark_iteration(explicit=False))
+            self._undo.append((handle, None, None))
         if not _delegation_enabled() or not hasattr(dist.ProcessGroup, "new_group"):
             original_helper = c10d._new_process_group_helper
 
@@ -194,7 +291,10 @@ class Session:
     def uninstall(self) -> None:
         while self._undo:
             owner, name, old = self._undo.pop()
-            setattr(owner, name, old)
+            if name is None:
+                owner.remove()  # a hook handle
+            else:
+                setattr(owner, name, old)
 
     def _queue_object_payloads(self, object_list: list[Any], src: int | None, group: Any,
                                device: Any, group_src: int | None) -> None:
@@ -275,7 +375,7 @@ def mark_iteration(iteration: int | None = None) -> None:
     """Anchor the emulation clock at the start of a training iteration (adapters call this)."""
     if _CURRENT is None:
         raise RuntimeError("prism: mark_iteration() needs an active emulation (prism_plugin.activate)")
-    _CURRENT.clock.anchor(iteration)
+    _CURRENT.mark_iteration(iteration)
 
 
 def deactivate() -> dict[str, Any] | None:
@@ -292,5 +392,7 @@ def deactivate() -> dict[str, Any] | None:
             session.uninstall()
             if session.recorder is not None:
                 session.recorder.close()
+            if session.tracer is not None:
+                session.tracer.close()
             _CURRENT = None
         return session.summary()

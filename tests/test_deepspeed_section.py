@@ -111,13 +111,16 @@ def test_init_distributed_fails_before_any_group(config, exc, message):
     assert not dist.is_initialized() and prism_ds.active() is None
 
 
-def test_init_distributed_refuses_graph_and_process_mismatch(tmp_path, monkeypatch):
+def test_init_distributed_refuses_bad_graph_and_process_mismatch(tmp_path, monkeypatch):
     import prism_plugin.deepspeed as prism_ds
 
     graph = tmp_path / "job.graph"
     graph.write_text("{}")
-    with pytest.raises(NotImplementedError, match="prism.graph"):
+    with pytest.raises(ConfigError, match="cannot be read"):
         prism_ds.init_distributed(_cfg(graph=str(graph)))
+    assert not dist.is_initialized() and prism_ds.active() is None
+    with pytest.raises(ConfigError, match="prism.*trace_iterations|trace_max_iterations"):
+        prism_ds.init_distributed(_cfg(trace=str(tmp_path / "t"), trace_iterations=0))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")  # torchrun started 3 processes, the section lists 2 real ranks
     with pytest.raises(ConfigError, match="lists 2 ranks but the launcher started 3 processes"):

@@ -10,6 +10,13 @@ The emulated rank must compute the real rank's losses bit for bit over 3 steps, 
 tensor-storage bytes (the adapter's deterministic CPU tracker) must equal the real rank's to the byte.
 (The recording run's own memory is not the reference: its inner gloo exchanges allocate visibly on
 the calling thread, where a plain gloo collective's internals are one opaque op to the tracker.)
+
+The real run's peak is not always deterministic: a gloo work that DeepSpeed no longer references may
+still hold its tensors on gloo's own thread for a moment, and when the main thread allocates in that
+moment the real peak rises by that buffer (+896 and +1,408 B seen in ZeRO-2 under load, 2 of 11 cases
+in one of 3 full runs). The emulated rank has no such race. So when the peaks differ, the real run is
+repeated (up to `REAL_RETRIES` more times) and the emulated peak must equal the lowest real peak, the
+one without the transient, and never exceed any real run.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ pytestmark = pytest.mark.slow
 # (ZeRO stage, data-parallel size, the rank replayed): stages 1-3 at DP 2, 3 and 4 (and plain data
 # parallelism, stage 0, at DP 2); the replayed rank varies so that rank 0 is virtual in most cases
 ZERO_CASES = [(0, 2, 1)] + [(stage, dp, (stage + dp) % dp) for stage in (1, 2, 3) for dp in (2, 3, 4)]
+REAL_RETRIES = 2
 
 
 def _jobs(pool, fn, config, n, **kwargs):
@@ -54,7 +62,15 @@ def test_zero_replays_real_rank(ds_pool, tmp_path, stage, dp, rank):
     real, record_dir = _real_and_recording(ds_pool, tmp_path, zero_job, dp, make)
     config = make(real_ranks=[rank], policy="recorded", replay_dir=str(record_dir))
     (emulated,) = ds_pool.run(zero_job, [dict(config=config, process_index=0, store_path=None)])
-    _assert_same(emulated, real[rank])
+    reference = dict(real[rank])
+    peaks = [reference["peak_bytes"]]
+    while emulated["peak_bytes"] != min(peaks) and len(peaks) <= REAL_RETRIES:  # a transient of the real run?
+        again = _jobs(ds_pool, zero_job, make(real_ranks=list(range(dp))), dp, plain_gloo=True)[rank]
+        assert again["losses"] == reference["losses"] and again["live_bytes"] == reference["live_bytes"]
+        peaks.append(again["peak_bytes"])
+    reference["peak_bytes"] = min(peaks)
+    assert emulated["peak_bytes"] <= min(peaks), f"emulated peak above every real run's: {peaks}"
+    _assert_same(emulated, reference)
     assert emulated["dp"] == dp
     assert all(v > 0 for v in emulated["op_counts"].values())
 

@@ -74,8 +74,27 @@ def _launch(
         if session.recorder is not None:
             steps.append(lambda: session.recorder.record(key, outputs))
     cost_s = session.cost_s(kind, size_bytes, vg, peer)
-    session.count(kind, size_bytes)
-    return TimedWork(result, arrival_s, cost_s, inner, _chain(steps))
+    session.count(kind, size_bytes, vg, peer)
+    hooks = session.op_hooks
+    faults = session.faults
+    if hooks is None and faults is None:
+        return TimedWork(result, arrival_s, cost_s, inner, _chain(steps))
+    # needed by the execution-graph layer: replayed virtual arrivals (hybrid emulation) and trace capture
+    effective_s = arrival_s if hooks is None else hooks.arrival(vg, kind, arrival_s, peer)
+    failure = None
+    if faults is not None:  # faults and what-ifs on virtual participants (prism_plugin.faults)
+        effective_s, cost_s, failure = faults.on_op(
+            vg, kind, seq, arrival_s, effective_s, cost_s, peer,
+            device_type=received[0].device.type if received else "cpu",
+            numel=sum(t.numel() for t in received))
+    work = TimedWork(result, effective_s, cost_s, inner, _chain(steps))
+    if faults is not None:
+        faults.issued(work)
+    if failure is not None:
+        work.fail_at(failure, faults.on_raise if faults is not None else None)
+    if hooks is not None:
+        hooks.issued(work, vg, kind, seq, arrival_s, size_bytes, peer)
+    return work
 
 
 def _policy(vg: VirtualGroup) -> DataPolicy:

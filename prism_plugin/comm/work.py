@@ -31,6 +31,12 @@ Finish = Callable[[], None]
 class TimedWork(dist.Work):
     """A handle that completes once its inner works are done, `finish` ran and `deadline_s` passed."""
 
+    trace: Any = None
+    """Trace capture's record of this op (`prism_plugin.tracer.OpRecord`): wait() stamps its wait point."""
+    failure: Any = None
+    """A fault (`prism_plugin.fault_runtime.OpFailure`): wait() raises its error at its time, never completes."""
+    _on_raise: Any = None
+
     def __init__(
         self,
         result: Any,
@@ -99,18 +105,42 @@ class TimedWork(dist.Work):
             if callback is not None:
                 callback(self)
 
+    def fail_at(self, failure: Any, on_raise: Callable[[Any], None] | None = None) -> None:
+        """Make this op fail as a faulty peer makes it fail (a hang times out, a crash raises at once)."""
+        self.failure = failure
+        self._on_raise = on_raise
+
+    def _raise_failure(self, timeout: timedelta | None) -> None:
+        failure = self.failure
+        raise_at = failure.raise_at_s
+        if timeout is not None and timeout.total_seconds() > 0:
+            raise_at = min(raise_at, time.perf_counter() + timeout.total_seconds())
+        sleep_until(raise_at)
+        if self._on_raise is not None:
+            self._on_raise(failure)
+        raise type(failure.error)(*failure.error.args)
+
     def wait(self, timeout: timedelta | None = None) -> bool:
+        if self.failure is not None:
+            self._raise_failure(timeout)
+        rec = self.trace
+        if rec is not None:
+            rec.on_wait()
         if self._lock is not None:
             with self._lock:
                 self._complete_inner()
         if self.deadline_s > 0:
             sleep_until(self.deadline_s)
         self._mark_done()
+        if rec is not None:
+            rec.on_done()
         return True
 
     def is_completed(self) -> bool:
         if self._done:
             return True
+        if self.failure is not None:  # a failed op is never completed; wait() raises its error
+            return False
         if self._inner and not all(w.is_completed() for w in self._inner):
             return False
         if time.perf_counter() < self.deadline_s:
@@ -118,8 +148,12 @@ class TimedWork(dist.Work):
         self.wait()
         return True
 
+    def is_completed_flag(self) -> bool:
+        """Whether wait() (or a completed poll) has finished this work; never blocks, never polls."""
+        return self._done
+
     def is_success(self) -> bool:
-        return self.is_completed()
+        return self.failure is None and self.is_completed()
 
     def exception(self) -> None:
         return None
@@ -136,7 +170,11 @@ class TimedWork(dist.Work):
             return future
 
         def resolve() -> None:
-            self.wait()
+            try:
+                self.wait()
+            except RuntimeError as exc:  # a fault (hang, crash): the future fails as the real backend's does
+                future.set_exception(exc)
+                return
             future.set_result(self._result)
 
         threading.Thread(target=resolve, name="prism-future", daemon=True).start()

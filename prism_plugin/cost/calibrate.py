@@ -29,7 +29,8 @@ Identifiability and conventions (limitations):
   hop count measured) is fixed the same way; if that is not enough the fit refuses.
 - One efficiency and one overhead for every collective: a backend whose ops differ in more than hop
   count and traffic (gloo reduces on the CPU, all_gather only copies) leaves residuals; they are
-  reported per op, never hidden.
+  reported per op, never hidden. ``per_op_factors=True`` (``prism calibrate --per-op``) then fits one
+  transfer multiplier per op on top of the shared fit (`fit_op_factors`).
 
 Pure: stdlib + the cost layer (a small QR least squares, at most 5 unknowns: no numpy); no torch.
 """
@@ -51,6 +52,7 @@ __all__ = [
     "CalibrationFit",
     "Measurement",
     "OpResidual",
+    "fit_op_factors",
     "fit_profile",
     "one_node_placement",
 ]
@@ -192,12 +194,16 @@ def fit_profile(
     gpus_per_node: int,
     link_rates: HardwareProfile | None = None,
     fallback: HardwareProfile | None = None,
+    per_op_factors: bool = False,
 ) -> CalibrationFit:
     """Least-squares fit (relative error) of a profile to `measurements`; see the module doc.
 
     `link_rates`: keep its intra-node bandwidth as the link rate and fit efficiencies against it
     (nccl-tests on a known cluster); None: the fitted rates are the link rates (local backend).
     `fallback`: where parameters no measurement determines come from; None: ties (module doc).
+    `per_op_factors`: after the shared fit, give each measured op its own transfer multiplier
+    (`HardwareProfile.op_transfer_factors`, see `fit_op_factors`), for backends whose ops differ in more than
+    hops and traffic.
     The description gets the residuals and the list of unfitted fields appended.
     Example: ``fit_profile(ms, name="my-cluster", description="...", gpus_per_node=8).profile``.
     """
@@ -243,6 +249,8 @@ def fit_profile(
     not_fitted = tuple(_LABEL[p] for p in (*missing1, *missing2))
     profile = _build_profile(theta, name=name, description=description, gpus_per_node=gpus_per_node,
                              link_rates=link_rates, fallback=fallback if _UE in missing2 else None, notes=notes)
+    if per_op_factors:
+        profile = dataclasses.replace(profile, op_transfer_factors=fit_op_factors(profile, ms))
     model = CostModel(profile)
     predicted = tuple(model.collective_us_placed(m.kind, m.size_bytes, m.placement) for m in ms)
     residuals = _residuals(ms, predicted)
@@ -258,6 +266,30 @@ def fit_profile(
     profile = dataclasses.replace(profile, description=(head + extra).strip())
     return CalibrationFit(profile=profile, measurements=ms, predicted_us=predicted, residuals=residuals,
                           not_fitted=not_fitted)
+
+
+def fit_op_factors(profile: HardwareProfile, measurements: Iterable[Measurement],
+                   *, min_transfer_share: float = 0.5) -> tuple[tuple[str, float], ...]:
+    """Per-op transfer multipliers that make `profile` (whose own factors are ignored) fit `measurements`.
+
+    For each op kind: the median over its measurements of ``(measured - latency) / transfer`` (the model's
+    split), using only measurements where the transfer is at least `min_transfer_share` of the modelled time
+    (else the ratio is mostly noise on the latency); kinds with no such measurement get no factor. Factors
+    within 2% of 1 are dropped. Example: gloo all_gather measured 3x the shared fit at large sizes -> 3.0.
+    """
+    base = CostModel(dataclasses.replace(profile, op_transfer_factors=()))
+    ratios: dict[OpKind, list[float]] = {}
+    for m in measurements:
+        parts = base.breakdown(m.kind, m.size_bytes, m.placement)
+        if parts.transfer_us <= 0 or parts.transfer_us < min_transfer_share * parts.total_us:
+            continue
+        ratios.setdefault(m.kind, []).append(max(m.time_us - parts.latency_us, 0.0) / parts.transfer_us)
+    out = []
+    for kind, rs in sorted(ratios.items(), key=lambda kv: kv[0].value):
+        factor = statistics.median(rs)
+        if factor > 0 and abs(factor - 1.0) > 0.02:
+            out.append((kind.value, round(factor, 4)))
+    return tuple(out)
 
 
 def _fit_stage(

@@ -7,7 +7,8 @@ Conventions:
   all_to_all (it sends size_bytes / n to each peer); the message for send / recv. Barrier ignores it.
 - A group of one rank costs 0 (and so does a send to oneself). Every other op pays a fixed overhead
   (``collective_overhead_us`` or ``p2p_overhead_us``) plus latency and transfer terms.
-- Transfer terms use link rate x ``bus_efficiency`` (collectives) or x ``p2p_efficiency`` (send/recv).
+- Transfer terms use link rate x ``bus_efficiency`` (collectives) or x ``p2p_efficiency`` (send/recv),
+  times the profile's optional per-op ``op_transfer_factors`` (1 for an op not listed).
 - A phase that crosses nodes runs over the NICs of the group's ranks in parallel (one NIC per rank, as
   NCCL's rings/channels use them); the node with the fewest group ranks is the bottleneck. Latency:
   ``intra_node.latency_us`` per hop inside a node, ``inter_node.latency_us`` per hop between nodes.
@@ -134,6 +135,7 @@ class CostModel:
         "_oc",
         "_op",
         "_placement_cached",
+        "_tf",
     )
 
     def __init__(self, profile: HardwareProfile) -> None:
@@ -149,6 +151,10 @@ class CostModel:
         self._ae = profile.inter_node.latency_us
         self._oc = profile.collective_overhead_us
         self._op = profile.p2p_overhead_us
+        # optional per-op transfer multipliers (a backend whose ops differ in more than hops and traffic)
+        self._tf = {OpKind(op): factor for op, factor in profile.op_transfer_factors}
+        if OpKind.SEND in self._tf and OpKind.RECV not in self._tf:
+            self._tf[OpKind.RECV] = self._tf[OpKind.SEND]
         gpus_per_node = profile.gpus_per_node
         self._placement_cached = lru_cache(maxsize=65536)(
             lambda ranks: GroupPlacement.from_ranks(ranks, gpus_per_node)
@@ -222,7 +228,7 @@ class CostModel:
             return 0.0
         gpus_per_node = self._profile.gpus_per_node
         latency_us, transfer_us = self._p2p(size, src // gpus_per_node != dst // gpus_per_node)
-        return latency_us + transfer_us
+        return latency_us + transfer_us * self._tf.get(OpKind.SEND, 1.0)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -254,7 +260,16 @@ class CostModel:
     def _terms(
         self, kind: OpKind, size: int, pl: GroupPlacement, algorithm: Algorithm | None
     ) -> tuple[float, float, Algorithm]:
-        """(latency_us including overhead, transfer_us, algorithm) of one op; validates the algorithm."""
+        """(latency_us including overhead, transfer_us, algorithm) of one op; validates the algorithm.
+        The profile's per-op transfer factor scales the chosen algorithm's transfer term (the choice is made
+        without it)."""
+        latency_us, transfer_us, alg = self._unscaled_terms(kind, size, pl, algorithm)
+        factor = self._tf.get(kind) if self._tf else None
+        return (latency_us, transfer_us * factor, alg) if factor is not None else (latency_us, transfer_us, alg)
+
+    def _unscaled_terms(
+        self, kind: OpKind, size: int, pl: GroupPlacement, algorithm: Algorithm | None
+    ) -> tuple[float, float, Algorithm]:
         if pl.size == 1:
             if kind is OpKind.SEND or kind is OpKind.RECV:
                 raise ValueError(f"{kind.name} needs a group of exactly 2 ranks (src, dst), got 1")

@@ -88,9 +88,15 @@ class HardwareProfile:
     """Fixed cost of one collective (launch, setup, completion), in microseconds, >= 0."""
     p2p_overhead_us: float
     """Fixed cost of one send/recv pair (launch, handshake), in microseconds, >= 0."""
+    op_transfer_factors: tuple[tuple[str, float], ...] = ()
+    """Optional per-op multipliers of the transfer (size-dependent) term, as sorted (op, factor) pairs; YAML:
+    a mapping such as ``{all_gather: 2.9, reduce_scatter: 4.1}``. For backends whose ops differ in more than
+    hop count and traffic (gloo reduces on the CPU, copies all_gather chunks one by one); `prism calibrate
+    --per-op` fits them. An op not listed has factor 1; ``send`` also applies to ``recv``. Empty by default."""
 
     def __post_init__(self) -> None:
         where = f"profile {self.name!r}"
+        object.__setattr__(self, "op_transfer_factors", _op_factors(self.op_transfer_factors, where))
         if not isinstance(self.name, str) or not self.name.strip():
             raise ProfileError(f"`name` must be a non-empty string, got {self.name!r}; e.g. name: my-cluster")
         if not isinstance(self.description, str):
@@ -117,6 +123,31 @@ class HardwareProfile:
             object.__setattr__(self, field_name, float(value))
 
 
+def _op_factors(value: object, where: str) -> tuple[tuple[str, float], ...]:
+    """`op_transfer_factors` as sorted (op, factor) pairs, each op a known OpKind value, each factor > 0."""
+    from prism_plugin.kinds import OpKind
+
+    if value is None:
+        return ()
+    pairs = value.items() if isinstance(value, Mapping) else value
+    try:
+        items = [(str(k), f) for k, f in pairs]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise ProfileError(
+            f"{where}: `op_transfer_factors` must map op names to factors, e.g. {{all_gather: 2.5}}; got {value!r}"
+        ) from None
+    known = [k.value for k in OpKind]
+    out = {}
+    for op, factor in items:
+        if op not in known:
+            close = difflib.get_close_matches(op, known, n=1)
+            hint = f"did you mean `{close[0]}`?" if close else f"known ops: {', '.join(known)}"
+            raise ProfileError(f"{where}: `op_transfer_factors.{op}`: unknown op; {hint}")
+        _check_number(factor, f"op_transfer_factors.{op}", where, allow_zero=False)
+        out[op] = float(factor)
+    return tuple(sorted(out.items()))
+
+
 def _check_number(value: object, field_path: str, where: str, *, allow_zero: bool) -> None:
     """Raise ProfileError unless `value` is a finite number, > 0 (or >= 0 when `allow_zero`)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -131,6 +162,7 @@ def _check_number(value: object, field_path: str, where: str, *, allow_zero: boo
 
 
 _FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(HardwareProfile))
+_OPTIONAL_FIELDS = frozenset({"op_transfer_factors"})  # older profile files do not have them
 
 
 def _profile_from_mapping(data: object, source: str) -> HardwareProfile:
@@ -153,7 +185,7 @@ def _profile_from_mapping(data: object, source: str) -> HardwareProfile:
         for key in _LINK_FIELDS:
             _check_number(raw[key], f"{tier}.{key}", source, allow_zero=key == "latency_us")
         links[tier] = LinkSpec(**{key: raw[key] for key in _LINK_FIELDS})
-    scalars = {key: data[key] for key in _FIELDS if key not in links}
+    scalars = {key: data[key] for key in _FIELDS if key not in links and key in data}
     try:
         return HardwareProfile(**scalars, **links)
     except ProfileError as exc:
@@ -167,7 +199,7 @@ def _check_keys(data: Mapping[Any, Any], expected: tuple[str, ...], prefix: str,
             hint = f"did you mean `{prefix}{close[0]}`?" if close else f"known fields: {', '.join(expected)}"
             raise ProfileError(f"{source}: unknown field `{prefix}{key}`; {hint}")
     for key in expected:
-        if key not in data:
+        if key not in data and key not in _OPTIONAL_FIELDS:
             raise ProfileError(
                 f"{source}: missing field `{prefix}{key}`; add it (see the built-in dgx-h100.yaml for an "
                 "example with units and sources)"
@@ -188,7 +220,16 @@ def profile_from_yaml(text: str, *, source: str = "<string>") -> HardwareProfile
 
 def profile_to_yaml(profile: HardwareProfile) -> str:
     """Serialise a profile to YAML (no comments); `profile_from_yaml` reads it back equal."""
-    return yaml.safe_dump(dataclasses.asdict(profile), sort_keys=False, default_flow_style=False)
+    return yaml.safe_dump(_as_mapping(profile), sort_keys=False, default_flow_style=False)
+
+
+def _as_mapping(profile: HardwareProfile) -> dict[str, Any]:
+    """The profile as plain YAML data: op_transfer_factors as a mapping, left out when empty."""
+    data = dataclasses.asdict(profile)
+    factors = data.pop("op_transfer_factors")
+    if factors:
+        data["op_transfer_factors"] = dict(factors)
+    return data
 
 
 def _builtin_dir() -> Any:
@@ -251,13 +292,18 @@ def override_profile(profile: HardwareProfile, overrides: Mapping[str, object]) 
 
     Example: ``override_profile(p, {"inter_node.bandwidth_gbytes_per_s": 25.0, "bus_efficiency": 0.7})``.
     """
-    data = dataclasses.asdict(profile)
+    data = _as_mapping(profile)
+    data.setdefault("op_transfer_factors", {})
     for dotted, value in overrides.items():
         head, _, tail = dotted.partition(".")
         target = data.get(head)
+        if head == "op_transfer_factors" and tail:  # any op may be added
+            target[tail] = value  # type: ignore[index]
+            continue
         if head not in data or (tail and (not isinstance(target, dict) or tail not in target)):
             valid = [f for f in _FIELDS if f not in ("intra_node", "inter_node")]
             valid += [f"{tier}.{key}" for tier in ("intra_node", "inter_node") for key in _LINK_FIELDS]
+            valid.append("op_transfer_factors.<op>")
             raise ProfileError(f"override: unknown field `{dotted}`; valid fields: {', '.join(valid)}")
         if tail:
             target[tail] = value

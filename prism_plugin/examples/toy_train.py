@@ -4,12 +4,14 @@ It knows nothing of prism: run it for real (``torchrun --nproc-per-node 4 -m
 prism_plugin.examples.toy_train --tp 2``) or emulated at any scale (``prism run --world-size 8192
 --real-ranks 0,4100 -m prism_plugin.examples.toy_train``). Megatron-style layout: ranks
 ``[dp * tp, (dp + 1) * tp)`` form a tensor-parallel group; a column-parallel then a row-parallel
-linear, the row output summed over TP; gradients averaged over DP. Prints what this rank saw.
+linear, the row output summed over TP; gradients averaged over DP. Prints what this rank saw
+(``--json``: one ``TOY_STEP {...}`` JSON line per step, the form the recipe harness's logs keep).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -52,6 +54,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--json", action="store_true",
+                    help="print each step as one JSON line (TOY_STEP {...}) instead of text")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -93,8 +97,14 @@ def main() -> None:
         opt.step()
         reported = loss.detach().clone()
         dist.all_reduce(reported, group=dp_group)
-        print(f"[rank {rank}] step {step} loss {reported.item() / dp:.6f} "
-              f"step_time_ms {1e3 * (time.perf_counter() - t0):.2f}", flush=True)
+        step_time_s = time.perf_counter() - t0
+        if args.json:  # machine-readable: this rank's own loss, the DP-averaged one, the step's wall time
+            print("TOY_STEP " + json.dumps({"rank": rank, "world_size": world, "step": step,
+                                            "loss": loss.item(), "dp_mean_loss": reported.item() / dp,
+                                            "step_time_s": step_time_s}), flush=True)
+        else:
+            print(f"[rank {rank}] step {step} loss {reported.item() / dp:.6f} "
+                  f"step_time_ms {1e3 * step_time_s:.2f}", flush=True)
     dist.barrier()
     dist.destroy_process_group() if os.environ.get("PRISM_CONFIG") is None else None
 

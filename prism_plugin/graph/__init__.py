@@ -1,5 +1,11 @@
 """The pure graph layer: execution-graph schema, builders, symmetric replay, timeline export.
 
+Modules: `schema` (versioned graph format), `layout` (rank grid), `build` (class traces, representatives),
+`rank_trace` (what trace capture writes per real rank), `convert` (rank traces -> class traces -> graph),
+`slicing` (classes and profiling runs for K devices), `fold` + `replay` + `result` (discrete-event replay),
+`steady` (chained iterations, step times, live ranks' arrival tables), `export` (Chrome trace),
+`synthetic` (a Megatron-style 1F1B job).
+
 Example::
 
     from prism_plugin.cost import CostModel, load_profile
@@ -20,9 +26,11 @@ from prism_plugin.graph.build import (
     instantiate_rank,
     representatives,
 )
+from prism_plugin.graph.convert import class_trace, graph_from_rank_traces, group_role, peer_step
 from prism_plugin.graph.export import chrome_trace, write_chrome_trace
 from prism_plugin.graph.fold import Actor, ActorSpace, ReplayMode, fold
 from prism_plugin.graph.layout import AxisSpec, WorldLayout
+from prism_plugin.graph.rank_trace import RankTrace, TracedIteration, TracedOp, load_rank_traces
 from prism_plugin.graph.replay import (
     OpSpan,
     RankBreakdown,
@@ -40,36 +48,55 @@ from prism_plugin.graph.schema import (
     RankOverride,
     rule_class_name,
 )
+from prism_plugin.graph.slicing import Framework, JobLayout, SlicingPlan, make_plan, parse_layout
+from prism_plugin.graph.steady import ArrivalTable, SteadyState, steady_state, unroll
 from prism_plugin.graph.synthetic import GradSync, SyntheticJob, build_1f1b_graph
 
 __all__ = [
     "SCHEMA_VERSION",
     "Actor",
     "ActorSpace",
+    "ArrivalTable",
     "AxisSpec",
     "ClassTrace",
     "ConcreteOp",
     "ExecutionGraph",
+    "Framework",
     "GradSync",
+    "JobLayout",
     "Node",
     "NodeKind",
     "OpSpan",
     "RankBreakdown",
     "RankOverride",
+    "RankTrace",
     "ReplayDeadlock",
     "ReplayMismatch",
     "ReplayMode",
     "ReplayResult",
+    "SlicingPlan",
+    "SteadyState",
     "SyntheticJob",
     "TraceBuilder",
+    "TracedIteration",
+    "TracedOp",
     "WorldLayout",
     "build_1f1b_graph",
     "chrome_trace",
+    "class_trace",
     "fold",
+    "graph_from_rank_traces",
     "graph_from_traces",
+    "group_role",
     "instantiate_rank",
+    "load_rank_traces",
+    "make_plan",
+    "parse_layout",
+    "peer_step",
     "replay",
     "representatives",
     "rule_class_name",
+    "steady_state",
+    "unroll",
     "write_chrome_trace",
 ]

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prism_plugin.cost.model import CostModel
+from prism_plugin.faults import FaultSet, FaultSpec
 from prism_plugin.graph.fold import Actor, ActorSpace, ReplayMode, fold
 from prism_plugin.graph.result import OpSpan, RankBreakdown, ReplayResult
 from prism_plugin.graph.schema import ExecutionGraph, Node, NodeKind
@@ -79,22 +80,25 @@ class _Program:
 
 
 class _Pending:
-    __slots__ = ("count", "ready", "members", "node")
+    __slots__ = ("count", "ready", "members", "node", "last")
 
     def __init__(self, node: Node) -> None:
         self.count = 0
         self.ready = 0.0
+        self.last = -1  # the actor that arrived last (whom the others waited on)
         self.members: list[tuple[int, int]] = []
         self.node = node
 
 
-def _compile(space: ActorSpace, actor: Actor, cost: CostModel, cache: dict[Any, float]) -> _Program:
+def _compile(space: ActorSpace, actor: Actor, cost: CostModel, cache: dict[Any, float],
+             faults: FaultSet | None = None) -> _Program:
     layout = space.layout
     radix = [len(p) for p in space.parts]
     nodes = space.graph.classes[actor.class_name].nodes
     prog = _Program([], [], [], [], [], [], nodes)
     roles: dict[str, tuple[tuple[int, ...], int, Any]] = {}  # role -> (instance, expected, placement)
     channels: dict[tuple[NodeKind, str, int], tuple[tuple[int, ...], float, int]] = {}
+    link_of: dict[str, float] = {}
     for node in nodes:
         kind, key, expected, value = node.kind, None, 0, 0.0
         if kind is NodeKind.COMPUTE:
@@ -118,6 +122,11 @@ def _compile(space: ActorSpace, actor: Actor, cost: CostModel, cache: dict[Any, 
             if value < 0:
                 assert node.op is not None
                 value = cache[ckey] = cost.collective_us_placed(node.op, node.size_bytes, placement)
+            if faults:  # degraded links this instance crosses, seeded jitter per (role, seq)
+                links = link_of.get(node.group)
+                if links is None:
+                    links = link_of[node.group] = faults.link_factor(layout.group_of(actor.rep_rank, node.group))
+                value *= links * faults.jitter(node.group, node.seq)
         else:
             code, expected = _COMM, 2
             chan = channels.get((kind, node.peer_axis, node.peer_offset))
@@ -137,6 +146,11 @@ def _compile(space: ActorSpace, actor: Actor, cost: CostModel, cache: dict[Any, 
             value = cache.get(ckey, -1.0)
             if value < 0:
                 value = cache[ckey] = cost.p2p_us(node.size_bytes, actor.rep_rank, peer_rank)
+            if faults:  # the send and its recv key the same draw: (axis, offset in the send direction, seq)
+                size = layout.axes[layout.axis_index(node.peer_axis)].size
+                off = node.peer_offset % size if kind is NodeKind.SEND else -node.peer_offset % size
+                value *= faults.link_factor((actor.rep_rank, peer_rank)) * faults.jitter(
+                    f"p2p:{node.peer_axis}:{off}", node.seq)
         prog.kinds.append(code)
         prog.value.append(value)
         prog.key.append(key)
@@ -154,6 +168,7 @@ class _Engine:
         self.ready = [[0.0] * len(p.kinds) for p in programs]
         self.start = [[0.0] * len(p.kinds) for p in programs]
         self.end = [[-1.0] * len(p.kinds) for p in programs]
+        self.last = [[-1] * len(p.kinds) for p in programs]  # comm: actor that arrived last (blame)
         self.blocked = [-1] * n  # node index an actor is blocked on, -1 when running or finished
         self.finish = [-1.0] * n
         self.compute = [0.0] * n
@@ -238,8 +253,9 @@ class _Engine:
             )
         pend.count += 1
         pend.members.append((a, i))
-        if t > pend.ready:
+        if t > pend.ready or pend.last < 0:
             pend.ready = t
+            pend.last = a
         if pend.count == prog.expected[i]:
             del self.pending[key]
             channel = key[:-1]
@@ -249,6 +265,7 @@ class _Engine:
             for b, k in pend.members:
                 self.ready[b][k] = pend.ready
                 self.start[b][k] = begin
+                self.last[b][k] = pend.last
             self._schedule(finish, _PRIO_COMM, pend)
 
     def _complete(self, pend: _Pending, t: float) -> None:
@@ -315,11 +332,17 @@ def replay(
     stragglers: Mapping[int, float] | None = None,
     mode: ReplayMode = ReplayMode.AUTO,
     record_events: bool = False,
+    faults: Sequence[FaultSpec] | None = None,
 ) -> ReplayResult:
     """Replay one iteration of `graph` on `cost`'s cluster.
 
     `stragglers` maps a global rank to a slowdown factor of its compute (1.5 = 50% slower); it combines
     with the graph's own overrides. `record_events` keeps the completion order (for tests and debugging).
+    `faults` (`prism_plugin.faults`): stragglers (their `from_step` is ignored: the replay predicts the
+    faulty steady state), degraded links (an op crossing one costs ``cost / bandwidth``; forces
+    `ReplayMode.FULL`, since folding assumes identical placements) and seeded jitter (``exp(sigma z)`` per
+    (group role, seq), the same for every instance, so folding stays exact). Hangs, crashes and kills are
+    live-only (a hang would only turn the replay into a `ReplayDeadlock`).
 
     >>> from prism_plugin.cost import CostModel, load_profile
     >>> from prism_plugin.graph.synthetic import SyntheticJob, build_1f1b_graph
@@ -337,9 +360,17 @@ def replay(
         if factor <= 0:
             raise ValueError(f"stragglers[{rank}]={factor!r} must be > 0 (1.5 = 50% slower)")
         scales[rank] = float(factor)
+    fault_set = None
+    if faults:
+        fault_set = FaultSet(tuple(faults), graph.layout.world_size, cost.profile.gpus_per_node)
+        for spec in fault_set.stragglers:
+            for rank in spec.ranks:
+                scales[rank] = scales.get(rank, 1.0) * spec.factor
+        if fault_set.links:
+            mode = ReplayMode.FULL
     space = fold(graph, cost.profile.gpus_per_node, compute_scale=scales, mode=mode)
     cache: dict[Any, float] = {}
-    programs = [_compile(space, actor, cost, cache) for actor in space.actors]
+    programs = [_compile(space, actor, cost, cache, fault_set) for actor in space.actors]
     engine = _Engine(space, programs, record_events)
     engine.run()
     return ReplayResult(space, engine)

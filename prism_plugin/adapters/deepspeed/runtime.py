@@ -23,8 +23,9 @@ Seams (each installed here and undone by `shutdown`):
   handshake from a virtual previous stage); ZeRO-3: `zero` (its rank-0 consistency broadcasts).
 
 Limitations: one emulation per process at a time; ``dist_backend`` is not used (the inner real groups
-are gloo for CPU tensors, NCCL for CUDA tensors); ``"graph"`` is refused (the session cannot load an
-execution graph yet); MPI discovery is not attempted.
+are gloo for CPU tensors, NCCL for CUDA tensors); MPI discovery is not attempted. ``"graph"`` turns on
+hybrid emulation (virtual participants arrive when the graph's replay says, re-anchored at every
+optimizer step); ``"trace"`` records the real ranks' traces for ``prism graph build``.
 """
 
 from __future__ import annotations
@@ -224,11 +225,6 @@ def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, st
         if _ACTIVE.section.emulation == section.emulation:
             return _ACTIVE  # DeepSpeed scripts may initialise twice
         raise RuntimeError("prism: an emulation with another \"prism\" section is active; call shutdown() first")
-    if section.graph is not None:
-        raise NotImplementedError(
-            '"prism.graph": loading an execution graph into a live session is not implemented yet; remove it '
-            "(virtual participants then arrive with this rank: the symmetric assumption, stated in the summary)"
-        )
     index, launched = _launcher_process()
     if process_index is not None:
         index, launched = process_index, None

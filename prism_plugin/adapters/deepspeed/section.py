@@ -6,13 +6,17 @@ A DeepSpeed config (a dict, or a path to a JSON/HJSON file) turns emulation on w
         "world_size": 8192,              # N, the job's rank count (required)
         "real_ranks": [0, 8191],         # or "0,8191" / "0-3": virtual ranks run by processes 0, 1 (required)
         "profile": "dgx-h100",           # hardware profile name or YAML path (default local-cpu-gloo)
-        "graph": null,                   # execution graph of the full job (not yet usable: refused if set)
+        "graph": null,                   # execution graph (`prism graph build`): hybrid emulation, see below
+        "trace": null,                   # DIR: write each real rank's per-iteration trace (rank<R>.trace.json)
+        "trace_iterations": 64,          # iterations traced
+        "iteration_marker": "auto",      # auto | explicit | optimizer-step: what ends an iteration
         "output": "prism_output",        # where each real rank writes rank<R>.summary.json (default: none)
         "gpus_per_node": 8,              # node layout of the target cluster (default 8)
         "data_policy": "mirror",         # mirror | recorded | zeros (default mirror)
         "record_dir": null,              # recording run: write every payload received here
         "replay_dir": null,              # data_policy "recorded": a recording run's record_dir
         "timing": true,                  # hold each op until its emulated completion time
+        "faults": ["straggler:ranks=4-7,factor=1.3"],   # faults and what-ifs (prism_plugin.faults), optional
         "topology": {"pipe": 4, "data": 2048, "model": 1},   # optional: checked against world_size
         "pipe_activations": {"shape": [2, 64], "dtype": "float32"}   # optional, see below
     }
@@ -47,7 +51,8 @@ __all__ = ["PrismSection", "TensorSpec", "load_ds_config", "parse_section", "SEC
 SECTION_KEY = "prism"
 ALLOWED_KEYS: tuple[str, ...] = (
     "world_size", "real_ranks", "profile", "graph", "output", "gpus_per_node", "data_policy",
-    "record_dir", "replay_dir", "timing", "topology", "pipe_activations",
+    "record_dir", "replay_dir", "timing", "topology", "pipe_activations", "trace", "trace_iterations",
+    "iteration_marker", "faults",
 )
 _TOPOLOGY_AXES = ("pipe", "data", "model")
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
@@ -237,9 +242,18 @@ def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool =
         emulation = EmulationConfig(
             world=world, profile=profile, data_policy=DataPolicy(policy), record_dir=section.get("record_dir"),
             replay_dir=section.get("replay_dir"), timing=timing, output_dir=section.get("output"),
+            graph=graph, trace_dir=section.get("trace"), trace_max_iterations=section.get("trace_iterations", 64),
+            iteration_marker=section.get("iteration_marker", "auto"), faults=section.get("faults") or (),
         )
     except ConfigError as exc:
         raise ConfigError(f'"prism" section: {exc}') from None
+    if graph is not None:
+        from prism_plugin.hybrid import load_job_graph
+
+        try:
+            load_job_graph(Path(graph), world_size)
+        except ValueError as exc:
+            raise ConfigError(f'"prism.graph": {exc}') from None
     return PrismSection(emulation=emulation, topology=topology,
                         pipe_activations=_pipe_activations(section.get("pipe_activations")),
                         graph=Path(graph) if graph is not None else None, ds_config=config)

@@ -3,7 +3,9 @@
     torchrun --nproc-per-node K -m prism_plugin.megatron pretrain_gpt.py <the job's args for N GPUs> \\
         --prism-world-size N --prism-real-ranks r1,...,rK [--prism-profile NAME] [--prism-graph FILE] \\
         [--prism-output DIR] [--prism-gpus-per-node G] [--prism-data-policy mirror|recorded|zeros] \\
-        [--prism-record DIR] [--prism-replay DIR] [--prism-no-timing]
+        [--prism-record DIR] [--prism-replay DIR] [--prism-trace DIR] [--prism-trace-iterations K] \
+        [--prism-iteration-marker auto|explicit|optimizer-step] [--prism-no-timing] \
+        [--prism-fault SPEC ...] [--prism-timeout S]
 
 (or ``prism megatron ...``; without torchrun, K > 1 real ranks are launched as K local processes.)
 
@@ -20,8 +22,15 @@ What it does, in order, before the script runs:
 6. runs the script unmodified as ``__main__``; at exit prints ``PRISM_SUMMARY <json>`` and writes
    ``<output>/rank<R>.summary.json``.
 
-``--prism-graph`` is loaded and validated, but the session does not replay arrivals from it yet:
-virtual participants keep the symmetric assumption, and the summary says so.
+``--prism-graph FILE`` (an execution graph from ``prism graph build``) turns on hybrid emulation: every
+virtual participant arrives at each op when the graph's replay says (re-anchored each iteration, at
+Megatron's optimizer step). ``--prism-trace DIR`` writes each real rank's per-iteration trace (the input
+of ``prism graph build``); ``prism profile`` runs a slicing plan's profiling runs with it.
+
+``--prism-fault SPEC`` (repeatable; `prism_plugin.faults`) injects a fault on virtual participants
+(straggler, link, jitter, hang, crash) or kills a real rank. The collective timeout is the job's own:
+Megatron's ``--distributed-timeout-minutes`` (default 10), unless ``--prism-timeout S`` overrides it, so a
+hung virtual peer surfaces after the time Megatron would wait at scale.
 """
 
 from __future__ import annotations
@@ -33,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +52,9 @@ from prism_plugin.config import ConfigError, EmulationConfig, VirtualWorld, pars
 __all__ = ["PrismFlags", "split_prism_flags", "main"]
 
 _VALUE_FLAGS = ("world-size", "real-ranks", "profile", "graph", "output", "gpus-per-node", "data-policy",
-                "record", "replay")
+                "record", "replay", "trace", "trace-iterations", "iteration-marker", "fault", "timeout")
+_REPEATABLE = ("fault",)  # given several times: joined with ";"
+_MEGATRON_TIMEOUT_MIN = 10.0  # megatron.training.arguments: --distributed-timeout-minutes default
 _BOOL_FLAGS = ("no-timing",)
 
 
@@ -65,15 +75,45 @@ class PrismFlags:
         try:
             world_size = int(v["world-size"])
             gpus_per_node = int(v.get("gpus-per-node", "8"))
+            trace_iterations = int(v.get("trace-iterations", "64"))
         except ValueError as exc:
-            raise ConfigError(f"--prism-world-size / --prism-gpus-per-node must be integers: {exc}") from None
+            raise ConfigError("--prism-world-size / --prism-gpus-per-node / --prism-trace-iterations must be "
+                              f"integers: {exc}") from None
         world = VirtualWorld(world_size=world_size, gpus_per_node=gpus_per_node,
                              real_ranks=parse_rank_list(v["real-ranks"], field_name="--prism-real-ranks"))
         policy = v.get("data-policy", "recorded" if "replay" in v else "mirror")
-        extra = {"graph": v["graph"]} if "graph" in v else {}
+        graph = v.get("graph")
+        if graph is not None and not Path(graph).is_file():
+            raise ConfigError(f"--prism-graph {graph}: no such file; build one with `prism graph build`")
         return EmulationConfig(world=world, profile=v.get("profile", "local-cpu-gloo"), data_policy=policy,
                                record_dir=v.get("record"), replay_dir=v.get("replay"),
-                               timing="no-timing" not in self.switches, output_dir=v.get("output"), extra=extra)
+                               timing="no-timing" not in self.switches, output_dir=v.get("output"),
+                               trace_dir=v.get("trace"), trace_max_iterations=trace_iterations, graph=graph,
+                               iteration_marker=v.get("iteration-marker", "auto"),
+                               faults=tuple(f for f in v.get("fault", "").split(";") if f.strip()),
+                               timeout_s=_timeout_s(v.get("timeout")))
+
+
+def _timeout_s(text: str | None) -> float:
+    if text is None:
+        return _MEGATRON_TIMEOUT_MIN * 60.0
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"--prism-timeout {text!r} must be a number of seconds, e.g. 600") from None
+
+
+def job_timeout_s(script_args: list[str]) -> float | None:
+    """Megatron's ``--distributed-timeout-minutes M`` among the job's arguments, in seconds (None: absent)."""
+    for i, token in enumerate(script_args):
+        name, eq, value = token.partition("=")
+        if name == "--distributed-timeout-minutes":
+            text = value if eq else (script_args[i + 1] if i + 1 < len(script_args) else "")
+            try:
+                return float(text) * 60.0
+            except ValueError:
+                raise ConfigError(f"--distributed-timeout-minutes {text!r} must be a number of minutes") from None
+    return None
 
 
 def split_prism_flags(argv: list[str]) -> tuple[list[str], PrismFlags]:
@@ -103,7 +143,7 @@ def split_prism_flags(argv: list[str]) -> tuple[list[str], PrismFlags]:
                 raise ConfigError(f"--prism-{name} needs a value")
             value = argv[i + 1]
             i += 1
-        values[name] = value
+        values[name] = values[name] + ";" + value if name in _REPEATABLE and name in values else value
         i += 1
     return rest, PrismFlags(values=values, switches=frozenset(switches))
 
@@ -119,7 +159,7 @@ def _check_job(config: EmulationConfig, script_args: list[str], cpu_mode: bool) 
 
 
 def _check_layout(config: EmulationConfig, ns: Any) -> None:
-    """N must fit the job's tp/pp/cp/ep layout; an execution graph must load."""
+    """N must fit the job's tp/pp/cp/ep layout; an execution graph must load and match N."""
     from prism_plugin.topology import MegatronLayout
 
     try:
@@ -129,15 +169,13 @@ def _check_layout(config: EmulationConfig, ns: Any) -> None:
     except ValueError as exc:
         raise ConfigError(f"--prism-world-size {config.world.world_size} does not fit the job's layout: {exc}") \
             from None
-    graph = config.extra.get("graph")
-    if graph is not None:
-        from prism_plugin.graph import ExecutionGraph
+    if config.graph is not None:
+        from prism_plugin.hybrid import load_job_graph
 
-        if not Path(graph).is_file():
-            raise ConfigError(f"--prism-graph {graph}: no such file; pass an execution graph JSON")
-        ExecutionGraph.load(graph)
-        warnings.warn(f"prism: --prism-graph {graph} is valid, but this version does not replay arrivals from "
-                      "it yet: virtual participants arrive with this rank (symmetric)", stacklevel=2)
+        try:
+            load_job_graph(config.graph, config.world.world_size)
+        except ValueError as exc:
+            raise ConfigError(f"--prism-graph: {exc}") from None
 
 
 def _real_store(k: int, process_index: int) -> Any:
@@ -191,6 +229,11 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
     if not script_argv:
         raise ConfigError("name the training script: python -m prism_plugin.megatron pretrain_gpt.py <args>")
     config = flags.to_config()
+    job_timeout = job_timeout_s(script_argv[1:])
+    if job_timeout is not None and "timeout" not in flags.values:  # the job's own collective timeout
+        from dataclasses import replace
+
+        config = replace(config, timeout_s=job_timeout)
     cpu_mode = not torch.cuda.is_available()
     _check_job(config, script_argv[1:], cpu_mode)
     process_index = int(os.environ.get("RANK", "0"))
@@ -222,8 +265,6 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
         summary["memory"] = {"source": "cpu tensor-storage tracker", **tracker.summary()}
     elif torch.cuda.is_available():
         summary["memory"] = {"source": "torch.cuda", "peak_bytes": int(torch.cuda.max_memory_allocated())}
-    if config.extra.get("graph"):
-        summary["graph"] = config.extra["graph"]
     summary["exit_code"] = exit_code
     _write_summary(summary, config.output_dir)
     if exit_code not in (0, None):

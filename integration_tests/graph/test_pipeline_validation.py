@@ -1,0 +1,129 @@
+"""Validation of trace capture, slicing, replay and hybrid emulation against a real 2-stage pipeline run.
+
+One module fixture runs `prism_plugin.examples.pipeline_validation.validate` on the 1F1B example (pp=2,
+8 micro-batches, compute slept: 3/4 ms forward and 6/8 ms backward per micro-batch on stages 0/1, 24 steps,
+the first 3 traced iterations dropped): two real runs (A, B: every rank real, gloo underneath), a probe of
+this machine's transfer time (the profile's p2p overhead is fitted to it), two profiling runs (one real
+rank each, from `prism slice --devices 1`), the graph and its replay, and one hybrid run per stage (that
+rank real, the other virtual and replayed). Then the CLI path: `prism slice`, `prism profile`,
+`prism graph build`, `prism replay --json`.
+
+Tolerances. On a quiet run of this 2-core machine (benchmarks/graph_validation.py; figures in the closing
+note of the execution-graph issue) the real run repeats within ~1% and the errors below are within ~3%.
+The machine is shared, and while other work holds its cores every wake-up of a sleeping process (each
+slept compute span, each transfer) comes late: the real run's steps then scatter by 5-10% (coefficient of
+variation) and runs differ by up to ~15%. The real run cannot be predicted better than it repeats, so
+each bound is a floor plus a multiple of the noise measured here, noise = max(run-to-run difference of
+real runs A and B, coefficient of variation of A's steps): mean errors within FLOOR + 2 x noise (the
+prediction and the real run each off by up to one noise), the worst single step within MAX_FLOOR +
+4 x noise. The mechanism checks (hybrid rank 0 follows the replay, the bubble is emulated) do not depend
+on the real run and keep fixed bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prism_plugin.examples.pipeline_validation import PipelineJob, validate
+from prism_plugin.graph.rank_trace import load_rank_traces
+from prism_plugin.graph.schema import ExecutionGraph
+
+pytestmark = pytest.mark.slow
+
+JOB = PipelineJob(pp=2, microbatches=8, fwd_ms="3,4", bwd_ms="6,8", steps=24, warmup=3, profile_steps=12)
+FLOOR_PCT = 5.0  # quiet-machine errors of the mean are within ~3%; 2 points of margin
+MAX_FLOOR_PCT = 10.0  # the worst of 20 steps
+WAIT_FLOOR_PCT = 3.0  # per-op wait errors, as a share of the step time (quiet: within ~1.5%)
+
+
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = validate(JOB, tmp_path_factory.mktemp("pipeline"))
+    print("\nPIPELINE_VALIDATION " + json.dumps({k: v for k, v in out.items() if k != "hybrid"}))
+    for r, h in out["hybrid"].items():
+        print(f"PIPELINE_VALIDATION hybrid {r} " + json.dumps({k: v for k, v in h.items() if k != "summary"}))
+    return out
+
+
+def _tol(figures: dict, floor: float, k: float = 2.0) -> float:
+    return floor + k * max(figures["real_run_to_run_pct"], figures["real_step_cv_pct"])
+
+
+def test_structure_of_traces_graph_and_hybrid_runs(figures: dict) -> None:
+    assert figures["job"]["steps_compared"] == 20  # 24 steps: 23 traced iterations, 3 dropped
+    graph = ExecutionGraph.load(figures["graph"])
+    assert sorted(graph.classes) == ["pp=0", "pp=1"]
+    for trace in graph.classes.values():
+        kinds = [n.kind.value for n in trace.nodes]
+        assert (kinds.count("send"), kinds.count("recv"), kinds.count("collective")) == (8, 8, 0)
+        assert sum(n.is_async for n in trace.nodes) == 14  # 7 steady-state exchanges of isend + irecv
+    for r, h in figures["hybrid"].items():
+        s = h["summary"]
+        assert s["arrivals"] == "replayed" and h["ops_per_step"] == 16
+        g = s["graph"]
+        # 23 marked iterations x 16 ops replayed; the first step (before the first mark) and the final
+        # barrier (beyond the graph's iteration) keep the symmetric assumption; no op differs in kind
+        assert (g["ops_replayed"], g["ops_before_first_mark"], g["ops_not_in_graph"], g["ops_kind_mismatch"]) \
+            == (23 * 16, 16, 1, 0), r
+
+
+def test_replay_predicts_the_real_step_time(figures: dict) -> None:
+    replay = figures["replay"]
+    assert abs(replay["mean_error_pct"]) <= _tol(figures, FLOOR_PCT), replay
+    assert replay["per_step_mean_error_pct"] <= _tol(figures, FLOOR_PCT), replay
+    assert replay["per_step_max_error_pct"] <= _tol(figures, MAX_FLOOR_PCT, k=4.0), replay
+
+
+def test_hybrid_ranks_reproduce_real_step_time_and_waits(figures: dict) -> None:
+    tol = _tol(figures, FLOOR_PCT)
+    wait_tol = _tol(figures, WAIT_FLOOR_PCT)
+    for r, h in figures["hybrid"].items():
+        assert abs(h["mean_error_pct"]) <= tol, (r, h["mean_error_pct"], tol)
+        assert h["per_step_mean_error_pct"] <= tol, (r, h)
+        assert h["per_step_max_error_pct"] <= _tol(figures, MAX_FLOOR_PCT, k=4.0), (r, h)
+        assert h["wait_mean_abs_error_pct_of_step"] <= wait_tol, (r, h)
+        assert h["wait_total_error_pct_of_step"] <= tol, (r, h)
+
+
+def test_hybrid_rank_follows_the_replayed_virtual_stage(figures: dict) -> None:
+    """Stage 0 is paced by stage 1 (the slower one): alone, with stage 1 virtual, its step is the replay's.
+
+    Without replayed arrivals (the symmetric assumption) it would run at its own compute time, ~35% faster.
+    """
+    h0 = figures["hybrid"]["0"]
+    predicted = figures["predicted_rank_step_ms"]["0"]
+    assert h0["step_ms"] == pytest.approx(predicted, rel=0.03)
+    assert h0["wait_total_ms_hybrid"] > 0.2 * h0["step_ms"]  # the bubble is there: stage 0 waits for stage 1
+
+
+def test_cli_slice_profile_build_replay(figures: dict, tmp_path: Path) -> None:
+    cli = [sys.executable, "-m", "prism_plugin.graph_cli"]
+    plan = tmp_path / "plan.json"
+    subprocess.run([*cli, "slice", "--layout", "pp=2,dp=1", "--devices", "2", "--out", str(plan)], check=True,
+                   capture_output=True)
+    run = subprocess.run([*cli, "profile", "--plan", str(plan), "--out", str(tmp_path / "prof"), "--gpus-per-node",
+                          "2", "-m", "prism_plugin.examples.pipeline_train", "--steps", "5", "--microbatches", "2"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert sorted(t.rank for t in load_rank_traces([tmp_path / "prof"])) == [0, 1]
+    built = tmp_path / "built.graph"
+    profiled = Path(figures["graph"]).parent
+    subprocess.run([*cli, "graph", "build", str(profiled / "profile0"), str(profiled / "profile1"), "--layout",
+                    "pp=2,dp=1", "-o", str(built)], check=True, capture_output=True)
+    out = subprocess.run([*cli, "replay", str(built), "--profile", str(profiled / "calibrated.yaml"), "--json",
+                          "--chrome-trace", str(tmp_path / "t.json"), "--ranks", "0,1"],
+                         check=True, capture_output=True, text=True)
+    pred = json.loads(out.stdout)
+    assert pred["step_us"] / 1e3 == pytest.approx(figures["replay"]["predicted_step_ms"], rel=1e-3)
+    assert set(pred["ranks"]) == {"0", "1"} and pred["num_actors"] == 2
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    for profile_graph in (tmp_path / "prof" / "job.graph",):
+        assert sorted(ExecutionGraph.load(profile_graph).classes) == ["pp=0", "pp=1"]
+    bad = subprocess.run([*cli, "replay", str(built), "--straggler", "7"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "RANK:FACTOR" in bad.stdout + bad.stderr

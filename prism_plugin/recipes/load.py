@@ -1,0 +1,119 @@
+"""Reading recipes from YAML into `prism_plugin.recipes.schema.Recipe`, with errors naming file and field.
+
+Unknown fields get a did-you-mean, missing required ones name the dataclass to read, malformed YAML names
+the line and column, and `load_recipe` also loads every emulation's hardware profile, so a bad profile
+name or path fails before anything runs. Pure: stdlib, pyyaml and the cost layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from prism_plugin.recipes.schema import (
+    Emulation,
+    Layout,
+    ModelSpec,
+    Noise,
+    RealRun,
+    Recipe,
+    RecipeError,
+    Steps,
+    Tolerances,
+)
+
+__all__ = ["load_recipe", "recipe_from_mapping", "recipe_from_yaml"]
+
+_NESTED: dict[str, Any] = {"model": ModelSpec, "layout": Layout, "steps": Steps, "real": RealRun,
+                           "tolerances": Tolerances}
+
+
+def _fields(cls: Any) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "source")
+
+
+def _required(cls: Any) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls)
+                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+
+
+def _build(cls: Any, data: Any, where: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise RecipeError(f"{where} must be a mapping of field: value, got {data!r}")
+    known = _fields(cls)
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean `{close[0]}`?" if close else f"known fields: {', '.join(known)}"
+            raise RecipeError(f"{where}: unknown field `{key}`; {hint}")
+    for key in _required(cls):
+        if key not in data:
+            raise RecipeError(f"{where}: missing field `{key}` (see prism_plugin/recipes/schema.py, {cls.__name__})")
+    kwargs = dict(data)
+    if cls is Tolerances and kwargs.get("noise") is not None:
+        kwargs["noise"] = _build(Noise, kwargs["noise"], f"{where}.noise")
+    if cls is Emulation and kwargs.get("tolerances") is not None:
+        kwargs["tolerances"] = _build(Tolerances, kwargs["tolerances"], f"{where}.tolerances")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
+
+
+def recipe_from_mapping(data: Any, *, source: Path | None = None) -> Recipe:
+    """Build a `Recipe` from parsed YAML (errors name `source` and the field)."""
+    where = str(source) if source is not None else "<recipe>"
+    try:
+        if not isinstance(data, Mapping):
+            raise RecipeError(f"a recipe is a YAML mapping (name:, framework:, ...), got {type(data).__name__}")
+        top = dict(data)
+        for key, cls in _NESTED.items():
+            if key in top:
+                top[key] = _build(cls, top[key], key)
+        if "emulated" in top:
+            emus = top["emulated"]
+            if isinstance(emus, Mapping):
+                emus = [emus]
+            if not isinstance(emus, list):
+                raise RecipeError("emulated must be a list of emulations (name, world_size, runs, ...)")
+            top["emulated"] = tuple(_build(Emulation, e, f"emulated[{i}]") for i, e in enumerate(emus))
+        if "tolerances" not in top:
+            top["tolerances"] = Tolerances()
+        recipe = _build(Recipe, top, "recipe")
+        return dataclasses.replace(recipe, source=source) if source is not None else recipe
+    except RecipeError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
+
+
+def recipe_from_yaml(text: str, *, source: Path | None = None) -> Recipe:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        raise RecipeError(f"{source or '<recipe>'}{at}: malformed YAML ({getattr(exc, 'problem', exc)}); "
+                          "fix the syntax there") from None
+    return recipe_from_mapping(data, source=source)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate ``recipes/X.yaml``; profiles are loaded too, so a bad one fails here."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RecipeError(f"cannot read recipe {str(p)!r} ({exc.strerror or exc}); see `prism recipe list`") from None
+    recipe = recipe_from_yaml(text, source=p.resolve())
+    from prism_plugin.cost.profiles import ProfileError, load_profile
+
+    for emu in recipe.emulated:
+        try:
+            load_profile(recipe.resolve_profile(emu))
+        except ProfileError as exc:
+            raise RecipeError(f"{p}: emulated[{emu.name}].profile: {exc}") from None
+    return recipe
