@@ -1,6 +1,6 @@
 """Run recipes (default: the benchmark tier, the scale recipes) and print one JSON object of their errors.
 
-    .venv/bin/python benchmarks/recipes.py [--tier benchmark|small|ci|all] [--output DIR] [names...]
+    .venv/bin/python benchmarks/recipes.py [--tier benchmark|small|ci|faults|all] [--output DIR] [names...]
 
 Per recipe and emulation: compared ranks, step-time error of the median and of the mean (mean and max of
 |error| over ranks), max |memory error| in bytes, max loss error, pass/fail, wall time; plus the machine's
@@ -25,7 +25,7 @@ from prism_plugin.recipes.runner import RunFailed, run_recipe
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("names", nargs="*", help="recipe names (default: every recipe of --tier)")
-    ap.add_argument("--tier", default="benchmark", choices=["ci", "small", "benchmark", "all"])
+    ap.add_argument("--tier", default="benchmark", choices=["ci", "small", "benchmark", "faults", "all"])
     ap.add_argument("--output", type=Path, default=Path("prism_output") / "recipes")
     ap.add_argument("--timeout", type=float, default=1800.0)
     args = ap.parse_args()
@@ -46,6 +46,7 @@ def main() -> int:
         out["recipes"][recipe.name] = {  # type: ignore[index]
             "passed": result.passed, "wall_s": round(time.monotonic() - t0, 1), "summary": result.summary,
             "load_average_1m": [result.machine[k]["load_average_1m"] for k in ("before", "after")],
+            **({"expectations": [e.to_dict() for e in result.expectations]} if result.expectations else {}),
         }
         print(f"{recipe.name}: {'pass' if result.passed else 'FAIL'}", file=sys.stderr, flush=True)
     if results:

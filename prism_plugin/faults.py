@@ -2,7 +2,8 @@
 
 A fault is written as one compact string, the same on every surface (``prism run --fault``, ``prism replay
 --fault``, ``--prism-fault`` of the Megatron wrapper, ``"faults": [...]`` in the DeepSpeed ``"prism"``
-section; a recipe's ``faults:`` list once the recipe schema carries one)::
+section; a recipe emulation's ``faults:`` list, with ``expect:`` stating what they must produce:
+recipes/fault-*.yaml, recipes/README.md)::
 
     straggler:ranks=4-7,factor=1.3,from_step=2   ranks 4..7 compute 30% slower from step 2 on
                                                  (several sets: ranks=0-3+9, "+" joins them)

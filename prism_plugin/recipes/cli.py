@@ -3,7 +3,7 @@
     prism recipe run recipes/toy-tp2-dp2.yaml [more.yaml ...] [--json out.json] [--output DIR]
     prism recipe run toy-tp2-dp2                       # a name: looked up in ./recipes, then the repo's recipes/
     prism recipe run                                   # the default recipe, DEFAULT_RECIPE
-    prism recipe list [--tier ci|benchmark]
+    prism recipe list [--tier ci|small|benchmark|faults]
     prism recipe check recipes/*.yaml                  # validate only
     prism recipe noise recipes/toy-tp2-dp2.yaml --repeats 5
 
@@ -23,7 +23,7 @@ from rich.table import Table
 
 from prism_plugin.recipes.load import load_recipe
 from prism_plugin.recipes.programs import PACKAGE_DIR
-from prism_plugin.recipes.schema import Recipe, RecipeError
+from prism_plugin.recipes.schema import Recipe, RecipeError, Tier
 
 __all__ = ["DEFAULT_RECIPE", "add_recipe_parser", "find_recipe", "recipe_dirs"]
 
@@ -61,7 +61,7 @@ def _progress() -> Progress:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from prism_plugin.recipes.report import plot_recipe, result_table, write_index, write_summary
+    from prism_plugin.recipes.report import expect_table, plot_recipe, result_table, write_index, write_summary
     from prism_plugin.recipes.runner import RunFailed, run_recipe
 
     names = args.recipes or [DEFAULT_RECIPE]
@@ -89,7 +89,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 continue
         plots = [] if args.no_plots else plot_recipe(result)
         summary = write_summary(result, plots)
-        console.print(result_table(result))
+        if result.comparisons:
+            console.print(result_table(result))
+        expectations = expect_table(result)
+        if expectations is not None:
+            console.print(expectations)
         console.print(f"report: {summary}")
         results.append(result)
     if len(results) > 1:
@@ -197,7 +201,7 @@ def add_recipe_parser(subparsers: Any) -> None:
                      help="run the real/emulated sequence this many times, interleaved (default: the recipe's)")
     run.set_defaults(func=_cmd_run)
     lst = sub.add_parser("list", help="list the recipes (./recipes and the repository's recipes/)")
-    lst.add_argument("--tier", choices=["ci", "small", "benchmark"], default=None)
+    lst.add_argument("--tier", choices=[t.value for t in Tier], default=None)
     lst.set_defaults(func=_cmd_list)
     chk = sub.add_parser("check", help="validate recipe files without running them")
     chk.add_argument("recipes", nargs="+")

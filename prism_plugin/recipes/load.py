@@ -17,6 +17,7 @@ import yaml
 
 from prism_plugin.recipes.schema import (
     Emulation,
+    Expect,
     Layout,
     ModelSpec,
     Noise,
@@ -59,6 +60,8 @@ def _build(cls: Any, data: Any, where: str) -> Any:
         kwargs["noise"] = _build(Noise, kwargs["noise"], f"{where}.noise")
     if cls is Emulation and kwargs.get("tolerances") is not None:
         kwargs["tolerances"] = _build(Tolerances, kwargs["tolerances"], f"{where}.tolerances")
+    if cls is Emulation and kwargs.get("expect") is not None:
+        kwargs["expect"] = _build(Expect, kwargs["expect"], f"{where}.expect")
     try:
         return cls(**kwargs)
     except TypeError as exc:

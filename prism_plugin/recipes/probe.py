@@ -30,7 +30,9 @@ What it measures, identically in real and emulated runs (so the two compare like
   look inside; nor are the copies a recording run keeps of every received payload. Both runs
   therefore count the program's own tensors.
 - **Modelled communication**: under an emulation, the session's modelled communication time per
-  step (`Session.modelled_comm_s` at each step end), so scale recipes can subtract it.
+  step (`Session.modelled_comm_s` at each step end), so scale recipes can subtract it; with faults, the
+  extra cost that degraded links and jitter add to it (``fault_extra_comm_s``, from
+  `prism_plugin.fault_runtime.LiveFaults.extra_comm_s`; None without faults).
 - **Loss**: the value of the first one-element root with an implicit (or one-element) gradient handed
   to autograd's engine in each step (``loss.backward()``, ``torch.autograd.backward(loss)``,
   Megatron's ``custom_backward`` on the last stage): a rank whose backward starts from received
@@ -168,6 +170,8 @@ class Probe:
         self.losses: list[float | None] = []
         self.modelled_comm_s: list[float | None] = []
         """The emulation session's cumulative modelled communication at each step end (None: no session)."""
+        self.fault_comm_s: list[float | None] = []
+        """The extra communication cost of link and jitter faults, cumulative at each step end (None: no faults)."""
         self._progress: Path | None = None
         self._pending_loss: float | None = None
         self._first_optimizer: int | None = None
@@ -278,6 +282,8 @@ class Probe:
         self.step_ends_s.append(end_s)
         session = _prism_session()
         self.modelled_comm_s.append(None if session is None else float(session.modelled_comm_s))
+        faults = getattr(session, "faults", None)
+        self.fault_comm_s.append(None if faults is None else float(faults.extra_comm_s))
         self.losses.append(self._pending_loss)
         self._pending_loss = None
         if self.tracker is not None:
@@ -316,7 +322,7 @@ class Probe:
         """The metrics document (`METRICS_SCHEMA`)."""
         self._capture_rank()
         steps = []
-        comm = self.modelled_comm_s
+        comm, extra = self.modelled_comm_s, self.fault_comm_s
         for i, end in enumerate(self.step_ends_s):
             steps.append({
                 "index": i,
@@ -324,6 +330,8 @@ class Probe:
                 "duration_s": None if i == 0 else round(end - self.step_starts_s[i - 1], 9),
                 "modelled_comm_s": None if i == 0 or comm[i] is None or comm[i - 1] is None
                 else round(comm[i] - comm[i - 1], 9),
+                "fault_extra_comm_s": None if i == 0 or extra[i] is None or extra[i - 1] is None
+                else round(extra[i] - extra[i - 1], 9),
                 "peak_bytes": self.step_peaks[i],
                 "live_bytes": self.step_live[i],
                 "loss": self.losses[i],

@@ -15,6 +15,10 @@ Every process runs the recipe's program unmodified under the metrics probe
   ``prism_plugin.deepspeed.init_distributed(config)``): k processes; the ds_config written next to the
   run carries a ``"prism"`` section for emulations and none for a plain real run.
 
+An emulation's `faults` travel as ``prism run --fault SPEC`` (torch), ``--prism-fault SPEC`` (megatron) or
+the section's ``"faults": [...]`` (deepspeed), each repeated per spec; its `timeout_s` as ``--timeout`` /
+``--prism-timeout`` (a DeepSpeed program sets its own).
+
 Derived numbers: dp = world_size / (tp x pp x cp); Megatron's global batch = micro x
 microbatches_per_step x dp, DeepSpeed's train_batch_size likewise, so every replica does the same work
 whatever N is.
@@ -208,11 +212,13 @@ def emulation_plan(recipe: Recipe, emu: Emulation, index: int, out: Path, replay
     policy = emu.data_policy
     return _prism_plan(recipe, f"{emu.name}/run{index}", out, emu.world_size, emu.runs[index],
                        profile=recipe.resolve_profile(emu), gpus_per_node=emu.gpus_per_node, policy=policy,
-                       record_dir=None, replay_dir=replay_dir if policy is DataPolicy.RECORDED else None)
+                       record_dir=None, replay_dir=replay_dir if policy is DataPolicy.RECORDED else None,
+                       faults=emu.faults, timeout_s=emu.timeout_s)
 
 
 def _prism_plan(recipe: Recipe, label: str, out: Path, world_size: int, ranks: tuple[int, ...], *, profile: str,
-                gpus_per_node: int, policy: DataPolicy, record_dir: Path | None, replay_dir: Path | None) -> RunPlan:
+                gpus_per_node: int, policy: DataPolicy, record_dir: Path | None, replay_dir: Path | None,
+                faults: tuple[str, ...] = (), timeout_s: float | None = None) -> RunPlan:
     probe_dir, summary_dir = out / "metrics", out / "prism"
     kind = "real" if label == "real" else "emulated"
     k = len(ranks)
@@ -225,6 +231,9 @@ def _prism_plan(recipe: Recipe, label: str, out: Path, world_size: int, ranks: t
             cmd += ["--record", str(record_dir)]
         if replay_dir is not None:
             cmd += ["--replay", str(replay_dir)]
+        cmd += [arg for f in faults for arg in ("--fault", f)]
+        if timeout_s is not None:
+            cmd += ["--timeout", f"{timeout_s:g}"]
         cmd += ["-m", "prism_plugin.recipes.probe", *toy_args(recipe)]
         procs: tuple[ProcessSpec, ...] = (
             ProcessSpec(argv=tuple(cmd), env=_env(kind, probe_dir), log=out / "launcher.log"),)
@@ -237,6 +246,9 @@ def _prism_plan(recipe: Recipe, label: str, out: Path, world_size: int, ranks: t
             flags += ["--prism-record", str(record_dir)]
         if replay_dir is not None:
             flags += ["--prism-replay", str(replay_dir)]
+        flags += [arg for f in faults for arg in ("--prism-fault", f)]
+        if timeout_s is not None:
+            flags += ["--prism-timeout", f"{timeout_s:g}"]
         target = ["-m", "prism_plugin.megatron", str(MEGATRON_SCRIPT), *megatron_args(recipe, world_size), *flags]
     else:
         section: dict[str, object] = {"world_size": world_size, "real_ranks": list(ranks), "profile": profile,
@@ -246,6 +258,8 @@ def _prism_plan(recipe: Recipe, label: str, out: Path, world_size: int, ranks: t
             section["record_dir"] = str(record_dir)
         if replay_dir is not None:
             section["replay_dir"] = str(replay_dir)
+        if faults:
+            section["faults"] = list(faults)
         if recipe.layout.pp > 1 and policy is DataPolicy.MIRROR:
             # what a stage receives from a virtual previous stage: one activation micro-batch
             section["pipe_activations"] = {"shape": [recipe.model.micro_batch_size, recipe.model.hidden_size],

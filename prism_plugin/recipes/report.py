@@ -20,7 +20,7 @@ from rich.table import Table
 
 from prism_plugin.recipes.runner import RecipeResult
 
-__all__ = ["plot_recipe", "result_table", "write_index", "write_summary"]
+__all__ = ["expect_table", "plot_recipe", "result_table", "write_index", "write_summary"]
 
 
 def _ms(x: float | None) -> str:
@@ -68,6 +68,22 @@ def result_table(result: RecipeResult) -> Table:
     tols = "; ".join(f"{e.name}: {_tol_text(r.tolerances_for(e))}" for e in r.emulated)
     table.caption = (f"tolerances {tols}. Steps {r.steps.total} ({r.steps.warmup} warm-up); "
                      f"load average {result.machine.get('before', {}).get('load_average_1m')}")
+    return table
+
+
+def expect_table(result: RecipeResult) -> Table | None:
+    """One row per fault expectation (`prism_plugin.recipes.expect`); None when the recipe states none."""
+    if not result.expectations:
+        return None
+    verdict = "PASS" if result.passed else "FAIL"
+    table = Table(title=f"recipe {result.recipe.name}: what the faults must produce ({verdict})")
+    for c in ("emulation", "rank", "check", "expected", "measured", "verdict"):
+        table.add_column(c)
+    for e in result.expectations:
+        table.add_row(e.emulation, "run" if e.rank is None else str(e.rank), e.check, e.expected, e.measured,
+                      _verdict(e.passed))
+    faults = "; ".join(f"{emu.name}: {', '.join(emu.faults)}" for emu in result.recipe.emulated if emu.faults)
+    table.caption = f"faults {faults}"
     return table
 
 
@@ -223,10 +239,21 @@ def write_summary(result: RecipeResult, plots: Sequence[Path]) -> Path:
         lines.append(f"- emulation `{emu.name}`: N={emu.world_size}, runs {[list(x) for x in emu.runs]}, profile "
                      f"`{emu.profile}`, policy {emu.data_policy.value}, vs {emu.compare_with}"
                      + (", step time adjusted by modelled communication" if emu.step_time_adjust.value != "none"
-                        else "") + ("" if emu.tolerances is None else f"; tolerances {_tol_text(emu.tolerances)}"))
-    lines += ["", *_md_rows(result), ""]
+                        else "") + ("" if emu.tolerances is None else f"; tolerances {_tol_text(emu.tolerances)}")
+                     + (f"; faults `{'`, `'.join(emu.faults)}`" if emu.faults else "")
+                     + ("" if emu.timeout_s is None else f"; timeout {emu.timeout_s:g} s"))
+    lines += ["", *(_md_rows(result) if result.comparisons else ["(nothing compared: every emulation was expected "
+                                                                 "to fail)"]), ""]
+    if result.expectations:
+        lines += ["## Fault expectations", "", "| emulation | rank | check | expected | measured | pass |",
+                  "|" + "---|" * 6]
+        lines += [f"| {e.emulation} | {'run' if e.rank is None else e.rank} | {e.check} | {e.expected} | "
+                  f"{e.measured} | {'yes' if e.passed else 'NO'} |" for e in result.expectations]
+        lines.append("")
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    elif not result.comparisons:
+        lines += ["(no plots: nothing compared)", ""]
     else:
         lines += ["(plots skipped: install the `reports` extra for matplotlib)", ""]
     lines += ["## Per-rank metrics and Chrome traces (open in chrome://tracing or ui.perfetto.dev)", ""]
@@ -262,6 +289,11 @@ def write_index(results: Sequence[RecipeResult], folder: Path) -> Path:
                 f"{100 * s['step_error_mean_mean']:.1f}% / {100 * s['step_error_mean_max']:.1f}% | "
                 f"{_bytes(s['memory_error_bytes_max'])} | {loss} | "
                 f"{'report' if tol is None else f'{100 * tol:.0f}%'} | {'yes' if s['passed'] else 'NO'} |")
+    checks = [(r, e) for r in results for e in r.expectations]
+    if checks:
+        lines += ["", "| recipe | emulation | rank | check | measured | pass |", "|" + "---|" * 6]
+        lines += [f"| {r.recipe.name} | {e.emulation} | {'run' if e.rank is None else e.rank} | {e.check} | "
+                  f"{e.measured} | {'yes' if e.passed else 'NO'} |" for r, e in checks]
     if plot is not None:
         lines += ["", f"![errors]({plot.name})"]
     path = folder / "index.md"

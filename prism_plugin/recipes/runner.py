@@ -8,7 +8,11 @@
     result.json                                                comparisons, summary, machine load
 
 Processes are started in their own process groups, so a failed or timed-out run is stopped whole
-(launchers and their children) and reported with the tail of its log. `measure_noise` repeats the
+(launchers and their children) and reported with the tail of its log. An emulation whose `expect`
+states a failure (a hang, crash or kill fault) is run by `execute_failing` instead: its failure is
+checked (`prism_plugin.recipes.expect`), not raised, and it has no figures to compare; one that does
+not fail in time fails the recipe. Figure expectations (straggler waits, modelled-communication
+factors) are checked after every run, and `RecipeResult.passed` needs them too. `measure_noise` repeats the
 real run to measure its run-to-run noise (``prism recipe noise``).
 
 Limitations: one machine; on a machine with fewer cores than processes, step times depend on the
@@ -32,10 +36,11 @@ from typing import Any
 
 from prism_plugin.kinds import DataPolicy
 from prism_plugin.recipes.compare import Comparison, RankFigures, compare, noise_spread, rank_figures, summarise
+from prism_plugin.recipes.expect import ExpectCheck, FailedRun, check_failure, check_figures
 from prism_plugin.recipes.programs import RunPlan, emulation_plan, logged_first_loss, real_plan
 from prism_plugin.recipes.schema import Recipe
 
-__all__ = ["RecipeResult", "RunFailed", "RunOutcome", "execute", "measure_noise", "run_recipe"]
+__all__ = ["RecipeResult", "RunFailed", "RunOutcome", "execute", "execute_failing", "measure_noise", "run_recipe"]
 
 Progress = Callable[[str, int, int], None]
 """progress(label, steps done, steps expected) (called while runs are going)."""
@@ -66,10 +71,12 @@ class RecipeResult:
     comparisons: list[Comparison]
     summary: dict[str, Any]
     machine: dict[str, Any] = field(default_factory=dict)
+    expectations: list[ExpectCheck] = field(default_factory=list)
+    """What the emulations' faults had to produce (`prism_plugin.recipes.expect`), one row per check."""
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.comparisons)
+        return all(c.passed for c in self.comparisons) and all(e.passed for e in self.expectations)
 
     def to_dict(self) -> dict[str, Any]:
         r = self.recipe
@@ -85,6 +92,7 @@ class RecipeResult:
                                                                     "measured_on": tol.noise.measured_on}},
             "summary": self.summary,
             "comparisons": [c.to_dict() for c in self.comparisons],
+            "expectations": [e.to_dict() for e in self.expectations],
             "runs": {label: [{"label": o.label, "wall_s": round(o.wall_s, 3), "folder": str(o.folder),
                               "ranks": sorted(o.docs)} for o in outs] for label, outs in self.outcomes.items()},
             "figures": {label: {str(rank): {"median_step_s": f.median_step_s, "mean_step_s": f.mean_step_s,
@@ -162,10 +170,7 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def execute(plans: Sequence[RunPlan], *, steps_total: int, timeout_s: float,
-            progress: Progress | None = None) -> list[RunOutcome]:
-    """Start every process of every plan at once, wait for all; RunFailed on an error or the timeout."""
-    started: list[tuple[RunPlan, subprocess.Popen[bytes], Path]] = []
+def _prepare(plans: Sequence[RunPlan]) -> None:
     for plan in plans:
         folder = plan.probe_dir.parent
         if folder.exists():
@@ -173,14 +178,44 @@ def execute(plans: Sequence[RunPlan], *, steps_total: int, timeout_s: float,
         folder.mkdir(parents=True)
         for path, text in plan.files.items():
             Path(path).write_text(text)
+
+
+def _start(plans: Sequence[RunPlan], started: list[tuple[RunPlan, subprocess.Popen[bytes], Path]]) -> None:
+    for plan in plans:
+        for spec in plan.processes:
+            with open(spec.log, "wb") as log:
+                proc = subprocess.Popen(list(spec.argv), env={**os.environ, **spec.env}, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+            started.append((plan, proc, spec.log))
+
+
+def execute_failing(plans: Sequence[RunPlan], *, within_s: float) -> FailedRun:
+    """Start every process of every plan at once (a run whose faults must make it fail) and wait until all have
+    ended or `within_s` has passed (then stop them); how they ended, for `check_failure`."""
+    started: list[tuple[RunPlan, subprocess.Popen[bytes], Path]] = []
+    _prepare(plans)
     t0 = time.monotonic()
     try:
-        for plan in plans:
-            for spec in plan.processes:
-                with open(spec.log, "wb") as log:
-                    proc = subprocess.Popen(list(spec.argv), env={**os.environ, **spec.env}, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-                started.append((plan, proc, spec.log))
+        _start(plans, started)
+        while any(p.poll() is None for _, p, _ in started) and time.monotonic() - t0 <= within_s:
+            time.sleep(0.05)
+        wall = time.monotonic() - t0
+        codes = tuple(p.poll() for _, p, _ in started)
+    finally:
+        _stop([p for _, p, _ in started])
+    output = "\n".join(f"==> {log} <==\n{_tail(log, 10**6)}" for _, _, log in started)
+    return FailedRun(label=" + ".join(p.label for p in plans), wall_s=wall, exit_codes=codes, output=output,
+                     logs=tuple(str(log) for _, _, log in started))
+
+
+def execute(plans: Sequence[RunPlan], *, steps_total: int, timeout_s: float,
+            progress: Progress | None = None) -> list[RunOutcome]:
+    """Start every process of every plan at once, wait for all; RunFailed on an error or the timeout."""
+    started: list[tuple[RunPlan, subprocess.Popen[bytes], Path]] = []
+    _prepare(plans)
+    t0 = time.monotonic()
+    try:
+        _start(plans, started)
         expected = sum(len(p.ranks) for p in plans) * steps_total
         label = " + ".join(p.label for p in plans)
         while True:
@@ -243,6 +278,15 @@ def _figures(recipe: Recipe, label: str, outcomes: Sequence[RunOutcome]) -> dict
                                where=f"{recipe.name}: run {label}") for rank, ds in docs.items()}
 
 
+def _per_rank(maps: Any) -> dict[int, list[dict[str, Any]]]:
+    """rank -> its documents over runs and repeats (in run order)."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for m in maps:
+        for rank, doc in m.items():
+            out.setdefault(rank, []).append(doc)
+    return out
+
+
 def run_recipe(recipe: Recipe, output: Path, *, timeout_s: float = 900.0, repeats: int | None = None,
                progress: Progress | None = None) -> RecipeResult:
     """The real run, each emulation, the comparisons; writes ``output/result.json``.
@@ -260,6 +304,7 @@ def run_recipe(recipe: Recipe, output: Path, *, timeout_s: float = 900.0, repeat
     foreign = ForeignCpu()
     needs_recording = any(e.data_policy is DataPolicy.RECORDED for e in recipe.emulated)
     outcomes: dict[str, list[RunOutcome]] = {"real": [], **{e.name: [] for e in recipe.emulated}}
+    checks: list[ExpectCheck] = []
     for rep in range(repeats):
         base = output if repeats == 1 else output / f"repeat{rep}"
         real_dir = base / "real"
@@ -269,15 +314,24 @@ def run_recipe(recipe: Recipe, output: Path, *, timeout_s: float = 900.0, repeat
         for emu in recipe.emulated:
             plans = [emulation_plan(recipe, emu, i, base / emu.name / f"run{i}", record_dir)
                      for i in range(len(emu.runs))]
+            if emu.expects_failure:  # its faults must make it fail: not an error, and nothing to compare
+                assert emu.expect is not None and emu.expect.within_s is not None
+                checks.append(check_failure(emu, execute_failing(plans, within_s=min(emu.expect.within_s,
+                                                                                     timeout_s))))
+                continue
             outcomes[emu.name] += execute(plans, steps_total=recipe.steps.total, timeout_s=timeout_s,
                                           progress=progress)
     machine["after"] = _machine()
     machine["foreign_cpu_cores"] = foreign.cores()
     machine["repeats"] = repeats
-    figures = {label: _figures(recipe, label, outs) for label, outs in outcomes.items()}
+    figures = {label: _figures(recipe, label, outs) for label, outs in outcomes.items() if outs}
     comparisons = compare(recipe, figures)
+    summaries = {label: _per_rank(o.summaries for o in outs) for label, outs in outcomes.items()}
+    docs = {label: _per_rank(o.docs for o in outs) for label, outs in outcomes.items()}
+    for emu in recipe.emulated:
+        checks += check_figures(recipe, emu, summaries, docs)
     result = RecipeResult(recipe=recipe, output=output, outcomes=outcomes, figures=figures, comparisons=comparisons,
-                          summary=summarise(comparisons), machine=machine)
+                          summary=summarise(comparisons), machine=machine, expectations=checks)
     (output / "result.json").write_text(json.dumps(result.to_dict(), indent=2))
     return result
 

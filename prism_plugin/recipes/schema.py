@@ -33,6 +33,11 @@ Semantics:
   tighter than the run-to-run noise of the real run recorded in `noise` (``prism recipe noise``
   measures it); loss relative error (0: exact, the recorded data policy), or null to report only.
 
+- Faults: an emulation's `faults` (`prism_plugin.faults` specs, checked against its world size) go to its
+  run as ``--fault`` / ``--prism-fault`` / the DeepSpeed section's ``"faults"``; its `expect` (`Expect`)
+  states what they must produce: a failure (error text, within a time) or figures (who is waited on and
+  how long, how much the modelled communication grows), checked by `prism_plugin.recipes.expect`.
+
 Reading YAML: `prism_plugin.recipes.load` (`load_recipe`). Pure: stdlib and the cost layer.
 """
 
@@ -46,11 +51,12 @@ from pathlib import Path
 from typing import Any
 
 from prism_plugin.config import ConfigError
+from prism_plugin.faults import FaultSet, parse_faults
 from prism_plugin.kinds import DataPolicy
 
 __all__ = [
-    "Emulation", "Framework", "Layout", "ModelSpec", "Noise", "RealLauncher", "RealRun", "Recipe", "RecipeError",
-    "StepAdjust", "Steps", "Tier", "Tolerances",
+    "Emulation", "Expect", "Framework", "Layout", "ModelSpec", "Noise", "RealLauncher", "RealRun", "Recipe",
+    "RecipeError", "StepAdjust", "Steps", "Tier", "Tolerances",
 ]
 
 
@@ -78,6 +84,7 @@ class Tier(StrEnum):
     CI = "ci"  # small, and run by CI's integration tests (their total time is budgeted)
     SMALL = "small"  # small CPU recipe (well under a minute or two here), run by hand: not in CI's time budget
     BENCHMARK = "benchmark"  # scale recipes: run by the benchmark (benchmarks/recipes.py), not in CI
+    FAULTS = "faults"  # fault demonstrations (recipes/fault-*.yaml): integration_tests/recipes/test_fault_recipes.py
 
 
 def _positive_int(value: Any, where: str, *, zero: bool = False) -> int:
@@ -198,6 +205,92 @@ class RealRun:
         object.__setattr__(self, "launcher", _enum(RealLauncher, self.launcher, "real.launcher"))
 
 
+def _range(value: Any, where: str) -> tuple[float, float]:
+    if isinstance(value, str) or not isinstance(value, list | tuple) or len(value) != 2:
+        raise RecipeError(f"{where} must be a [low, high] pair of numbers, got {value!r}")
+    low, high = (_fraction(v, where) for v in value)
+    if low > high:
+        raise RecipeError(f"{where}: low {low:g} is above high {high:g}; write [low, high]")
+    return low, high
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Expect:
+    """What an emulation's `faults` must produce; `prism_plugin.recipes.expect` checks it after the run.
+
+    Either a failure (hang, crash, kill: the run must fail, quickly, with the backend's error)::
+
+        expect: {failure: "Timed out waiting 3000ms", within_s: 25, after_s: 3}
+
+    or figures of a run that completes, on every compared emulated rank (straggler, link, jitter)::
+
+        expect: {blame_root: 1, wait_rel: [1, 3], from_step: 3}       # straggler: who is waited on, how long
+        expect: {comm_factor: [3.99, 4.01]}                            # link: comm per step with / without it
+        expect: {comm_factor: [0.4, 2.5], min_comm_spread: 0.1}        # jitter: it varies from step to step
+    """
+
+    failure: str | None = None
+    """Text the run's output must contain; the run must exit non-zero (no metrics are compared)."""
+    within_s: float | None = None
+    """With `failure` (required): every process must have ended this many seconds after the start (the run is
+    stopped then: a hang that never raises fails the recipe instead of blocking it)."""
+    after_s: float = 0.0
+    """With `failure`: the run must not end earlier (a hang raises only after the job's timeout)."""
+    blame_root: int | None = None
+    """The rank every delayed step's blame chain (the compared rank's ``faults`` summary) must end at."""
+    wait_ms: tuple[float, float] | None = None
+    """[low, high]: the median, over measured steps >= from_step, of the per-step wait on `blame_root` (ms)."""
+    wait_rel: tuple[float, float] | None = None
+    """[low, high]: that median wait / the reference run's median step time (a machine's speed cancels out:
+    a straggler of factor f costs about (f - 1) x the compute before the op that waits for it)."""
+    from_step: int = 0
+    """Steps before it must show no wait at all (the fault's own ``from_step``)."""
+    comm_factor: tuple[float, float] | None = None
+    """[low, high]: every measured step's modelled communication with the faults (links, jitter) / without
+    them (the session models each op's cost; the faults scale it: the probe records both per step)."""
+    min_comm_spread: float = 0.0
+    """The highest minus the lowest of those per-step factors must reach this (jitter varies; a link does not)."""
+
+    def check(self, where: str) -> None:
+        """RecipeError naming `where` (``emulated[<name>].expect``) for an inconsistent block."""
+        if self.failure is not None:
+            if not isinstance(self.failure, str) or not self.failure.strip():
+                raise RecipeError(f"{where}.failure must be the text of the expected error, e.g. "
+                                  "\"Timed out waiting\", got {self.failure!r}")
+            if self.within_s is None:
+                raise RecipeError(f"{where}.within_s is required with failure: the seconds after which a run that "
+                                  "has not failed is stopped and the recipe fails, e.g. 25")
+            within = _fraction(self.within_s, f"{where}.within_s")
+            after = _fraction(self.after_s, f"{where}.after_s")
+            if within <= after:
+                raise RecipeError(f"{where}: within_s={within:g} must exceed after_s={after:g}")
+            object.__setattr__(self, "within_s", within)
+            object.__setattr__(self, "after_s", after)
+            if (self.blame_root, self.wait_ms, self.wait_rel, self.comm_factor) != (None,) * 4:
+                raise RecipeError(f"{where}: a failure expectation compares no figures; remove blame_root/wait_ms/"
+                                  "wait_rel/comm_factor (or drop failure)")
+            return
+        if self.within_s is not None or self.after_s:
+            raise RecipeError(f"{where}.within_s/after_s go with failure: add failure: \"<error text>\" or remove them")
+        if (self.blame_root is None) != (self.wait_ms is None and self.wait_rel is None):
+            raise RecipeError(f"{where}: blame_root goes with wait_ms and/or wait_rel (who is waited on, and how "
+                              "long: wait_ms: [low, high] per step, wait_rel: [low, high] x the reference's step)")
+        if self.blame_root is not None:
+            _positive_int(self.blame_root, f"{where}.blame_root", zero=True)
+            for name in ("wait_ms", "wait_rel"):
+                if getattr(self, name) is not None:
+                    object.__setattr__(self, name, _range(getattr(self, name), f"{where}.{name}"))
+        _positive_int(self.from_step, f"{where}.from_step", zero=True)
+        if self.comm_factor is not None:
+            object.__setattr__(self, "comm_factor", _range(self.comm_factor, f"{where}.comm_factor"))
+        object.__setattr__(self, "min_comm_spread", _fraction(self.min_comm_spread, f"{where}.min_comm_spread"))
+        if self.min_comm_spread and self.comm_factor is None:
+            raise RecipeError(f"{where}.min_comm_spread needs comm_factor: [low, high]")
+        if self.blame_root is None and self.comm_factor is None:
+            raise RecipeError(f"{where} states nothing to check: give failure (+ within_s), blame_root + "
+                              "wait_ms/wait_rel, or comm_factor")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Emulation:
     """One emulated job: N ranks, `runs` real-rank sets launched together, compared with a reference."""
@@ -215,6 +308,12 @@ class Emulation:
     step_time_adjust: StepAdjust = StepAdjust.NONE
     tolerances: Tolerances | None = None
     """Replaces the recipe's tolerances for this emulation's comparisons (None: the recipe's)."""
+    faults: tuple[str, ...] = ()
+    """Fault specs (`prism_plugin.faults`), passed as ``--fault`` / ``--prism-fault`` / ds ``"faults"``."""
+    timeout_s: float | None = None
+    """The job's collective timeout (``--timeout`` / ``--prism-timeout``; None: the launcher's default)."""
+    expect: Expect | None = None
+    """What the faults must produce (`Expect`); None: the run must succeed, compared as usual."""
 
     def __post_init__(self) -> None:
         where = f"emulated[{self.name}]"
@@ -248,6 +347,34 @@ class Emulation:
             object.__setattr__(self, "ranks", tuple(pairs))
         if not isinstance(self.profile, str) or not self.profile:
             raise RecipeError(f"{where}.profile must be a profile name (see `prism profiles`) or a YAML path")
+        self._check_faults(where)
+
+    def _check_faults(self, where: str) -> None:
+        if isinstance(self.faults, str) or not all(isinstance(f, str) for f in self.faults):
+            raise RecipeError(f"{where}.faults must be a list of fault strings, e.g. [\"straggler:ranks=1,factor=2\"]")
+        faults = tuple(self.faults)
+        try:
+            FaultSet(parse_faults(faults), self.world_size, self.gpus_per_node)
+        except ConfigError as exc:
+            raise RecipeError(f"{where}.faults: {exc}") from None
+        object.__setattr__(self, "faults", faults)
+        if self.timeout_s is not None:
+            object.__setattr__(self, "timeout_s", _fraction(self.timeout_s, f"{where}.timeout_s"))
+            if not self.timeout_s:
+                raise RecipeError(f"{where}.timeout_s must be > 0 seconds, e.g. 3")
+        if self.expect is None:
+            return
+        if not isinstance(self.expect, Expect):
+            raise RecipeError(f"{where}.expect must be a mapping (failure/within_s, blame_root/wait_ms, comm_factor)")
+        if not faults:
+            raise RecipeError(f"{where}.expect needs faults: the expectation states what the faults produce")
+        self.expect.check(f"{where}.expect")
+        if self.expect.blame_root is not None and self.expect.blame_root >= self.world_size:
+            raise RecipeError(f"{where}.expect.blame_root={self.expect.blame_root} is outside 0..{self.world_size - 1}")
+
+    @property
+    def expects_failure(self) -> bool:
+        return self.expect is not None and self.expect.failure is not None
 
     @property
     def real_ranks(self) -> tuple[int, ...]:
@@ -354,6 +481,9 @@ class Recipe:
                 raise RecipeError(f"{where}.step_time_adjust: the real run has no modelled communication; "
                                   "adjust only against another emulation (compare_with: <its name>)")
         elif emu.compare_with in earlier:
+            if earlier[emu.compare_with].expects_failure:
+                raise RecipeError(f"{where}.compare_with={emu.compare_with!r} is expected to fail (no figures); "
+                                  "compare with real or a run that completes")
             ref_world = earlier[emu.compare_with].world_size
         else:
             raise RecipeError(f"{where}.compare_with={emu.compare_with!r}: use 'real' or the name of an earlier "
@@ -374,6 +504,9 @@ class Recipe:
                 raise RecipeError(f"{where}.data_policy=recorded replays the real run's payloads: it needs "
                                   "compare_with: real, real.launcher: prism (the recording run) and the real run's "
                                   "world_size")
+        if emu.timeout_s is not None and self.framework is Framework.DEEPSPEED:
+            raise RecipeError(f"{where}.timeout_s: a DeepSpeed job's timeout is init_distributed(timeout=...) in its "
+                              "program; remove timeout_s (recipes set it for torch and megatron)")
         if emu.data_policy is DataPolicy.ZEROS:
             raise RecipeError(f"{where}.data_policy=zeros gives meaningless losses; use mirror or recorded")
 
