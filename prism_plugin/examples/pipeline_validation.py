@@ -34,7 +34,8 @@ from prism_plugin.config import EmulationConfig, VirtualWorld
 from prism_plugin.graph.rank_trace import RankTrace, load_rank_traces
 from prism_plugin.launch import LaunchSpec, launch
 
-__all__ = ["PipelineJob", "calibrated_profile", "measure_transfer_us", "op_waits_us", "validate"]
+__all__ = ["PipelineJob", "calibrated_profile", "hybrid_errors", "measure_transfer_us", "op_waits_us", "replay_errors",
+           "validate"]
 
 MODULE = "prism_plugin.examples.pipeline_train"
 
@@ -194,6 +195,36 @@ def _errors(values: Sequence[float], reference: Sequence[float]) -> dict[str, fl
             "per_step_max_error_pct": round(100 * max(per_step), 3)}
 
 
+def replay_errors(predicted_us: float, real_steps: Sequence[float]) -> dict[str, float]:
+    """The replay's predicted step time against the real steps: error of the mean, mean / max per step."""
+    per_step = [abs(predicted_us - s) / s for s in real_steps]
+    return {"predicted_step_ms": round(predicted_us / 1e3, 4), **_errors([predicted_us], real_steps),
+            "per_step_mean_error_pct": round(100 * statistics.fmean(per_step), 3),
+            "per_step_max_error_pct": round(100 * max(per_step), 3)}
+
+
+def hybrid_errors(real: RankTrace, hybrid: RankTrace, warmup: int) -> dict[str, Any]:
+    """One rank's hybrid run against its real run: step-time errors and per-op wait errors (module docstring)."""
+    mine = _steps(real, warmup)
+    waits_real, waits_h = op_waits_us(real, warmup), op_waits_us(hybrid, warmup)
+    if len(waits_real) != len(waits_h):
+        raise RuntimeError(f"rank {real.rank}: the hybrid run issued {len(waits_h)} ops per step, the real run "
+                           f"{len(waits_real)}")
+    diffs = [abs(x - y) for x, y in zip(waits_h, waits_real, strict=True)]
+    step = statistics.fmean(mine)
+    return {
+        "step_ms": round(statistics.fmean(_steps(hybrid, warmup)) / 1e3, 4),
+        **_errors(_steps(hybrid, warmup), mine),
+        "ops_per_step": len(diffs),
+        "wait_total_ms_real": round(sum(waits_real) / 1e3, 4),
+        "wait_total_ms_hybrid": round(sum(waits_h) / 1e3, 4),
+        "wait_mean_abs_error_us": round(statistics.fmean(diffs), 1),
+        "wait_max_abs_error_us": round(max(diffs), 1),
+        "wait_total_error_pct_of_step": round(100 * abs(sum(waits_h) - sum(waits_real)) / step, 3),
+        "wait_mean_abs_error_pct_of_step": round(100 * statistics.fmean(diffs) / step, 3),
+    }
+
+
 def validate(job: PipelineJob, workdir: Path, *, hybrid_ranks: Sequence[int] | None = None,
              real_runs: int = 2, plain_run: bool = False) -> dict[str, Any]:
     """Run the real, profiling and hybrid runs of `job` under `workdir` and compare (module docstring).
@@ -229,10 +260,7 @@ def validate(job: PipelineJob, workdir: Path, *, hybrid_ranks: Sequence[int] | N
         "real_step_ms": {str(r): round(statistics.fmean(_steps(a[r], job.warmup)) / 1e3, 4) for r in sorted(a)},
         "real_step_stdev_ms": round(statistics.stdev(real_steps) / 1e3, 4),
         "real_step_cv_pct": round(100 * statistics.stdev(real_steps) / statistics.fmean(real_steps), 3),
-        "replay": {"predicted_step_ms": round(predicted / 1e3, 4), **_errors([predicted], real_steps),
-                   "per_step_mean_error_pct": round(100 * statistics.fmean(abs(predicted - s) / s
-                                                                          for s in real_steps), 3),
-                   "per_step_max_error_pct": round(100 * max(abs(predicted - s) / s for s in real_steps), 3)},
+        "replay": replay_errors(predicted, real_steps),
     }
     if plain_run:
         plain = _plain_run(job, workdir / "plain")
@@ -246,25 +274,8 @@ def validate(job: PipelineJob, workdir: Path, *, hybrid_ranks: Sequence[int] | N
     hybrid: dict[str, Any] = {}
     for r in (range(job.pp) if hybrid_ranks is None else hybrid_ranks):
         h = _run(job, workdir / f"hybrid{r}", [r], job.steps, profile, graph=graph_path)[r]
-        mine = _steps(a[r], job.warmup)
-        waits_real, waits_h = op_waits_us(a[r], job.warmup), op_waits_us(h, job.warmup)
-        if len(waits_real) != len(waits_h):
-            raise RuntimeError(f"rank {r}: the hybrid run issued {len(waits_h)} ops per step, the real run "
-                               f"{len(waits_real)}")
-        diffs = [abs(x - y) for x, y in zip(waits_h, waits_real, strict=True)]
-        step = statistics.fmean(mine)
-        hybrid[str(r)] = {
-            "step_ms": round(statistics.fmean(_steps(h, job.warmup)) / 1e3, 4),
-            **_errors(_steps(h, job.warmup), mine),
-            "ops_per_step": len(diffs),
-            "wait_total_ms_real": round(sum(waits_real) / 1e3, 4),
-            "wait_total_ms_hybrid": round(sum(waits_h) / 1e3, 4),
-            "wait_mean_abs_error_us": round(statistics.fmean(diffs), 1),
-            "wait_max_abs_error_us": round(max(diffs), 1),
-            "wait_total_error_pct_of_step": round(100 * abs(sum(waits_h) - sum(waits_real)) / step, 3),
-            "wait_mean_abs_error_pct_of_step": round(100 * statistics.fmean(diffs) / step, 3),
-            "summary": json.loads((workdir / f"hybrid{r}" / f"rank{r}.summary.json").read_text()),
-        }
+        hybrid[str(r)] = {**hybrid_errors(a[r], h, job.warmup),
+                          "summary": json.loads((workdir / f"hybrid{r}" / f"rank{r}.summary.json").read_text())}
     figures["hybrid"] = hybrid
     figures["graph"] = str(graph_path)
     figures["predicted_rank_step_ms"] = {str(r): round(state.rank_step_us(r) / 1e3, 4) for r in range(job.pp)}
