@@ -1,6 +1,6 @@
 """Fault recipes: the schema's `faults` / `timeout_s` / `expect`, their command lines, the expectation checks.
 
-Tier (a): pure, no process is started (integration_tests/recipes/test_fault_recipes.py runs the shipped
+Tier (a): pure, no process is started (integration_tests/recipes/test_fault_recipes_end_to_end.py runs the shipped
 recipes/fault-*.yaml end to end).
 """
 

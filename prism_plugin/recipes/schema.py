@@ -84,7 +84,7 @@ class Tier(StrEnum):
     CI = "ci"  # small, and run by CI's integration tests (their total time is budgeted)
     SMALL = "small"  # small CPU recipe (well under a minute or two here), run by hand: not in CI's time budget
     BENCHMARK = "benchmark"  # scale recipes: run by the benchmark (benchmarks/recipes.py), not in CI
-    FAULTS = "faults"  # fault demonstrations (recipes/fault-*.yaml): integration_tests/recipes/test_fault_recipes.py
+    FAULTS = "faults"  # fault demonstrations (recipes/fault-*.yaml), run by test_fault_recipes_end_to_end.py
 
 
 def _positive_int(value: Any, where: str, *, zero: bool = False) -> int:
