@@ -267,3 +267,18 @@ def test_real_gloo_calibration_predicts_a_size_it_was_not_fitted_on():
     assert profile_from_yaml(every.to_yaml()) == every.profile
     assert every.profile.inter_node == every.profile.intra_node
     assert {r.kind for r in every.residuals} == set(plan.ops)
+
+
+def test_compute_gap_and_mean_statistic_are_validated_and_applied() -> None:
+    """`--compute-gap-us` / `--statistic` (training-like timing): checked up front; mean keeps the tail."""
+    from prism_plugin.calibrate_run import CalibrationPlan, _medians
+
+    with pytest.raises(ValueError, match="compute-gap-us"):
+        CalibrationPlan(compute_gap_us=-1.0)
+    with pytest.raises(ValueError, match="--statistic"):
+        CalibrationPlan(statistic="p99")
+    plan = CalibrationPlan(sizes_bytes=(64, 128), ops=(OpKind.ALL_REDUCE,), repeats=3, statistic="mean")
+    # ns stamps: every rank starts at 0; the op ends after 1, 1 and 7 ms (a tail, as a woken process pays)
+    stamps = {f"all_reduce/{s}": ([0, 0, 0], [1_000_000, 1_000_000, 7_000_000]) for s in (64, 128)}
+    (m, _) = _medians(plan, {0: stamps, 1: stamps})
+    assert m.time_us == pytest.approx(3000.0)  # mean; the median would say 1000

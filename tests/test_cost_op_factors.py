@@ -24,10 +24,13 @@ TWO16 = GroupPlacement.from_ranks(range(16), 8)
 def test_builtin_profiles_have_no_factors_and_yaml_is_unchanged() -> None:
     for name in available_profiles():
         p = load_profile(name)
-        assert p.op_transfer_factors == ()
         text = profile_to_yaml(p)
-        assert "op_transfer_factors" not in text  # files written before the field existed look the same
         assert profile_from_yaml(text) == p
+        if name == "local-cpu-gloo-train":  # fitted with --per-op: gloo's ops differ in more than hops
+            assert dict(p.op_transfer_factors) == {"all_reduce": 1.6422, "broadcast": 0.6271, "send": 0.9722}
+            continue
+        assert p.op_transfer_factors == ()
+        assert "op_transfer_factors" not in text  # files written before the field existed look the same
 
 
 def test_factor_scales_the_transfer_term_of_its_op_only() -> None:
