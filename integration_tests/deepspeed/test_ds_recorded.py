@@ -11,12 +11,12 @@ tensor-storage bytes (the adapter's deterministic CPU tracker) must equal the re
 (The recording run's own memory is not the reference: its inner gloo exchanges allocate visibly on
 the calling thread, where a plain gloo collective's internals are one opaque op to the tracker.)
 
-The real run's peak is not always deterministic: a gloo work that DeepSpeed no longer references may
-still hold its tensors on gloo's own thread for a moment, and when the main thread allocates in that
-moment the real peak rises by that buffer (+896 and +1,408 B seen in ZeRO-2 under load, 2 of 11 cases
-in one of 3 full runs). The emulated rank has no such race. So when the peaks differ, the real run is
-repeated (up to `REAL_RETRIES` more times) and the emulated peak must equal the lowest real peak, the
-one without the transient, and never exceed any real run.
+The real run's memory is not always deterministic: a gloo work that DeepSpeed no longer references may
+still hold its tensors on gloo's own thread for a moment, and when the main thread allocates (or the
+run ends) in that moment the real figure rises by that buffer (peaks +896 and +1,408 B in ZeRO-2, final
+bytes +8 B in ZeRO-3 and a pipeline, under load, a few cases in some full runs). The emulated rank has
+no such race. So when the figures differ, the real run is repeated (up to `REAL_RETRIES` more times) and
+the emulated rank must equal the lowest real figures, those without the transient, and never exceed them.
 """
 
 from __future__ import annotations
@@ -47,6 +47,22 @@ def _real_and_recording(pool, tmp_path, fn, n, make_config, **kwargs):
     return real, record_dir
 
 
+def _reference(pool, fn, make_config, n, rank, real, emulated, **kwargs):
+    """The real rank's figures; when its memory differs from the emulated rank's, the real run is repeated
+    (up to REAL_RETRIES times) and the lowest peak and final bytes kept: those without a gloo transient."""
+    reference = dict(real[rank])
+    runs = [reference]
+    while ((emulated["peak_bytes"], emulated["live_bytes"]) != (reference["peak_bytes"], reference["live_bytes"])
+           and len(runs) <= REAL_RETRIES):
+        again = _jobs(pool, fn, make_config(real_ranks=list(range(n))), n, plain_gloo=True, **kwargs)[rank]
+        assert again["losses"] == reference["losses"], "the real run's losses changed between runs"
+        runs.append(again)
+        reference["peak_bytes"] = min(r["peak_bytes"] for r in runs)
+        reference["live_bytes"] = min(r["live_bytes"] for r in runs)
+    assert emulated["peak_bytes"] <= reference["peak_bytes"], f"emulated peak above every real run's: {runs}"
+    return reference
+
+
 def _assert_same(emulated, real):
     assert emulated["rank"] == real["rank"]
     assert emulated["losses"] == real["losses"], "losses differ (bit for bit)"
@@ -62,15 +78,7 @@ def test_zero_replays_real_rank(ds_pool, tmp_path, stage, dp, rank):
     real, record_dir = _real_and_recording(ds_pool, tmp_path, zero_job, dp, make)
     config = make(real_ranks=[rank], policy="recorded", replay_dir=str(record_dir))
     (emulated,) = ds_pool.run(zero_job, [dict(config=config, process_index=0, store_path=None)])
-    reference = dict(real[rank])
-    peaks = [reference["peak_bytes"]]
-    while emulated["peak_bytes"] != min(peaks) and len(peaks) <= REAL_RETRIES:  # a transient of the real run?
-        again = _jobs(ds_pool, zero_job, make(real_ranks=list(range(dp))), dp, plain_gloo=True)[rank]
-        assert again["losses"] == reference["losses"] and again["live_bytes"] == reference["live_bytes"]
-        peaks.append(again["peak_bytes"])
-    reference["peak_bytes"] = min(peaks)
-    assert emulated["peak_bytes"] <= min(peaks), f"emulated peak above every real run's: {peaks}"
-    _assert_same(emulated, reference)
+    _assert_same(emulated, _reference(ds_pool, zero_job, make, dp, rank, real, emulated))
     assert emulated["dp"] == dp
     assert all(v > 0 for v in emulated["op_counts"].values())
 
@@ -93,7 +101,8 @@ def test_zero_variants_replay_real_rank(ds_pool, tmp_path, name, rank, stage, dp
     config = make(real_ranks=[rank], policy="recorded", replay_dir=str(record_dir))
     (emulated,) = ds_pool.run(zero_job, [dict(config=config, process_index=0, store_path=None, gas=gas,
                                                zero_init=zero_init)])
-    _assert_same(emulated, real[rank])
+    _assert_same(emulated, _reference(ds_pool, zero_job, make, dp, rank, real, emulated, gas=gas,
+                                      zero_init=zero_init))
     assert len(emulated["losses"]) == 3 * gas
 
 
@@ -125,6 +134,6 @@ def test_pipeline_replays_real_rank(ds_pool, tmp_path, stages, dp, rank):
     real, record_dir = _real_and_recording(ds_pool, tmp_path, pipe_job, n, make, stages=stages)
     config = make(real_ranks=[rank], policy="recorded", replay_dir=str(record_dir))
     (emulated,) = ds_pool.run(pipe_job, [dict(config=config, process_index=0, store_path=None, stages=stages)])
-    _assert_same(emulated, real[rank])
+    _assert_same(emulated, _reference(ds_pool, pipe_job, make, n, rank, real, emulated, stages=stages))
     assert emulated["stage"] == real[rank]["stage"] == rank // dp
     assert emulated["op_counts"]["send"] > 0 and emulated["op_counts"]["recv"] > 0

@@ -429,7 +429,9 @@ def _build_profile(
     if fallback is not None:  # inter-node rate not measured: keep the fallback's link rate
         inter_bw = fallback.inter_node.bandwidth_gbytes_per_s
     else:
-        inter_bw = 1e-3 / theta[_UE] / bus
+        re = 1e-3 / theta[_UE]
+        # = re / bus, written so that tied rates (one loopback: theta[_UE] == theta[_UC]) give exactly `link`
+        inter_bw = link * (re / rc) if rc <= link else re
     return HardwareProfile(
         name=name, description=description, gpus_per_node=gpus_per_node,
         intra_node=LinkSpec(bandwidth_gbytes_per_s=link, latency_us=theta[_AI]),
