@@ -84,6 +84,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args:
         raise SystemExit("usage: python -m prism_plugin.bootstrap script.py [args] | -m module [args]")
     install_init_hook()
+    run_target(args)
+
+
+def run_target(args: list[str]) -> None:
+    """Run ``script.py args`` or ``-m module args`` as ``__main__``, as ``python`` would."""
     if args[0] == "-m":
         if len(args) < 2:
             raise SystemExit("prism: -m needs a module name")

@@ -26,6 +26,7 @@ from prism_plugin.graph_cli import (
     add_replay_parser,
     add_slice_parser,
     add_trace_run_args,
+    run_target_args,
     trace_config_kwargs,
 )
 
@@ -90,13 +91,7 @@ def _summaries_table(output: Path) -> Table | None:
 def _cmd_run(args: argparse.Namespace) -> int:
     from prism_plugin.launch import LaunchSpec, launch
 
-    target = list(args.target)
-    if target and target[0] == "--":
-        target = target[1:]
-    if args.module:
-        target = ["-m", *args.module]
-    if not target:
-        raise ConfigError("prism run: name the program to run: `-- script.py args` or `-m module args`")
+    target = run_target_args(args)
     config = build_config(args)
     rc = launch(LaunchSpec(config=config, target=target, store_dir=args.output))
     if config.output_dir is not None:

@@ -32,6 +32,7 @@ __all__ = [
     "add_replay_parser",
     "add_slice_parser",
     "add_trace_run_args",
+    "run_target_args",
     "trace_config_kwargs",
 ]
 
@@ -157,7 +158,8 @@ def profile_plan(plan_path: Path, out: Path, target: list[str], *, profile: str 
     return dirs
 
 
-def _target(args: argparse.Namespace) -> list[str]:
+def run_target_args(args: argparse.Namespace) -> list[str]:
+    """The program of `prism run` / `prism profile`: ``-- script.py args`` or ``-m module args``."""
     target = list(args.target)
     if target and target[0] == "--":
         target = target[1:]
@@ -173,7 +175,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     plan = SlicingPlan.load(args.plan)
     try:
-        dirs = profile_plan(args.plan, args.out, _target(args), profile=args.profile,
+        dirs = profile_plan(args.plan, args.out, run_target_args(args), profile=args.profile,
                             gpus_per_node=args.gpus_per_node, trace_iterations=args.trace_iterations,
                             iteration_marker=args.iteration_marker, timeout_s=args.timeout)
     except RuntimeError as exc:  # a profiling run failed: its own output says why

@@ -55,7 +55,6 @@ import functools
 import gc
 import json
 import os
-import runpy
 import sys
 import threading
 import time
@@ -416,13 +415,9 @@ def main(argv: list[str] | None = None) -> None:
         probe.write()
 
     atexit.register(finish)
-    if args[0] == "-m":
-        sys.argv = [args[1], *args[2:]]
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(args)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
-        runpy.run_path(args[0], run_name="__main__")
+    from prism_plugin.bootstrap import run_target
+
+    run_target(args)
 
 
 if __name__ == "__main__":
