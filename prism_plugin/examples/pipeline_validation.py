@@ -214,6 +214,8 @@ def hybrid_errors(real: RankTrace, hybrid: RankTrace, warmup: int) -> dict[str, 
     step = statistics.fmean(mine)
     return {
         "step_ms": round(statistics.fmean(_steps(hybrid, warmup)) / 1e3, 4),
+        "step_cv_pct": round(100 * statistics.stdev(_steps(hybrid, warmup)) / statistics.fmean(_steps(hybrid, warmup)),
+                             3),
         **_errors(_steps(hybrid, warmup), mine),
         "ops_per_step": len(diffs),
         "wait_total_ms_real": round(sum(waits_real) / 1e3, 4),
