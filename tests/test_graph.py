@@ -6,7 +6,6 @@ import doctest
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -174,15 +173,14 @@ def test_save_load_round_trip(tmp_path: object) -> None:
         ExecutionGraph.from_dict(data)
 
 
-def test_load_of_an_8192_rank_graph_is_fast(tmp_path: object) -> None:
+def test_an_8192_rank_graph_round_trips(tmp_path: object) -> None:
+    """Its load time is a benchmark figure (benchmarks/replay_scale.py), not checked here."""
     g = build_1f1b_graph(
         SyntheticJob(tp=8, pp=16, dp=64, num_microbatches=64, fwd_us=1000.0, bwd_us=2000.0,
                      activation_bytes=2**26, grad_bytes=2**30)
     )  # fmt: skip
     path = g.save(tmp_path / "big.json")  # type: ignore[operator]
-    t0 = time.perf_counter()
     loaded = ExecutionGraph.load(path)
-    assert time.perf_counter() - t0 < 1.0
     assert loaded.layout.world_size == 8192 and len(loaded.classes) == 16
 
 
