@@ -59,6 +59,9 @@ def _figures(out: dict) -> dict:
             f"hybrid{r}_wait_mean_abs_error_pct_of_step": h["wait_mean_abs_error_pct_of_step"],
             f"hybrid{r}_wait_total_error_pct_of_step": h["wait_total_error_pct_of_step"],
             f"hybrid{r}_step_cv_pct": h.get("step_cv_pct"),
+            f"hybrid{r}_compute_delta_pct_of_step": h["compute_delta_pct_of_step"],
+            f"hybrid{r}_arrival_median_error_us": h["arrivals_check"]["median_us"],
+            f"hybrid{r}_arrival_p90_error_us": h["arrivals_check"]["p90_us"],
         })
     return row
 

@@ -28,14 +28,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prism_plugin.config import EmulationConfig, VirtualWorld
 from prism_plugin.graph.rank_trace import RankTrace, load_rank_traces
 from prism_plugin.launch import LaunchSpec, launch
 
-__all__ = ["PipelineJob", "calibrated_profile", "hybrid_errors", "measure_transfer_us", "op_waits_us", "replay_errors",
-           "validate"]
+if TYPE_CHECKING:
+    from prism_plugin.cost import CostModel
+    from prism_plugin.graph.schema import ExecutionGraph
+    from prism_plugin.kinds import OpKind
+
+__all__ = ["PipelineJob", "arrival_errors", "calibrated_profile", "hybrid_errors", "measure_transfer_us", "op_waits_us",
+           "replay_errors", "validate"]
 
 MODULE = "prism_plugin.examples.pipeline_train"
 
@@ -174,6 +179,12 @@ def _steps(trace: RankTrace, warmup: int) -> list[float]:
     return trace.step_times_us()[warmup:]
 
 
+def _compute_ms(trace: RankTrace, warmup: int) -> float:
+    """Mean per step of the time the rank was not held by an op (its own compute and host work), in ms."""
+    its = trace.iterations[warmup:]
+    return statistics.fmean(it.duration_us - sum(op.blocked_us for op in it.ops) for it in its) / 1e3
+
+
 def op_waits_us(trace: RankTrace, warmup: int) -> list[float]:
     """Mean over steady iterations of the time each op (by position) held the rank in wait(), in us.
 
@@ -212,6 +223,7 @@ def hybrid_errors(real: RankTrace, hybrid: RankTrace, warmup: int) -> dict[str, 
                            f"{len(waits_real)}")
     diffs = [abs(x - y) for x, y in zip(waits_h, waits_real, strict=True)]
     step = statistics.fmean(mine)
+    compute_real, compute_h = _compute_ms(real, warmup), _compute_ms(hybrid, warmup)
     return {
         "step_ms": round(statistics.fmean(_steps(hybrid, warmup)) / 1e3, 4),
         "step_cv_pct": round(100 * statistics.stdev(_steps(hybrid, warmup)) / statistics.fmean(_steps(hybrid, warmup)),
@@ -224,7 +236,55 @@ def hybrid_errors(real: RankTrace, hybrid: RankTrace, warmup: int) -> dict[str, 
         "wait_max_abs_error_us": round(max(diffs), 1),
         "wait_total_error_pct_of_step": round(100 * abs(sum(waits_h) - sum(waits_real)) / step, 3),
         "wait_mean_abs_error_pct_of_step": round(100 * statistics.fmean(diffs) / step, 3),
+        "compute_ms_real": round(compute_real, 4),
+        "compute_ms_hybrid": round(compute_h, 4),
+        "compute_delta_pct_of_step": round(100 * (compute_h - compute_real) / (step / 1e3), 3),
     }
+
+
+def arrival_errors(hybrid: RankTrace, graph: ExecutionGraph, cost: CostModel, warmup: int) -> dict[str, Any]:
+    """How exactly a hybrid rank's replayed ops completed when the replay said (the mechanism, not the job).
+
+    For each op of the steady iterations that has a virtual member in the graph's arrival table, the
+    emulator must complete it at ``max(own arrival, anchor + table offset) + modelled cost`` (or at the
+    wait() entry, when later): the error is the traced wait return minus that, in us (positive: woken
+    late). Independent of how fast this machine ran the rank's own compute.
+    """
+    from prism_plugin.graph.convert import group_role
+    from prism_plugin.graph.steady import ArrivalTable, steady_state
+
+    rank = hybrid.rank
+    table = ArrivalTable.for_rank(steady_state(graph, cost), rank, [rank])
+    errors: list[float] = []
+    waited_on_virtual = 0
+    for it in hybrid.iterations[warmup:]:
+        coll: dict[str, int] = {}
+        p2p: dict[tuple[OpKind, int], int] = {}
+        for op in it.ops:
+            ranks = hybrid.groups[op.group]
+            if op.peer >= 0:
+                k = p2p.get((op.op, op.peer), 0)
+                p2p[(op.op, op.peer)] = k + 1
+                offset = table.p2p.get((op.op, op.peer, k))
+                members: Sequence[int] = (rank, op.peer)
+            else:
+                role = group_role(graph.layout, rank, ranks)
+                k = coll.get(role, 0)
+                coll[role] = k + 1
+                entry = table.collectives.get((role, k))
+                offset = None if entry is None or entry[0] is not op.op else entry[1]
+                members = range(hybrid.world_size) if ranks is None else ranks
+            if offset is None or not op.waited:
+                continue
+            done = max(op.issue_us, offset) + cost.collective_us(op.op, op.size_bytes, members)
+            waited_on_virtual += offset > op.issue_us
+            errors.append(op.end_us - max(done, op.wait_us))
+    if not errors:
+        raise RuntimeError(f"rank {rank}: no traced op matches the graph's arrival table")
+    errors.sort()
+    return {"ops_checked": len(errors), "ops_waiting_on_virtual": waited_on_virtual,
+            "median_us": round(statistics.median(errors), 1), "p90_us": round(errors[int(0.9 * (len(errors) - 1))], 1),
+            "min_us": round(errors[0], 1), "max_us": round(errors[-1], 1)}
 
 
 def validate(job: PipelineJob, workdir: Path, *, hybrid_ranks: Sequence[int] | None = None,
@@ -251,7 +311,8 @@ def validate(job: PipelineJob, workdir: Path, *, hybrid_ranks: Sequence[int] | N
         profiled += _run(job, workdir / f"profile{i}", run, job.profile_steps, profile).values()
     graph = graph_from_rank_traces(profiled, plan.job.world, plan.class_axes, warmup=2)
     graph_path = graph.save(workdir / "job.graph")
-    state = steady_state(graph, CostModel(load_profile(profile)))
+    cost = CostModel(load_profile(profile))
+    state = steady_state(graph, cost)
     predicted = state.step_us
     a = real[0]
     real_steps = [s for r in sorted(a) for s in _steps(a[r], job.warmup)]
@@ -277,6 +338,7 @@ def validate(job: PipelineJob, workdir: Path, *, hybrid_ranks: Sequence[int] | N
     for r in (range(job.pp) if hybrid_ranks is None else hybrid_ranks):
         h = _run(job, workdir / f"hybrid{r}", [r], job.steps, profile, graph=graph_path)[r]
         hybrid[str(r)] = {**hybrid_errors(a[r], h, job.warmup),
+                          "arrivals_check": arrival_errors(h, graph, cost, job.warmup),
                           "summary": json.loads((workdir / f"hybrid{r}" / f"rank{r}.summary.json").read_text())}
     figures["hybrid"] = hybrid
     figures["graph"] = str(graph_path)
