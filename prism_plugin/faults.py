@@ -30,7 +30,8 @@ Ranks are global ranks of the emulated job; ``nodes`` are ``rank // gpus_per_nod
 
 Semantics of the live emulation (`prism_plugin.fault_runtime`). The replay honours straggler, link and
 jitter (`prism_plugin.graph.replay`; with an execution graph loaded, live virtual arrivals come from that
-faulty replay instead of the straggler model below) and hang and crash (`prism_plugin.graph.fault_replay`).
+faulty replay instead of the straggler model below, switched to it at the mark that starts a straggler's
+``from_step``: `prism_plugin.hybrid.fault_phases`) and hang and crash (`prism_plugin.graph.fault_replay`).
 With ``timing=False`` only hang, crash and kill apply.
 
 - straggler: a member m of an op's group with factor f > 1 arrives at ``t0 + f * (a - t0)`` where ``a`` is

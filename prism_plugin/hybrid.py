@@ -23,13 +23,14 @@ from typing import Any
 
 from prism_plugin.clock import EmulationClock
 from prism_plugin.cost import CostModel
+from prism_plugin.faults import Straggler
 from prism_plugin.graph.convert import group_role
 from prism_plugin.graph.replay import ReplayDeadlock
 from prism_plugin.graph.schema import ExecutionGraph
 from prism_plugin.graph.steady import ArrivalTable, steady_state
 from prism_plugin.kinds import OpKind
 
-__all__ = ["ReplayedArrivals", "load_arrivals", "load_job_graph"]
+__all__ = ["ReplayedArrivals", "fault_phases", "load_arrivals", "load_job_graph"]
 
 
 def load_job_graph(path: Path, world_size: int) -> ExecutionGraph:
@@ -50,19 +51,34 @@ def load_job_graph(path: Path, world_size: int) -> ExecutionGraph:
     return graph
 
 
+def fault_phases(faults: Sequence[Any]) -> list[tuple[int, tuple[Any, ...]]]:
+    """The steps at which the set of active faults changes, with the faults active from each on.
+
+    Stragglers act from their ``from_step``; every other fault the replay honours acts throughout.
+    ``[(0, faults)]`` when no straggler starts late.
+    """
+    starts = sorted({0} | {f.from_step for f in faults if isinstance(f, Straggler)})
+    return [(b, tuple(f for f in faults if not isinstance(f, Straggler) or f.from_step <= b)) for b in starts]
+
+
 def load_arrivals(path: Path, cost: CostModel, rank: int, real_ranks: tuple[int, ...],
                   world_size: int, clock: EmulationClock, faults: Sequence[Any] = ()) -> ReplayedArrivals:
     """Load the graph at `path`, replay it and build this rank's table (ValueError on a mismatch).
 
     `faults` (`prism_plugin.faults`): the replay honours stragglers, links and jitter, so virtual members
-    arrive when the faulty job's replay says (the live straggler model is then not applied on top).
+    arrive when the faulty job's replay says (the live straggler model is then not applied on top). A
+    straggler with ``from_step`` s: one table replayed without it for the steps before s, one with it from
+    s on (`fault_phases`), switched at the iteration mark that starts step s.
     """
     graph = load_job_graph(path, world_size)
-    try:
-        state = steady_state(graph, cost, faults=faults)
-    except ReplayDeadlock as exc:
-        raise ValueError(f"graph={str(path)!r} cannot be replayed: {exc}") from None
-    arrivals = ReplayedArrivals(graph, ArrivalTable.for_rank(state, rank, real_ranks), rank, clock, str(path))
+    tables: list[tuple[int, ArrivalTable]] = []
+    for start, active in fault_phases(faults):
+        try:
+            state = steady_state(graph, cost, faults=active)
+        except ReplayDeadlock as exc:
+            raise ValueError(f"graph={str(path)!r} cannot be replayed: {exc}") from None
+        tables.append((start, ArrivalTable.for_rank(state, rank, real_ranks)))
+    arrivals = ReplayedArrivals(graph, tables, rank, clock, str(path))
     if faults:  # the replay's chain of waits from this rank back to the faulty rank, in the steady step
         from prism_plugin.graph.blame import blame_report
 
@@ -73,10 +89,14 @@ def load_arrivals(path: Path, cost: CostModel, rank: int, real_ranks: tuple[int,
 class ReplayedArrivals:
     """This rank's live lookup of virtual arrivals (see the module docstring)."""
 
-    def __init__(self, graph: ExecutionGraph, table: ArrivalTable, rank: int, clock: EmulationClock,
-                 source: str) -> None:
+    def __init__(self, graph: ExecutionGraph, tables: ArrivalTable | Sequence[tuple[int, ArrivalTable]], rank: int,
+                 clock: EmulationClock, source: str) -> None:
         self.graph = graph
-        self.table = table
+        self.tables = [(0, tables)] if isinstance(tables, ArrivalTable) else sorted(tables, key=lambda t: t[0])
+        if not self.tables or self.tables[0][0] != 0:
+            raise ValueError("the arrival tables must start at step 0")
+        self.table = self.tables[0][1]
+        """The table of the current step's phase (`fault_phases`)."""
         self.rank = rank
         self.clock = clock
         self.source = source
@@ -90,8 +110,12 @@ class ReplayedArrivals:
         self.mismatched = 0
         self.blame: dict[str, Any] | None = None
 
-    def on_iteration(self) -> None:
+    def on_iteration(self, step: int = 0) -> None:
+        """An iteration mark: `step` (the session's iteration counter) starts; counts restart."""
         self.active = True
+        for start, table in self.tables:
+            if start <= step:
+                self.table = table
         self._coll.clear()
         self._p2p.clear()
 
@@ -131,7 +155,7 @@ class ReplayedArrivals:
         return virtual_s if virtual_s > arrival_s else arrival_s
 
     def summary(self) -> dict[str, Any]:
-        return {
+        out = {
             "path": self.source,
             "predicted_step_ms": round(self.table.step_us / 1e3, 6),
             "predicted_rank_step_ms": round(self.table.rank_step_us / 1e3, 6),
@@ -140,3 +164,7 @@ class ReplayedArrivals:
             "ops_not_in_graph": self.unmatched,
             "ops_kind_mismatch": self.mismatched,
         }
+        if len(self.tables) > 1:
+            out["phases"] = [{"from_step": start, "predicted_step_ms": round(t.step_us / 1e3, 6),
+                              "predicted_rank_step_ms": round(t.rank_step_us / 1e3, 6)} for start, t in self.tables]
+        return out

@@ -247,7 +247,7 @@ class Session:
         if self.tracer is not None:
             self.tracer.on_iteration(self.clock.iteration_start_s, self.clock.iteration)
         if self.replayed is not None:
-            self.replayed.on_iteration()
+            self.replayed.on_iteration(self.clock.iteration)
         if self.faults is not None:
             self.faults.on_mark(self.clock.iteration)
 

@@ -178,3 +178,29 @@ def test_nccl_watchdog_message_on_cuda_ops() -> None:
     assert str(failure.error) == ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
                                   "OpType=ALLREDUCE, NumelIn=4096, NumelOut=4096, Timeout(ms)=600000) ran for 600001 "
                                   "milliseconds before timing out.")
+
+
+def test_hybrid_straggler_from_step_changes_the_replayed_arrivals_at_that_mark(tmp_path: Path) -> None:
+    from prism_plugin.clock import EmulationClock
+    from prism_plugin.graph.steady import ArrivalTable
+    from prism_plugin.hybrid import fault_phases, load_arrivals
+
+    faults = parse_faults(["straggler:ranks=2,factor=1.5,from_step=2", "link:ranks=0/2,bandwidth=0.5"])
+    phases = fault_phases(faults)
+    assert [(b, [f.kind for f in active]) for b, active in phases] == [(0, ["link"]), (2, ["straggler", "link"])]
+    path = PIPE.save(tmp_path / "job.graph")
+    arrivals = load_arrivals(path, H100, 0, (0,), PIPE.layout.world_size, EmulationClock(), faults)
+    before = ArrivalTable.for_rank(steady_state(PIPE, H100, faults=phases[0][1]), 0, (0,))
+    after = ArrivalTable.for_rank(steady_state(PIPE, H100, faults=faults), 0, (0,))
+    assert after.step_us > before.step_us and after.p2p != before.p2p  # rank 2 is rank 0's next stage
+    seen = []
+    for step in (1, 2, 3):  # the iteration counter at each mark: step 1 starts at the first mark
+        arrivals.on_iteration(step)
+        seen.append(arrivals.table.p2p)
+    assert seen == [before.p2p, after.p2p, after.p2p]
+    phases_out = arrivals.summary()["phases"]
+    assert [p["from_step"] for p in phases_out] == [0, 2]
+    assert phases_out[1]["predicted_step_ms"] == pytest.approx(after.step_us / 1e3, abs=1e-6)
+    # without a late straggler: one table, no phases in the summary
+    plain = load_arrivals(path, H100, 0, (0,), PIPE.layout.world_size, EmulationClock(), faults[1:])
+    assert len(plain.tables) == 1 and "phases" not in plain.summary()

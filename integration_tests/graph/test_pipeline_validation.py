@@ -25,13 +25,14 @@ emulated) does not depend on the real run: 3% plus the hybrid run's own coeffici
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from prism_plugin.examples.pipeline_validation import PipelineJob, validate
+from prism_plugin.examples.pipeline_validation import PipelineJob, _run, validate
 from prism_plugin.graph.rank_trace import load_rank_traces
 from prism_plugin.graph.schema import ExecutionGraph
 
@@ -112,6 +113,21 @@ def test_hybrid_ops_complete_when_the_replay_says(figures: dict) -> None:
         assert c["ops_checked"] >= 20 * 16 and c["ops_waiting_on_virtual"] >= 10, (r, c)
         assert c["min_us"] >= -10.0, (r, c)  # completing before the replay says would be a bug
         assert c["median_us"] <= 200.0 and c["p90_us"] <= 2000.0, (r, c)
+
+
+def test_hybrid_straggler_slows_the_virtual_stage_from_its_from_step(figures: dict, tmp_path: Path) -> None:
+    """Rank 0 real, stage 1 virtual and a straggler (x1.5) from step 8: the replayed arrivals switch from the
+    clean replay's to the faulty one's at the mark that starts step 8, and rank 0's step follows each."""
+    graph = Path(figures["graph"])
+    traces = _run(JOB, tmp_path, [0], 14, str(graph.parent / "calibrated.yaml"), graph=graph,
+                  faults=("straggler:ranks=1,factor=1.5,from_step=8",))
+    summary = json.loads((tmp_path / "rank0.summary.json").read_text())
+    clean, slow = (p["predicted_rank_step_ms"] for p in summary["graph"]["phases"])
+    assert slow > 1.2 * clean  # stage 1 is the slower stage: it sets the pace
+    by_step = {it.index: it.duration_us / 1e3 for it in traces[0].iterations}
+    before = statistics.median(t for i, t in by_step.items() if 2 <= i < 8)
+    after = statistics.median(t for i, t in by_step.items() if i >= 8)
+    assert before == pytest.approx(clean, rel=0.05) and after == pytest.approx(slow, rel=0.05), (by_step, clean, slow)
 
 
 def test_cli_slice_profile_build_replay(figures: dict, tmp_path: Path) -> None:

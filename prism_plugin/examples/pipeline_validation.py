@@ -145,9 +145,9 @@ def calibrated_profile(base: str, size_bytes: int, path: Path, rounds: int = 40)
 
 
 def _run(job: PipelineJob, out: Path, real_ranks: Sequence[int], steps: int, profile: str,
-         graph: Path | None = None, timeout_s: float = 300.0) -> dict[int, RankTrace]:
+         graph: Path | None = None, timeout_s: float = 300.0, faults: Sequence[str] = ()) -> dict[int, RankTrace]:
     config = EmulationConfig(world=VirtualWorld(world_size=job.pp, real_ranks=tuple(real_ranks), gpus_per_node=2),
-                             profile=profile, trace_dir=out, output_dir=out, graph=graph)
+                             profile=profile, trace_dir=out, output_dir=out, graph=graph, faults=tuple(faults))
     rc = launch(LaunchSpec(config=config, target=job.args(steps), store_dir=out), timeout_s=timeout_s)
     if rc != 0:
         raise RuntimeError(f"pipeline run with real ranks {list(real_ranks)} exited {rc} (see its output)")
