@@ -47,6 +47,8 @@ def _figures(out: dict) -> dict:
         "replay_mean_error_pct": out["replay"]["mean_error_pct"],
         "replay_per_step_mean_error_pct": out["replay"]["per_step_mean_error_pct"],
         "replay_per_step_max_error_pct": out["replay"]["per_step_max_error_pct"],
+        "sampled_replay_step_ms": out["replay"]["sampled_step_ms"],
+        "sampled_replay_mean_error_pct": out["replay"]["sampled_mean_error_pct"],
     }
     for r, h in out["hybrid"].items():
         row.update({

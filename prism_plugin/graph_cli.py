@@ -4,7 +4,7 @@
     prism profile --plan plan.json --out DIR [--profile P] -- script.py args     (or -m module args)
     prism graph build TRACES... (--plan plan.json | --layout ...) -o job.graph [--warmup 2]
     prism graph show job.graph
-    prism replay job.graph [--profile dgx-h100] [--straggler RANK:FACTOR ...] [--set FIELD=VALUE ...]
+    prism replay job.graph [--profile dgx-h100] [--straggler RANK:FACTOR ...] [--set FIELD=VALUE ...] [--sampled]
                  [--chrome-trace out.json --ranks 0,5] [--json]
     prism run ... --trace DIR [--graph job.graph] [--iteration-marker auto|explicit|optimizer-step] -- ...
 
@@ -275,6 +275,9 @@ def add_replay_parser(subparsers: Any) -> None:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a profile field, e.g. inter_node.bandwidth_gbytes_per_s=25 (repeatable)")
     p.add_argument("--iterations", type=int, default=3, help="chained iterations replayed; the last is reported")
+    p.add_argument("--sampled", action="store_true",
+                   help="also replay the traced iterations one after another, each with its own compute spans, and "
+                        "report their mean / median / p90 step (spans that vary make waits longer than the mean)")
     p.add_argument("--ranks", default=None, help="ranks to list (and export), e.g. 0,5,8-11")
     p.add_argument("--chrome-trace", type=Path, default=None, help="write a Chrome/Perfetto trace of --ranks")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
@@ -297,7 +300,7 @@ def _parse_stragglers(items: list[str]) -> dict[int, float]:
 def replay_prediction(graph: Any, profile_name: str, *, stragglers: dict[int, float] | None = None,
                       overrides: dict[str, Any] | None = None, iterations: int = 3,
                       ranks: list[int] | None = None, faults: tuple[Any, ...] = (),
-                      timeout_s: float = 1800.0) -> tuple[dict[str, Any], Any]:
+                      timeout_s: float = 1800.0, sampled: bool = False) -> tuple[dict[str, Any], Any]:
     """(JSON-ready prediction, SteadyState) of `graph` on `profile_name` (see `prism replay`)."""
     from prism_plugin.cost import CostModel, load_profile, override_profile
     from prism_plugin.graph.steady import steady_state
@@ -324,6 +327,10 @@ def replay_prediction(graph: Any, profile_name: str, *, stragglers: dict[int, fl
            "world_size": graph.layout.world_size, "classes": len(graph.classes), "num_actors": state.result.num_actors,
            "events": state.result.events, "replay_s": round(replay_s, 4),
            "stragglers": {str(k): v for k, v in (stragglers or {}).items()}, "ranks": rows}
+    if sampled:
+        from prism_plugin.graph.steady import sampled_steps
+
+        out["sampled"] = sampled_steps(graph, CostModel(profile), stragglers=stragglers, faults=timing).summary()
     if faults:  # issue 7: the faults replayed and who waited on whom, per step, back to the root
         from prism_plugin.graph.blame import blame_report
 
@@ -356,7 +363,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     out, state = replay_prediction(graph, profile, stragglers=_parse_stragglers(args.straggler), overrides=overrides,
                                    iterations=args.iterations, ranks=ranks, faults=parse_faults(args.fault),
-                                   timeout_s=args.timeout)
+                                   timeout_s=args.timeout, sampled=args.sampled)
     if args.blame_plot is not None:
         from prism_plugin.graph.blame import plot_blame
 
@@ -383,6 +390,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     table.caption = (f"steady state: iteration {args.iterations} of {args.iterations} chained; "
                      + (f"stragglers {out['stragglers']}" if out["stragglers"] else "no what-if")
                      + (f"; faults {out['faults']}" if out.get("faults") else ""))
+    if "sampled" in out:
+        sm = out["sampled"]
+        table.caption += (f"\nsampled: {sm['iterations']} traced iterations replayed in order: step mean "
+                          f"{sm['step_us_mean'] / 1e3:.3f} ms, median {sm['step_us_median'] / 1e3:.3f}, "
+                          f"p90 {sm['step_us_p90'] / 1e3:.3f}")
     for r, rows in (out.get("blame") or {}).items():
         last = rows[-1]
         if last["waited_us"] > 0:

@@ -321,3 +321,51 @@ def test_graph_cli_slice_build_show_replay(tmp_path, capsys) -> None:
                       (["replay", str(out), "--set", "bogus.field=1"], "unknown field")):
         assert graph_cli.main(argv) == 2, argv
         assert msg in capsys.readouterr().err.replace("\n", " "), argv
+
+
+def test_conversion_keeps_each_spans_samples_in_iteration_order() -> None:
+    layout = WorldLayout(MegatronLayout(world_size=4, pp=2))
+
+    def it(index: int, compute_us: float) -> TracedIteration:
+        ops = [TracedOp(op=OpKind.ALL_REDUCE, group=0, seq=1, size_bytes=8, issue_us=compute_us,
+                        return_us=compute_us + 1, wait_us=compute_us + 2, end_us=compute_us + 50)]
+        return TracedIteration(index=index, duration_us=compute_us + 100, ops=ops)
+
+    trace = RankTrace(rank=1, world_size=4, groups=(None,), iterations=[it(1, 5000.0), it(2, 100.0), it(3, 300.0)])
+    ct, _ = class_trace(trace, layout, warmup=1)
+    assert ct.sample_count == 2
+    assert [n.samples_us for n in ct.nodes] == [(100.0, 300.0), (), (50.0, 50.0)]
+    graph = ExecutionGraph(layout=layout, class_axes=("pp",), classes={"pp=0": ct, "pp=1": ct})
+    assert ExecutionGraph.from_dict(json.loads(json.dumps(graph.to_dict()))) == graph  # samples survive JSON
+    copies = unroll(graph, 3, sampled=True).classes["pp=0"].nodes
+    # copy 0 (the warm-in) takes the last sample, copies 1.. the samples in order
+    assert [n.duration_us for n in copies if n.kind is NodeKind.COMPUTE][::2] == [300.0, 100.0, 300.0]
+    mixed = TraceBuilder()
+    mixed.compute(1.0, samples_us=[1.0])
+    mixed.compute(2.0, samples_us=[1.0, 3.0])
+    with pytest.raises(ValueError, match="samples_us of different lengths"):
+        mixed.build()
+
+
+def test_sampled_replay_takes_the_later_member_of_each_traced_iteration() -> None:
+    """Two stages meet at a collective each iteration; their spans alternate 100/300 and 300/100 us. The replay
+    of the means says 200 us + the collective; every traced iteration took 300 us + the collective."""
+    from prism_plugin.graph.steady import sampled_steps
+
+    layout = WorldLayout(MegatronLayout(world_size=2, pp=2))
+    classes = {}
+    for name, samples in (("pp=0", [100.0, 300.0, 100.0, 300.0]), ("pp=1", [300.0, 100.0, 300.0, 100.0])):
+        b = TraceBuilder(axis_sizes={"pp": 2})
+        b.compute(200.0, samples_us=samples)
+        b.collective(OpKind.ALL_REDUCE, "pp", 1 << 20)
+        classes[name] = b.build()
+    graph = ExecutionGraph(layout=layout, class_axes=("pp",), classes=classes)
+    mean_field = steady_state(graph, H100).step_us
+    sampled = sampled_steps(graph, H100)
+    assert sampled.iterations == 4 and set(sampled.rank_steps_us) == {0, 1}
+    for steps in sampled.rank_steps_us.values():
+        assert steps == pytest.approx([mean_field + 100.0] * 4)
+    summary = sampled.summary()
+    assert summary["step_us_mean"] == pytest.approx(mean_field + 100.0, abs=1e-3)
+    with pytest.raises(ValueError, match="no per-iteration compute samples"):
+        sampled_steps(build_1f1b_graph(_job()), H100)

@@ -106,6 +106,8 @@ def test_replay_predicts_the_real_step_time(figures: dict) -> None:
     replay = figures["replay"]
     assert abs(replay["mean_error_pct"]) <= _tol(figures, FLOOR_PCT), replay
     assert replay["per_step_mean_error_pct"] <= _tol(figures, FLOOR_PCT), replay
+    # the sampled replay (traced iterations in order, each with its own spans): the same bound
+    assert abs(replay["sampled_mean_error_pct"]) <= _tol(figures, FLOOR_PCT), replay
     assert replay["per_step_max_error_pct"] <= _tol(figures, MAX_FLOOR_PCT, k=4.0), replay
 
 

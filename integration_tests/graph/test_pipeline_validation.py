@@ -80,6 +80,8 @@ def test_replay_predicts_the_real_step_time(figures: dict) -> None:
     replay = figures["replay"]
     assert abs(replay["mean_error_pct"]) <= _tol(figures, FLOOR_PCT), replay
     assert replay["per_step_mean_error_pct"] <= _tol(figures, FLOOR_PCT), replay
+    # the sampled replay (traced iterations in order, each with its own spans): the same bound
+    assert abs(replay["sampled_mean_error_pct"]) <= _tol(figures, FLOOR_PCT), replay
     assert replay["per_step_max_error_pct"] <= _tol(figures, MAX_FLOOR_PCT, k=4.0), replay
 
 
@@ -145,11 +147,15 @@ def test_cli_slice_profile_build_replay(figures: dict, tmp_path: Path) -> None:
     subprocess.run([*cli, "graph", "build", str(profiled / "profile0"), str(profiled / "profile1"), "--layout",
                     "pp=2,dp=1", "-o", str(built)], check=True, capture_output=True)
     out = subprocess.run([*cli, "replay", str(built), "--profile", str(profiled / "calibrated.yaml"), "--json",
-                          "--chrome-trace", str(tmp_path / "t.json"), "--ranks", "0,1"],
+                          "--sampled", "--chrome-trace", str(tmp_path / "t.json"), "--ranks", "0,1"],
                          check=True, capture_output=True, text=True)
     pred = json.loads(out.stdout)
     assert pred["step_us"] / 1e3 == pytest.approx(figures["replay"]["predicted_step_ms"], rel=1e-3)
     assert set(pred["ranks"]) == {"0", "1"} and pred["num_actors"] == 2
+    # 12 profiled steps: 11 marked iterations, 2 dropped as warm-up by `prism graph build`; stage 1 is the
+    # critical path throughout (no max of varying spans), so the sampled mean is the replay of the means
+    assert pred["sampled"]["iterations"] == 9
+    assert pred["sampled"]["step_us_mean"] / 1e3 == pytest.approx(figures["replay"]["sampled_step_ms"], rel=1e-3)
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1}
     for profile_graph in (tmp_path / "prof" / "job.graph",):

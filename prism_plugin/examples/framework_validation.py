@@ -65,6 +65,7 @@ from prism_plugin.examples.pipeline_validation import (
     calibrated_profile,
     hybrid_errors,
     replay_errors,
+    sampled_errors,
 )
 from prism_plugin.graph.rank_trace import RankTrace, load_rank_traces
 
@@ -239,7 +240,7 @@ def validate_framework(job: FrameworkJob, workdir: Path, *, hybrid_ranks: Sequen
         "real_step_ms": {str(r): round(statistics.fmean(_steps(a[r], job.warmup)) / 1e3, 4) for r in sorted(a)},
         "real_step_median_ms": round(statistics.median(real_steps) / 1e3, 4),
         "real_step_cv_pct": _cv_pct(real_steps),
-        "replay": replay_errors(state.step_us, real_steps),
+        "replay": {**replay_errors(state.step_us, real_steps), **sampled_errors(graph, cost, real_steps)},
         "predicted_rank_step_ms": {str(r): round(state.rank_step_us(r) / 1e3, 4) for r in range(PP)},
     }
     if job.real_runs > 1:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from prism_plugin.kinds import OpKind
 
 __all__ = ["PipelineJob", "arrival_errors", "calibrated_profile", "hybrid_errors", "measure_transfer_us", "op_waits_us",
-           "replay_errors", "validate"]
+           "replay_errors", "sampled_errors", "validate"]
 
 MODULE = "prism_plugin.examples.pipeline_train"
 
@@ -214,6 +214,15 @@ def replay_errors(predicted_us: float, real_steps: Sequence[float]) -> dict[str,
             "per_step_max_error_pct": round(100 * max(per_step), 3)}
 
 
+def sampled_errors(graph: ExecutionGraph, cost: CostModel, real_steps: Sequence[float]) -> dict[str, float]:
+    """The sampled replay (traced iterations in order, each with its own spans) against the real steps."""
+    from prism_plugin.graph.steady import sampled_steps
+
+    mean_us = sampled_steps(graph, cost).mean_step_us()
+    return {"sampled_step_ms": round(mean_us / 1e3, 4),
+            "sampled_mean_error_pct": round(100 * (mean_us / statistics.fmean(real_steps) - 1), 3)}
+
+
 def hybrid_errors(real: RankTrace, hybrid: RankTrace, warmup: int) -> dict[str, Any]:
     """One rank's hybrid run against its real run: step-time errors and per-op wait errors (module docstring)."""
     mine = _steps(real, warmup)
@@ -323,7 +332,7 @@ def validate(job: PipelineJob, workdir: Path, *, hybrid_ranks: Sequence[int] | N
         "real_step_ms": {str(r): round(statistics.fmean(_steps(a[r], job.warmup)) / 1e3, 4) for r in sorted(a)},
         "real_step_stdev_ms": round(statistics.stdev(real_steps) / 1e3, 4),
         "real_step_cv_pct": round(100 * statistics.stdev(real_steps) / statistics.fmean(real_steps), 3),
-        "replay": replay_errors(predicted, real_steps),
+        "replay": {**replay_errors(predicted, real_steps), **sampled_errors(graph, cost, real_steps)},
     }
     if plain_run:
         plain = _plain_run(job, workdir / "plain")

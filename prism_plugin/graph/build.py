@@ -13,7 +13,7 @@ Pure: no torch.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,9 +61,9 @@ class TraceBuilder:
         self._seq[channel] = seq + 1
         return seq
 
-    def compute(self, duration_us: float, *, name: str = "") -> int:
-        """Append a compute span of `duration_us`; returns its node index."""
-        return self._append(kind=NodeKind.COMPUTE, duration_us=duration_us, name=name)
+    def compute(self, duration_us: float, *, name: str = "", samples_us: Sequence[float] = ()) -> int:
+        """Append a compute span of `duration_us` (`samples_us`: per traced iteration); returns its index."""
+        return self._append(kind=NodeKind.COMPUTE, duration_us=duration_us, name=name, samples_us=tuple(samples_us))
 
     def collective(
         self, op: OpKind, group: str, size_bytes: int, *, is_async: bool = False, name: str = ""

@@ -233,13 +233,16 @@ def class_trace(trace: RankTrace, layout: WorldLayout, *, warmup: int = 2,
             return builder.recv(key[0], key[1], op.size_bytes, is_async=is_async)
         return builder.collective(op.op, key, op.size_bytes, is_async=is_async)
 
+    def gap_samples(k: int) -> list[float]:
+        return [p[2][k] for p in used]
+
     for k, (what, j) in enumerate(events0):
         if mean_gaps[k] > 0.0:
-            builder.compute(mean_gaps[k])
+            builder.compute(mean_gaps[k], samples_us=gap_samples(k))
         if what == "b":
             if median_inner[blocking_k] > blocking_gap_us:
                 h = add_op(j, True)
-                builder.compute(mean_inner[blocking_k])
+                builder.compute(mean_inner[blocking_k], samples_us=[p[3][blocking_k] for p in used])
                 builder.wait(h)
             else:
                 add_op(j, False)
@@ -249,7 +252,7 @@ def class_trace(trace: RankTrace, layout: WorldLayout, *, warmup: int = 2,
         else:
             builder.wait(handles.pop(j))
     if mean_gaps[-1] > 0.0:
-        builder.compute(mean_gaps[-1])
+        builder.compute(mean_gaps[-1], samples_us=gap_samples(len(mean_gaps) - 1))
     for j in sorted(handles):  # not waited on within the iteration
         builder.wait(handles[j], name="implicit wait at iteration end")
     durations = [p[0].duration_us for p in used]

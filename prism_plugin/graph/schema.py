@@ -37,9 +37,11 @@ A NODE is an object holding "kind" and only its non-default fields:
     is_async      the rank goes on after issuing it; a WAIT blocks on it     default false
     waited_by     index of the WAIT node for this async op                   default -1
     waits_on      index of the async node this WAIT blocks on   (wait)       default -1
+    samples_us    the span's duration in each traced iteration (compute)     default [] (optional)
 
-Non-goals: expert-parallel groups (roles over the expert grid), DeepSpeed layouts and multi-iteration
-traces are not represented yet; unknown kinds and fields are rejected, never skipped.
+Non-goals: expert-parallel groups (roles over the expert grid), DeepSpeed layouts, and iterations whose
+ops differ (a class trace is one iteration's ops; ``samples_us`` only says how long each compute span took
+in each traced iteration) are not represented yet; unknown kinds and fields are rejected, never skipped.
 
 Pure: stdlib and prism_plugin.topology / kinds only.
 """
@@ -124,6 +126,10 @@ class Node:
     """Async communication nodes: index of the WAIT node that blocks on this one."""
     waits_on: int = -1
     """WAIT: index of the async node it blocks on (an earlier node of the same trace)."""
+    samples_us: tuple[float, ...] = ()
+    """COMPUTE, optional: the span's duration in each traced iteration it was averaged from (in order);
+    `duration_us` is their mean. The sampled replay (`prism_plugin.graph.steady.sampled_steps`) replays
+    iteration k with the k-th sample of every span."""
 
     def __post_init__(self) -> None:
         kind = self.kind
@@ -145,6 +151,14 @@ class Node:
             object.__setattr__(self, "duration_us", float(d))
         elif self.duration_us != 0.0:
             raise ValueError(f"{where}: only compute nodes have duration_us; drop it")
+        if self.samples_us:
+            if kind is not NodeKind.COMPUTE:
+                raise ValueError(f"{where}: only compute nodes have samples_us; drop it")
+            samples = tuple(self.samples_us)
+            if not all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+                       for x in samples):
+                raise ValueError(f"{where}: samples_us must be finite numbers >= 0")
+            object.__setattr__(self, "samples_us", tuple(float(x) for x in samples))
         if kind.is_comm:
             if (
                 isinstance(self.size_bytes, bool)
@@ -209,7 +223,8 @@ class Node:
         for f in fields(Node)[1:]:
             value = getattr(self, f.name)
             if value != f.default:
-                out[f.name] = value.value if isinstance(value, Enum) else value
+                out[f.name] = value.value if isinstance(value, Enum) else list(value) if isinstance(value, tuple) \
+                    else value
         return out
 
     @classmethod
@@ -236,8 +251,17 @@ class ClassTrace:
     nodes: tuple[Node, ...]
     """The ops, in the order the rank issues them."""
 
+    @property
+    def sample_count(self) -> int:
+        """How many traced iterations its compute spans carry (`Node.samples_us`); 0: means only."""
+        return next((len(n.samples_us) for n in self.nodes if n.samples_us), 0)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "nodes", tuple(self.nodes))
+        counts = {len(n.samples_us) for n in self.nodes if n.samples_us}
+        if len(counts) > 1:
+            raise ValueError(f"compute nodes carry samples_us of different lengths {sorted(counts)}: one sample "
+                             "per traced iteration, the same iterations for every span")
         next_seq: dict[str, int] = {}
         for i, node in enumerate(self.nodes):
             if not isinstance(node, Node):
