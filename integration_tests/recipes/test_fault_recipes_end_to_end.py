@@ -65,6 +65,13 @@ def test_fault_recipe_demonstrates_its_fault(name: str, tmp_path: Path) -> None:
             assert result.outcomes[emu.name] == [] and not any(c.emulation == emu.name for c in result.comparisons)
         else:
             assert [c.emulation for c in result.comparisons].count(emu.name) == len(emu.real_ranks)
+    if name == "fault-straggler":  # the live Chrome trace shows each wait on the straggler, from its from_step
+        metrics = json.loads((tmp_path / name / "n2" / "run0" / "metrics" / "rank0.metrics.json").read_text())
+        waits = metrics["faults"]["waits"]
+        assert waits and {w["on_rank"] for w in waits} == {1} and min(w["step"] for w in waits) == 3, waits
+        trace = json.loads((tmp_path / name / "n2" / "run0" / "metrics" / "rank0.trace.json").read_text())
+        spans = [e for e in trace["traceEvents"] if e.get("cat") == "fault"]
+        assert len(spans) == len(waits) and {e["name"] for e in spans} == {"waits on rank 1"}
     doc = json.loads((tmp_path / name / "result.json").read_text())
     assert doc["expectations"] == json.loads(json.dumps(rows, default=str))
     loads = [result.machine[k]["load_average_1m"] for k in ("before", "after")]

@@ -6,7 +6,8 @@
 It installs its hooks, then runs the unmodified program as ``__main__`` (it composes with the
 launchers: ``prism run ... -m prism_plugin.recipes.probe -m prog``, or directly under the recipe
 runner's plain launcher). At exit it writes ``<PRISM_PROBE_DIR>/rank<R>.metrics.json`` (schema
-`METRICS_SCHEMA`) and ``rank<R>.trace.json`` (Chrome trace: one span per step, a memory counter).
+`METRICS_SCHEMA`) and ``rank<R>.trace.json`` (Chrome trace: one span per step, a memory counter, and
+under faults the waits they caused).
 
 What it measures, identically in real and emulated runs (so the two compare like with like):
 - **Steps**: a step ends when the program's first optimizer (the first ``torch.optim.Optimizer``
@@ -33,6 +34,10 @@ What it measures, identically in real and emulated runs (so the two compare like
   step (`Session.modelled_comm_s` at each step end), so scale recipes can subtract it; with faults, the
   extra cost that degraded links and jitter add to it (``fault_extra_comm_s``, from
   `prism_plugin.fault_runtime.LiveFaults.extra_comm_s`; None without faults).
+- **Faults** (``faults``; None without): the ops the session's faults delayed, each with when it waited,
+  how long and on which rank (the blame), and the hangs / crashes met
+  (`prism_plugin.fault_runtime.LiveFaults.timeline`), on the probe's clock; the Chrome trace shows them
+  on a "fault waits" row.
 - **Loss**: the value of the first one-element root with an implicit (or one-element) gradient handed
   to autograd's engine in each step (``loss.backward()``, ``torch.autograd.backward(loss)``,
   Megatron's ``custom_backward`` on the last stage): a rank whose backward starts from received
@@ -170,6 +175,7 @@ class Probe:
         self.modelled_comm_s: list[float | None] = []
         """The emulation session's cumulative modelled communication at each step end (None: no session)."""
         self.fault_comm_s: list[float | None] = []
+        self._faults: Any = None  # the session's LiveFaults, kept from a step end (the session may be gone at exit)
         """The extra communication cost of link and jitter faults, cumulative at each step end (None: no faults)."""
         self._progress: Path | None = None
         self._pending_loss: float | None = None
@@ -283,6 +289,8 @@ class Probe:
         self.modelled_comm_s.append(None if session is None else float(session.modelled_comm_s))
         faults = getattr(session, "faults", None)
         self.fault_comm_s.append(None if faults is None else float(faults.extra_comm_s))
+        if faults is not None:
+            self._faults = faults
         self.losses.append(self._pending_loss)
         self._pending_loss = None
         if self.tracker is not None:
@@ -336,6 +344,7 @@ class Probe:
                 "loss": self.losses[i],
             })
         peaks = [p for p in self.step_peaks if p is not None]
+        faults = self._faults if self._faults is not None else getattr(_prism_session(), "faults", None)
         if self.tracker is not None:
             source = "cpu tensor-storage tracker (prism_plugin.memory)"
             t, v = _decimate(self.tracker.times_s, self.tracker.values, _MAX_TIMELINE)
@@ -356,6 +365,7 @@ class Probe:
             "first_loss": self.losses[0] if self.losses else None,
             "steps": steps,
             "timeline": {"t_s": [round(x, 6) for x in t], "live_bytes": v},
+            "faults": None if faults is None else faults.timeline(self.origin_s),
         }
 
     def write(self) -> Path:
@@ -384,6 +394,18 @@ def chrome_trace(doc: dict[str, Any]) -> dict[str, Any]:
     for t, v in zip(doc["timeline"]["t_s"], doc["timeline"]["live_bytes"], strict=True):
         events.append({"ph": "C", "name": "live tensor bytes", "pid": pid, "tid": 0, "ts": 1e6 * t,
                        "args": {"bytes": v}})
+    faults = doc.get("faults")
+    if faults:  # who this rank waited on, when (blame), and the hangs / crashes it met
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "fault waits"}})
+        for w in faults["waits"]:
+            events.append({"ph": "X", "name": f"waits on rank {w['on_rank']}", "cat": "fault", "pid": pid, "tid": 1,
+                           "ts": 1e6 * w["t_s"], "dur": 1e6 * w["dur_s"],
+                           "args": {**{k: w[k] for k in ("op", "group", "seq", "step")},
+                                    "blame_chain": [doc["rank"], w["on_rank"]]}})
+        for e in faults["events"]:
+            events.append({"ph": "i", "s": "p", "name": f"{e['event']}: {e['fault']}", "cat": "fault", "pid": pid,
+                           "tid": 1, "ts": 1e6 * e["t_s"],
+                           "args": {k: v for k, v in e.items() if k not in ("t_s", "event", "fault")}})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"memory_source": doc["memory_source"]}}
 
 
