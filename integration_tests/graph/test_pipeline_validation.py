@@ -130,7 +130,8 @@ def test_hybrid_straggler_slows_the_virtual_stage_from_its_from_step(figures: di
     by_step = {it.index: it.duration_us / 1e3 for it in traces[0].iterations}
     before = statistics.median(t for i, t in by_step.items() if 2 <= i < 8)
     after = statistics.median(t for i, t in by_step.items() if i >= 8)
-    assert before == pytest.approx(clean, rel=0.05) and after == pytest.approx(slow, rel=0.05), (by_step, clean, slow)
+    rel = _tol(figures, FLOOR_PCT) / 100  # 5% + 2 x this machine's measured noise, as the other step checks
+    assert before == pytest.approx(clean, rel=rel) and after == pytest.approx(slow, rel=rel), (by_step, clean, slow)
 
 
 def test_cli_slice_profile_build_replay(figures: dict, tmp_path: Path) -> None:
