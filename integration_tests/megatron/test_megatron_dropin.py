@@ -62,6 +62,26 @@ def test_wrapper_under_torchrun(tmp_path: Path) -> None:
         assert summary["op_counts"]["send"] == summary["op_counts"]["recv"] > 0
 
 
+def test_crashed_virtual_tp_peer_fails_megatron_in_its_own_code_path(tmp_path: Path) -> None:
+    """``--prism-fault crash:rank=1,step=2``: real rank 0's TP peer dies at step 2. Megatron's own data
+    broadcast over the TP group raises gloo's peer-death error there (as a real crash would make it), the
+    job exits non-zero after iteration 1, and rank 0's summary still carries the fault event."""
+    job = list(JOB)
+    job[job.index("--train-iters") + 1] = "4"
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "prism_plugin.megatron", str(SCRIPT), *job, "--prism-world-size", "4",
+           "--prism-real-ranks", "0", "--prism-output", str(out), "--prism-fault", "crash:rank=1,step=2"]
+    proc = _run(cmd, _env(), timeout_s=180)
+    assert proc.returncode != 0
+    assert "Connection reset by peer" in proc.stderr and "get_batch_on_this_tp_rank" in proc.stderr
+    assert "prism: fault crash:rank=1,step=2: rank 0 raises" in proc.stderr
+    assert "iteration        1/       4" in proc.stdout and "iteration        2/       4" not in proc.stdout
+    summary = json.loads((out / "rank0.summary.json").read_text())
+    assert summary["exit_code"] == 1 and "Connection reset by peer" in summary["error"]
+    events = summary["faults"]["events"]
+    assert [(e["event"], e["rank"], e["step"]) for e in events] == [("crash", 1, 2)]
+
+
 def test_refused_feature_fails_before_any_process_group() -> None:
     cmd = [sys.executable, "-m", "prism_plugin.megatron", str(SCRIPT), *JOB, "--tp-comm-overlap",
            "--prism-world-size", "8", "--prism-real-ranks", "0"]

@@ -249,12 +249,15 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
     adapter = MegatronAdapter(session, cpu_mode=cpu_mode, import_training=True).install()
     tracker = StorageTracker().start() if cpu_mode else None
     exit_code: Any = 0
+    error: BaseException | None = None
     try:
         sys.argv = list(script_argv)
         sys.path.insert(0, os.path.dirname(os.path.abspath(script_argv[0])))
         runpy.run_path(script_argv[0], run_name="__main__")
     except SystemExit as exc:
         exit_code = exc.code
+    except BaseException as exc:  # the program's own failure (a fault's error, say): summarised, then re-raised
+        exit_code, error = 1, exc
     finally:
         if tracker is not None:
             tracker.stop()
@@ -266,7 +269,11 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
     elif torch.cuda.is_available():
         summary["memory"] = {"source": "torch.cuda", "peak_bytes": int(torch.cuda.max_memory_allocated())}
     summary["exit_code"] = exit_code
+    if error is not None:
+        summary["error"] = f"{type(error).__name__}: {error}"
     _write_summary(summary, config.output_dir)
+    if error is not None:
+        raise error
     if exit_code not in (0, None):
         raise SystemExit(exit_code)
     return summary
