@@ -133,3 +133,22 @@ def test_patched_deepspeed_honours_prism_section(tmp_path):
     # the copy really is the patched one, and the pristine install is untouched
     assert "_prism_hook" in (site / "deepspeed" / "comm" / "comm.py").read_text()
     assert "_prism_hook" not in (_installed_deepspeed() / "comm" / "comm.py").read_text()
+
+
+def test_crashed_virtual_dp_peer_fails_deepspeed_in_its_own_code_path(tmp_path):
+    """``"faults": ["crash:rank=1,step=1"]`` in the "prism" section: real rank 0's ZeRO-2 data-parallel peer dies
+    at step 1. DeepSpeed's own parameter all-gather after the first optimizer step raises gloo's peer-death
+    error there, the script exits non-zero, and rank 0's summary carries the crash event."""
+    config = _config(tmp_path / "ds.json", real_ranks=[0], world_size=2, output=tmp_path / "out")
+    doc = json.loads(config.read_text())
+    doc["prism"]["faults"] = ["crash:rank=1,step=1"]
+    config.write_text(json.dumps(doc))
+    (tmp_path / "r").mkdir()
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--config", str(config), "--dropin", "--out", "r"],
+                          env=_env(LOCAL_RANK="0"), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and "DS_RESULT" not in proc.stdout
+    err = proc.stderr
+    assert "Connection reset by peer" in err and "deepspeed/runtime/utils.py" in err, err[-3000:]
+    assert "prism: fault crash:rank=1,step=1: rank 0 raises" in proc.stderr
+    events = json.loads((tmp_path / "out" / "rank0.summary.json").read_text())["faults"]["events"]
+    assert [(e["event"], e["rank"], e["step"], e["op"]) for e in events] == [("crash", 1, 1, "all_gather")]
