@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["EmulationClock", "sleep_until"]
+__all__ = ["EmulationClock", "WakeupStats", "sleep_until"]
 
 _SPIN_S = 200e-6  # below this, time.sleep overshoots by more than it saves: spin instead
 
@@ -27,6 +27,45 @@ def sleep_until(deadline_s: float) -> None:
         time.sleep(remaining - _SPIN_S)
     while time.perf_counter() < deadline_s:
         pass
+
+
+class WakeupStats:
+    """How late emulated completions were delivered: each wait that slept until an op's emulated end, by
+    how much it woke after that deadline (this host's scheduling, the emulator's own timing error).
+
+    Keeps the count, the maximum and a uniform sample of at most `CAP` values (deterministic reservoir).
+    """
+
+    CAP = 4096
+    __slots__ = ("count", "max_s", "_sample", "_rng")
+
+    def __init__(self) -> None:
+        import random
+
+        self.count = 0
+        self.max_s = 0.0
+        self._sample: list[float] = []
+        self._rng = random.Random(0)
+
+    def add(self, late_s: float) -> None:
+        self.count += 1
+        if late_s > self.max_s:
+            self.max_s = late_s
+        if len(self._sample) < self.CAP:
+            self._sample.append(late_s)
+        else:
+            j = self._rng.randrange(self.count)
+            if j < self.CAP:
+                self._sample[j] = late_s
+
+    def summary(self) -> dict[str, float | int | None]:
+        """``waits_slept`` and the median / 90th percentile / maximum lateness in microseconds (None: none)."""
+        if not self._sample:
+            return {"waits_slept": 0, "late_median_us": None, "late_p90_us": None, "late_max_us": None}
+        xs = sorted(self._sample)
+        return {"waits_slept": self.count, "late_median_us": round(1e6 * xs[len(xs) // 2], 1),
+                "late_p90_us": round(1e6 * xs[min(len(xs) - 1, int(0.9 * len(xs)))], 1),
+                "late_max_us": round(1e6 * self.max_s, 1)}
 
 
 class EmulationClock:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from prism_plugin.clock import EmulationClock
+from prism_plugin.clock import EmulationClock, WakeupStats
 from prism_plugin.comm.backend import BACKEND_NAME, PrismProcessGroup
 from prism_plugin.comm.group import VirtualGroup
 from prism_plugin.comm.recording import Recorder, Replayer
@@ -116,6 +116,7 @@ class Session:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             self.arrivals = ArrivalAssumption.REPLAYED
+        self.wakeups = WakeupStats()  # how late each wait that slept woke past the emulated completion
         self.faults = None  # faults and what-ifs (prism_plugin.faults), applied per op by comm.collectives
         if config.faults:
             from prism_plugin.fault_runtime import LiveFaults
@@ -220,6 +221,9 @@ class Session:
             "op_bytes": {k.value: v for k, v in self.op_bytes.items()},
             "modelled_comm_s": round(self.modelled_comm_s, 9),
             "communicator_memory": self.communicator_memory(),
+            "emulated_waits": {**self.wakeups.summary(), "note": "how late each wait() that slept until an "
+                               "op's emulated completion woke past it: this host's scheduling, the emulator's own "
+                               "timing error"},
             **({"graph": self.replayed.summary()} if self.replayed is not None else {}),
             **({"trace": self.tracer.summary()} if self.tracer is not None else {}),
             **({"faults": self._faults_summary()} if self.faults is not None else {}),
@@ -257,6 +261,9 @@ class Session:
         setattr(owner, name, new)
 
     def install(self) -> None:
+        from prism_plugin.comm import work as work_module
+
+        self._patch(work_module, "_WAKEUPS", self.wakeups)
         original_bol = c10d.broadcast_object_list
 
         @functools.wraps(original_bol)

@@ -160,3 +160,31 @@ def test_reactivate_after_deactivate() -> None:
         summary = P.deactivate()
         assert summary is not None and summary["rank"] == rank
         assert not dist.is_initialized()
+
+
+def test_summary_reports_how_late_emulated_completions_were_delivered(emulate) -> None:
+    """Each wait() that sleeps until an op's emulated completion records how late it woke: the emulator's own
+    timing error on this host (sleep overshoot and scheduling), in the summary's "emulated_waits"."""
+    emulate(8, 0, profile="local-cpu-gloo")  # 1 MiB over gloo-like links: each all-reduce waits ~ms
+    t = torch.ones(1 << 18)
+    for _ in range(20):
+        dist.all_reduce(t)
+    dist.all_reduce(t, async_op=True)  # never waited: not counted
+    waits = P.deactivate()["emulated_waits"]
+    # an op whose emulated end had already passed when wait() came (a stalled host) does not sleep
+    assert 15 <= waits["waits_slept"] <= 20
+    assert 0.0 <= waits["late_median_us"] <= waits["late_p90_us"] <= waits["late_max_us"]
+    assert waits["late_median_us"] < 5000.0  # the tail spins: ~1 us on an idle host, 5 ms covers a loaded one
+
+
+def test_wakeup_stats_keep_a_bounded_uniform_sample() -> None:
+    from prism_plugin.clock import WakeupStats
+
+    stats = WakeupStats()
+    assert stats.summary()["waits_slept"] == 0 and stats.summary()["late_median_us"] is None
+    for i in range(3 * WakeupStats.CAP):
+        stats.add(i * 1e-6)
+    s = stats.summary()
+    assert s["waits_slept"] == 3 * WakeupStats.CAP and s["late_max_us"] == pytest.approx(3 * WakeupStats.CAP - 1)
+    assert len(stats._sample) == WakeupStats.CAP
+    assert s["late_median_us"] == pytest.approx(1.5 * WakeupStats.CAP, rel=0.1)  # uniform over 0 .. 3 CAP

@@ -21,9 +21,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from prism_plugin.clock import sleep_until
+from prism_plugin.clock import WakeupStats, sleep_until
 
-__all__ = ["TimedWork", "completed_work"]
+__all__ = ["TimedWork", "completed_work", "set_wakeup_stats"]
+
+_WAKEUPS: WakeupStats | None = None
+
+
+def set_wakeup_stats(stats: WakeupStats | None) -> None:
+    """Where waits that sleep until an emulated completion record how late they woke (the session's)."""
+    global _WAKEUPS
+    _WAKEUPS = stats
 
 Finish = Callable[[], None]
 
@@ -129,8 +137,14 @@ class TimedWork(dist.Work):
         if self._lock is not None:
             with self._lock:
                 self._complete_inner()
-        if self.deadline_s > 0:
-            sleep_until(self.deadline_s)
+        deadline = self.deadline_s
+        if deadline > 0:
+            stats = _WAKEUPS
+            if stats is not None and time.perf_counter() < deadline:
+                sleep_until(deadline)
+                stats.add(time.perf_counter() - deadline)
+            else:
+                sleep_until(deadline)
         self._mark_done()
         if rec is not None:
             rec.on_done()
