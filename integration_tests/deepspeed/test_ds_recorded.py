@@ -14,7 +14,8 @@ the calling thread, where a plain gloo collective's internals are one opaque op 
 The real run's memory is not always deterministic: a gloo work that DeepSpeed no longer references may
 still hold its tensors on gloo's own thread for a moment, and when the main thread allocates (or the
 run ends) in that moment the real figure rises by that buffer (peaks +896 and +1,408 B in ZeRO-2, final
-bytes +8 B in ZeRO-3 and a pipeline, under load, a few cases in some full runs). The emulated rank has
+bytes +8 B in ZeRO-3 and a pipeline, under load, a few cases in some full runs; peak +4 B in plain
+data parallelism, in 3 real runs in a row once). The emulated rank has
 no such race. So when the figures differ, the real run is repeated (up to `REAL_RETRIES` more times) and
 the emulated rank must equal the lowest real figures, those without the transient, and never exceed them.
 """
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.slow
 # (ZeRO stage, data-parallel size, the rank replayed): stages 1-3 at DP 2, 3 and 4 (and plain data
 # parallelism, stage 0, at DP 2); the replayed rank varies so that rank 0 is virtual in most cases
 ZERO_CASES = [(0, 2, 1)] + [(stage, dp, (stage + dp) % dp) for stage in (1, 2, 3) for dp in (2, 3, 4)]
-REAL_RETRIES = 2
+REAL_RETRIES = 5  # a fresh-clone CI run once saw the +4 B transient in 3 real runs in a row (ZeRO-0, DP 2)
 
 
 def _jobs(pool, fn, config, n, **kwargs):
