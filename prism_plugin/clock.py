@@ -11,6 +11,7 @@ enqueued, not when the stream reached it (DESIGN.md section 5); this clock is th
 
 from __future__ import annotations
 
+import random
 import time
 
 __all__ = ["EmulationClock", "WakeupStats", "sleep_until"]
@@ -40,8 +41,6 @@ class WakeupStats:
     __slots__ = ("count", "max_s", "_sample", "_rng")
 
     def __init__(self) -> None:
-        import random
-
         self.count = 0
         self.max_s = 0.0
         self._sample: list[float] = []

@@ -89,10 +89,11 @@ def load_arrivals(path: Path, cost: CostModel, rank: int, real_ranks: tuple[int,
 class ReplayedArrivals:
     """This rank's live lookup of virtual arrivals (see the module docstring)."""
 
-    def __init__(self, graph: ExecutionGraph, tables: ArrivalTable | Sequence[tuple[int, ArrivalTable]], rank: int,
+    def __init__(self, graph: ExecutionGraph, tables: Sequence[tuple[int, ArrivalTable]], rank: int,
                  clock: EmulationClock, source: str) -> None:
         self.graph = graph
-        self.tables = [(0, tables)] if isinstance(tables, ArrivalTable) else sorted(tables, key=lambda t: t[0])
+        self.tables = sorted(tables, key=lambda t: t[0])
+        """(first step, table) per fault phase (`fault_phases`), from step 0."""
         if not self.tables or self.tables[0][0] != 0:
             raise ValueError("the arrival tables must start at step 0")
         self.table = self.tables[0][1]

@@ -23,15 +23,11 @@ import torch.distributed as dist
 
 from prism_plugin.clock import WakeupStats, sleep_until
 
-__all__ = ["TimedWork", "completed_work", "set_wakeup_stats"]
+__all__ = ["TimedWork", "completed_work"]
 
 _WAKEUPS: WakeupStats | None = None
-
-
-def set_wakeup_stats(stats: WakeupStats | None) -> None:
-    """Where waits that sleep until an emulated completion record how late they woke (the session's)."""
-    global _WAKEUPS
-    _WAKEUPS = stats
+"""Where waits that sleep until an emulated completion record how late they woke: the active session's
+(`Session.install` sets it and restores it at uninstall)."""
 
 Finish = Callable[[], None]
 
@@ -140,11 +136,10 @@ class TimedWork(dist.Work):
         deadline = self.deadline_s
         if deadline > 0:
             stats = _WAKEUPS
-            if stats is not None and time.perf_counter() < deadline:
-                sleep_until(deadline)
+            sleeps = stats is not None and time.perf_counter() < deadline
+            sleep_until(deadline)
+            if sleeps:
                 stats.add(time.perf_counter() - deadline)
-            else:
-                sleep_until(deadline)
         self._mark_done()
         if rec is not None:
             rec.on_done()

@@ -254,7 +254,6 @@ def validate_framework(job: FrameworkJob, workdir: Path, *, hybrid_ranks: Sequen
         r = run.real_ranks[0]
         summary = json.loads((run.out / f"rank{r}.summary.json").read_text())
         hybrid[str(r)] = {**hybrid_errors(a[r], traces[r], job.warmup),
-                          "step_cv_pct": _cv_pct(_steps(traces[r], job.warmup)),
                           "arrivals_check": arrival_errors(traces[r], graph, cost, job.warmup),
                           "arrivals": summary.get("arrivals"), "graph_ops": summary.get("graph")}
     figures["hybrid"] = hybrid

@@ -225,7 +225,7 @@ def sampled_errors(graph: ExecutionGraph, cost: CostModel, real_steps: Sequence[
 
 def hybrid_errors(real: RankTrace, hybrid: RankTrace, warmup: int) -> dict[str, Any]:
     """One rank's hybrid run against its real run: step-time errors and per-op wait errors (module docstring)."""
-    mine = _steps(real, warmup)
+    mine, steps_h = _steps(real, warmup), _steps(hybrid, warmup)
     waits_real, waits_h = op_waits_us(real, warmup), op_waits_us(hybrid, warmup)
     if len(waits_real) != len(waits_h):
         raise RuntimeError(f"rank {real.rank}: the hybrid run issued {len(waits_h)} ops per step, the real run "
@@ -234,10 +234,9 @@ def hybrid_errors(real: RankTrace, hybrid: RankTrace, warmup: int) -> dict[str, 
     step = statistics.fmean(mine)
     compute_real, compute_h = _compute_ms(real, warmup), _compute_ms(hybrid, warmup)
     return {
-        "step_ms": round(statistics.fmean(_steps(hybrid, warmup)) / 1e3, 4),
-        "step_cv_pct": round(100 * statistics.stdev(_steps(hybrid, warmup)) / statistics.fmean(_steps(hybrid, warmup)),
-                             3),
-        **_errors(_steps(hybrid, warmup), mine),
+        "step_ms": round(statistics.fmean(steps_h) / 1e3, 4),
+        "step_cv_pct": round(100 * statistics.stdev(steps_h) / statistics.fmean(steps_h), 3),
+        **_errors(steps_h, mine),
         "ops_per_step": len(diffs),
         "wait_total_ms_real": round(sum(waits_real) / 1e3, 4),
         "wait_total_ms_hybrid": round(sum(waits_h) / 1e3, 4),
@@ -257,7 +256,9 @@ def arrival_errors(hybrid: RankTrace, graph: ExecutionGraph, cost: CostModel, wa
     For each op of the steady iterations that has a virtual member in the graph's arrival table, the
     emulator must complete it at ``max(own arrival, anchor + table offset) + modelled cost`` (or at the
     wait() entry, when later): the error is the traced wait return minus that, in us (positive: woken
-    late). Independent of how fast this machine ran the rank's own compute.
+    late). Independent of how fast this machine ran the rank's own compute. The op -> table entry lookup is
+    written out here rather than taken from `prism_plugin.hybrid.ReplayedArrivals`: an oracle that shared
+    the emulator's lookup could not catch a mistake in it.
     """
     from prism_plugin.graph.convert import group_role
     from prism_plugin.graph.steady import ArrivalTable, steady_state
