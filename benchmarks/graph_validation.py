@@ -1,6 +1,6 @@
 """Prediction errors of replay and hybrid emulation against real pipeline runs on this machine.
 
-Runs `prism_plugin.examples.pipeline_validation.validate` --repeats times (each: 2 real runs, a transfer
+Runs `validation.pipeline.validate` --repeats times (each: 2 real runs, a transfer
 probe, 2 profiling runs, the replay, 1 hybrid run per stage; see that module) and prints one JSON object:
 per repeat the real run's step time (through the prism backend, every member real) next to the same
 program's on plain gloo, the replay's and each hybrid rank's step-time errors (error of the mean; mean / max over the
@@ -14,7 +14,7 @@ only) runs every process of the benchmark at a higher priority than that other w
 the quiet machine the figures are meant for; it changes nothing else.
 
 ``--framework megatron|deepspeed`` validates the real frameworks instead (pp=2, real compute; see
-`prism_plugin.examples.framework_validation`): per repeat one real run (both ranks real, traced), the graph
+`validation.framework`): per repeat one real run (both ranks real, traced), the graph
 (from that run's traces, or ``--graph-from profiling``: profiling runs of one real rank each), its replay and
 the two hybrid runs; the same error figures, with the real run's coefficient of variation and the
 run-to-run difference of two real runs as its noise. The medians are checked against the tight tolerances
@@ -27,11 +27,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
-from prism_plugin.examples.framework_validation import FRAMEWORKS, FrameworkJob, validate_framework
-from prism_plugin.examples.pipeline_validation import PipelineJob, validate
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's validation/ harnesses
+
+from validation.framework import FRAMEWORKS, FrameworkJob, validate_framework  # noqa: E402
+from validation.pipeline import PipelineJob, validate  # noqa: E402
 
 
 def _figures(out: dict) -> dict:

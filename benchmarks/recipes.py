@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from prism_plugin.recipes.cli import recipe_dirs
+from prism_plugin.cli.recipes import recipe_dirs
 from prism_plugin.recipes.load import load_recipe
 from prism_plugin.recipes.report import plot_recipe, write_index, write_summary
 from prism_plugin.recipes.runner import RunFailed, run_recipe

@@ -3,7 +3,7 @@
 1. Per op: one process plays rank 5 of 8192 and all-reduces 4 KiB on its 8-rank group (timing off, so
    the figure is the backend's own cost) with and without ``trace_dir``; CPU time per call, medians of
    --repeats runs, the two configurations alternated --pairs times.
-2. End to end: ``prism_plugin.examples.toy_train`` as rank 0 of 8192 (1 real process, dgx-h100 timing),
+2. End to end: ``prism_plugin.programs.toy_train`` as rank 0 of 8192 (1 real process, dgx-h100 timing),
    without and with tracing, --pairs times each. Wall-clock step times on a shared 2-core machine move by
    more than the effect, so the overhead is measured in CPU time, which other processes' load barely
    touches: each configuration runs --steps and --steps + --extra-steps steps, and the CPU time of the
@@ -59,16 +59,17 @@ def _toy(steps: int, trace_dir: str | None) -> tuple[float, list[float]]:
     """(CPU seconds of the child, its printed step times in ms)."""
     import resource
 
-    from prism_plugin.config import EmulationConfig, VirtualWorld
-    from prism_plugin.launch import config_to_env
+    from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
+    from prism_plugin.runtime.launch import config_to_env
 
     config = EmulationConfig(world=VirtualWorld(world_size=8192, real_ranks=(0,)), profile="dgx-h100",
                              trace_dir=trace_dir, trace_max_iterations=10**6)
     env = dict(os.environ, RANK="0", WORLD_SIZE="8192", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                PRISM_CONFIG=config_to_env(config), PRISM_PROCESS_INDEX="0")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run([sys.executable, "-m", "prism_plugin.bootstrap", "-m", "prism_plugin.examples.toy_train",
-                          "--steps", str(steps)], env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "prism_plugin.runtime.bootstrap",
+                          "-m", "prism_plugin.programs.toy_train", "--steps", str(steps)],
+                         env=env, capture_output=True, text=True, check=True).stdout
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     summary = json.loads(re.search(r"^PRISM_SUMMARY (.*)$", out, re.M).group(1))  # type: ignore[union-attr]

@@ -29,7 +29,7 @@ def _compute_for(seconds: float) -> int:
 
 def timing_probe(ctx: Ctx, numel: int = 1 << 20, compute_s: float = 0.05) -> dict[str, Any]:
     """Async all_reduce over the world (all virtual but this rank) overlapped with compute."""
-    from prism_plugin.kinds import OpKind
+    from prism_plugin.config.kinds import OpKind
 
     session = ctx.session
     vg = dist.group.WORLD.vg

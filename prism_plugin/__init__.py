@@ -18,16 +18,16 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "activate": "prism_plugin.session",
-    "deactivate": "prism_plugin.session",
-    "current_session": "prism_plugin.session",
-    "mark_iteration": "prism_plugin.session",
-    "Session": "prism_plugin.session",
-    "EmulationConfig": "prism_plugin.config",
-    "VirtualWorld": "prism_plugin.config",
-    "ConfigError": "prism_plugin.config",
-    "DataPolicy": "prism_plugin.kinds",
-    "OpKind": "prism_plugin.kinds",
+    "activate": "prism_plugin.runtime.session",
+    "deactivate": "prism_plugin.runtime.session",
+    "current_session": "prism_plugin.runtime.session",
+    "mark_iteration": "prism_plugin.runtime.session",
+    "Session": "prism_plugin.runtime.session",
+    "EmulationConfig": "prism_plugin.config.emulation",
+    "VirtualWorld": "prism_plugin.config.emulation",
+    "ConfigError": "prism_plugin.config.emulation",
+    "DataPolicy": "prism_plugin.config.kinds",
+    "OpKind": "prism_plugin.config.kinds",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

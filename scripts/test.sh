@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-.venv/bin/ruff check prism_plugin tests integration_tests benchmarks
+.venv/bin/ruff check prism_plugin tests integration_tests benchmarks validation
 # unit tests (pure and single-process), then the multi-process integration tests
 .venv/bin/python -m pytest -q -p no:cacheprovider -W ignore::FutureWarning tests integration_tests "$@"

@@ -122,7 +122,7 @@ def pipeline_topology_error_job(*, world_size: int, pp: int, dp: int, topology: 
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     import prism_plugin.deepspeed as prism_ds
-    from prism_plugin.config import ConfigError
+    from prism_plugin.config.emulation import ConfigError
 
     prism: dict[str, Any] = {"world_size": world_size, "real_ranks": [0], "timing": False}
     if topology is not None:

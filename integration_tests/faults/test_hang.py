@@ -12,8 +12,8 @@ import re
 import time
 from pathlib import Path
 
-from prism_plugin.config import EmulationConfig, VirtualWorld
-from prism_plugin.launch import LaunchSpec, launch
+from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
+from prism_plugin.runtime.launch import LaunchSpec, launch
 
 TIMEOUT_S = 3.0
 PROGRAM = """

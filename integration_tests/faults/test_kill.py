@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from prism_plugin.config import EmulationConfig, VirtualWorld
-from prism_plugin.launch import LaunchSpec, config_to_env, launch
+from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
+from prism_plugin.runtime.launch import LaunchSpec, config_to_env, launch
 
 TIMEOUT_S = 5.0
 PROGRAM = """
@@ -59,7 +59,7 @@ def test_surviving_real_rank_exits_with_an_error_within_the_timeout(tmp_path: Pa
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(i), LOCAL_WORLD_SIZE="2",
                    PRISM_CONFIG=config_to_env(config), PRISM_PROCESS_INDEX=str(i),
                    PRISM_STORE_FILE=str(tmp_path / "store"), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-        procs.append(subprocess.Popen([sys.executable, "-m", "prism_plugin.bootstrap", str(script)], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", "prism_plugin.runtime.bootstrap", str(script)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out0, _ = procs[0].communicate(timeout=60)
     killed_at = time.monotonic()

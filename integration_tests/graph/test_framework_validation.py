@@ -1,6 +1,6 @@
 """Replay and hybrid emulation against real Megatron-core and DeepSpeed pipeline runs (pp=2, 1F1B, real compute).
 
-One module fixture per framework runs `prism_plugin.examples.framework_validation.validate_framework`
+One module fixture per framework runs `validation.framework.validate_framework`
 (24 steps; the first 3 traced iterations dropped, 20 compared): a real run with both ranks real through
 the prism backend (traced), the execution graph built from that run's traces, its replay, and the two
 hybrid runs (rank 0 real with rank 1 virtual and replayed, and vice versa, started together so the
@@ -23,7 +23,7 @@ that and its own run's, as the load moves between the runs). The structural chec
 replayed arrivals) have fixed bounds. Measured on this machine under a load of ~2.5 (other jobs): Megatron
 replay -5%, hybrids -3% / -2% (noise 13%); DeepSpeed replay -10%, hybrids -10% (noise 12%). A hybrid
 rank's step against the replay is bounded by how far its own compute moved from the real run's (compute
-coupling, see prism_plugin.examples.framework_validation); its ops' completions against the replay's
+coupling, see validation.framework); its ops' completions against the replay's
 arrivals are checked to the microsecond scale.
 """
 
@@ -33,8 +33,8 @@ import json
 
 import pytest
 
-from prism_plugin.examples.framework_validation import FrameworkJob, validate_framework
 from prism_plugin.graph.schema import ExecutionGraph
+from validation.framework import FrameworkJob, validate_framework
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +94,7 @@ def test_hybrid_ops_complete_when_the_replay_says(figures: dict) -> None:
 def test_hybrid_ranks_follow_the_replay(figures: dict) -> None:
     """Alone with its peer stage virtual, a rank runs at the replay's step time, give or take how much
     faster or slower its own compute ran than the real run's that the graph carries (module docstring of
-    prism_plugin.examples.framework_validation: compute coupling; DeepSpeed hybrid ranks ran up to 18% of
+    validation.framework: compute coupling; DeepSpeed hybrid ranks ran up to 18% of
     the step faster) and its run's own noise."""
     for r, h in figures["hybrid"].items():
         predicted = figures["predicted_rank_step_ms"][r]

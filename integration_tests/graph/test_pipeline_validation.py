@@ -1,6 +1,6 @@
 """Validation of trace capture, slicing, replay and hybrid emulation against a real 2-stage pipeline run.
 
-One module fixture runs `prism_plugin.examples.pipeline_validation.validate` on the 1F1B example (pp=2,
+One module fixture runs `validation.pipeline.validate` on the 1F1B example (pp=2,
 8 micro-batches, compute slept: 3/4 ms forward and 6/8 ms backward per micro-batch on stages 0/1, 24 steps,
 the first 3 traced iterations dropped): two real runs (A, B: every rank real, gloo underneath), a probe of
 this machine's transfer time (the profile's p2p overhead is fitted to it), two profiling runs (one real
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from prism_plugin.examples.pipeline_validation import PipelineJob, _run, validate
 from prism_plugin.graph.rank_trace import load_rank_traces
 from prism_plugin.graph.schema import ExecutionGraph
+from validation.pipeline import PipelineJob, _run, validate
 
 pytestmark = pytest.mark.slow
 
@@ -135,12 +135,12 @@ def test_hybrid_straggler_slows_the_virtual_stage_from_its_from_step(figures: di
 
 
 def test_cli_slice_profile_build_replay(figures: dict, tmp_path: Path) -> None:
-    cli = [sys.executable, "-m", "prism_plugin.graph_cli"]
+    cli = [sys.executable, "-m", "prism_plugin.cli.graph"]
     plan = tmp_path / "plan.json"
     subprocess.run([*cli, "slice", "--layout", "pp=2,dp=1", "--devices", "2", "--out", str(plan)], check=True,
                    capture_output=True)
     run = subprocess.run([*cli, "profile", "--plan", str(plan), "--out", str(tmp_path / "prof"), "--gpus-per-node",
-                          "2", "-m", "prism_plugin.examples.pipeline_train", "--steps", "5", "--microbatches", "2"],
+                          "2", "-m", "prism_plugin.programs.pipeline_train", "--steps", "5", "--microbatches", "2"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert sorted(t.rank for t in load_rank_traces([tmp_path / "prof"])) == [0, 1]

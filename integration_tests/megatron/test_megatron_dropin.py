@@ -24,7 +24,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "prism_plugin" / "adapters" / "megatron" / "pretrain_gpt.py"
+SCRIPT = ROOT / "prism_plugin" / "programs" / "pretrain_gpt.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 JOB = ["--transformer-impl", "local", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prism_plugin.cli import main
+from prism_plugin.cli.main import main
 from prism_plugin.recipes.load import load_recipe
 from prism_plugin.recipes.runner import RunFailed, run_recipe
 from prism_plugin.recipes.schema import Tier

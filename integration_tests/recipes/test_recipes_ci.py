@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prism_plugin.cli import main
+from prism_plugin.cli.main import main
 from prism_plugin.cost import load_profile, override_profile
 from prism_plugin.cost.profiles import profile_to_yaml
 from prism_plugin.recipes.load import load_recipe

@@ -23,7 +23,7 @@ from prism_plugin.comm.fill import RedOp, apply_virtual_share, check_reduce_dtyp
 from prism_plugin.comm.group import VirtualGroup
 from prism_plugin.comm.recording import payload_key
 from prism_plugin.comm.work import TimedWork
-from prism_plugin.kinds import DataPolicy, OpKind
+from prism_plugin.config.kinds import DataPolicy, OpKind
 
 Tensor = torch.Tensor
 Finish = Callable[[], None]
@@ -82,7 +82,7 @@ def _launch(
     # needed by the execution-graph layer: replayed virtual arrivals (hybrid emulation) and trace capture
     effective_s = arrival_s if hooks is None else hooks.arrival(vg, kind, arrival_s, peer)
     failure = None
-    if faults is not None:  # faults and what-ifs on virtual participants (prism_plugin.faults)
+    if faults is not None:  # faults and what-ifs on virtual participants (prism_plugin.config.faults)
         effective_s, cost_s, failure = faults.on_op(
             vg, kind, seq, arrival_s, effective_s, cost_s, peer,
             device_type=received[0].device.type if received else "cpu",

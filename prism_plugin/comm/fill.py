@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from prism_plugin.kinds import DataPolicy
+from prism_plugin.config.kinds import DataPolicy
 
 RedOp = dist.ReduceOp.RedOpType
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from prism_plugin.session import Session
+    from prism_plugin.runtime.session import Session
 
 __all__ = ["VirtualGroup"]
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from prism_plugin.clock import WakeupStats, sleep_until
+from prism_plugin.runtime.clock import WakeupStats, sleep_until
 
 __all__ = ["TimedWork", "completed_work"]
 
@@ -36,9 +36,9 @@ class TimedWork(dist.Work):
     """A handle that completes once its inner works are done, `finish` ran and `deadline_s` passed."""
 
     trace: Any = None
-    """Trace capture's record of this op (`prism_plugin.tracer.OpRecord`): wait() stamps its wait point."""
+    """Trace capture's record of this op (`prism_plugin.runtime.tracer.OpRecord`): wait() stamps its wait point."""
     failure: Any = None
-    """A fault (`prism_plugin.fault_runtime.OpFailure`): wait() raises its error at its time, never completes."""
+    """A fault (`prism_plugin.runtime.live_faults.OpFailure`): wait() raises its error at its time, never completes."""
     _on_raise: Any = None
 
     def __init__(

@@ -3,7 +3,7 @@
 Example::
 
     from prism_plugin.cost import CostModel, load_profile
-    from prism_plugin.kinds import OpKind
+    from prism_plugin.config.kinds import OpKind
 
     model = CostModel(load_profile("H100"))
     model.collective_us(OpKind.ALL_REDUCE, 2**30, range(8))  # ~5239 us

@@ -1,6 +1,6 @@
 """Fit a `HardwareProfile` to measured collective times (DESIGN.md section 5, `prism calibrate`).
 
-The measurements come from timing the local backend (`prism_plugin.calibrate_run`) or from nccl-tests
+The measurements come from timing the local backend (`prism_plugin.runtime.calibrate`) or from nccl-tests
 logs (`prism_plugin.cost.nccl_tests`). The forward model is `CostModel(profile).collective_us_placed`
 itself, so what is fitted is exactly what the emulator will use.
 
@@ -44,9 +44,9 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost.model import CostModel, GroupPlacement
 from prism_plugin.cost.profiles import HardwareProfile, LinkSpec, profile_to_yaml
-from prism_plugin.kinds import OpKind
 
 __all__ = [
     "CalibrationFit",

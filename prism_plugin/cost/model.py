@@ -29,8 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from prism_plugin.config.kinds import Algorithm, OpKind
 from prism_plugin.cost.profiles import HardwareProfile
-from prism_plugin.kinds import Algorithm, OpKind
+from prism_plugin.topology.placement import NodePlacement
 
 __all__ = ["CostBreakdown", "CostModel", "GroupPlacement", "supported_algorithms"]
 
@@ -84,11 +85,12 @@ class GroupPlacement:
         """
         if not group_ranks:
             raise ValueError("group_ranks is empty; a group needs at least one rank")
+        nodes = NodePlacement(gpus_per_node=gpus_per_node)
         per_node: dict[int, int] = {}
         for rank in group_ranks:
             if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
                 raise ValueError(f"group rank {rank!r} is not a non-negative integer")
-            node = rank // gpus_per_node
+            node = nodes.node_of(rank)
             per_node[node] = per_node.get(node, 0) + 1
         size = len(group_ranks)
         if len(set(group_ranks)) != size:
@@ -226,8 +228,8 @@ class CostModel:
             raise ValueError(f"p2p ranks must be non-negative, got src={src!r}, dst={dst!r}")
         if src == dst:
             return 0.0
-        gpus_per_node = self._profile.gpus_per_node
-        latency_us, transfer_us = self._p2p(size, src // gpus_per_node != dst // gpus_per_node)
+        nodes = NodePlacement(gpus_per_node=self._profile.gpus_per_node)
+        latency_us, transfer_us = self._p2p(size, nodes.node_of(src) != nodes.node_of(dst))
         return latency_us + transfer_us * self._tf.get(OpKind.SEND, 1.0)
 
     # -- internals -------------------------------------------------------------------------------

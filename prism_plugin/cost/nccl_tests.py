@@ -29,10 +29,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost.calibrate import CalibrationFit, Measurement, fit_profile
 from prism_plugin.cost.model import GroupPlacement
 from prism_plugin.cost.profiles import HardwareProfile, load_profile
-from prism_plugin.kinds import OpKind
 
 __all__ = [
     "NcclTestsRun",

@@ -125,7 +125,7 @@ class HardwareProfile:
 
 def _op_factors(value: object, where: str) -> tuple[tuple[str, float], ...]:
     """`op_transfer_factors` as sorted (op, factor) pairs, each op a known OpKind value, each factor > 0."""
-    from prism_plugin.kinds import OpKind
+    from prism_plugin.config.kinds import OpKind
 
     if value is None:
         return ()

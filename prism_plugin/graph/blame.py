@@ -52,7 +52,7 @@ def blame_chain(result: ReplayResult, rank: int, *, step: int = 0, steps: int = 
     (``"on_rank": None``, ``"waited_us": 0``: it was not waiting).
 
     >>> from prism_plugin.cost import CostModel, load_profile
-    >>> from prism_plugin.faults import parse_faults
+    >>> from prism_plugin.config.faults import parse_faults
     >>> from prism_plugin.graph.replay import replay
     >>> from prism_plugin.graph.synthetic import SyntheticJob, build_1f1b_graph
     >>> g = build_1f1b_graph(SyntheticJob(tp=1, pp=1, dp=4, num_microbatches=1, fwd_us=10.0, bwd_us=20.0,

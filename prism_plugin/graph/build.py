@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prism_plugin.config.kinds import OpKind
 from prism_plugin.graph.schema import (
     ClassTrace,
     ExecutionGraph,
@@ -25,7 +26,6 @@ from prism_plugin.graph.schema import (
     WorldLayout,
     rule_class_name,
 )
-from prism_plugin.kinds import OpKind
 
 __all__ = ["ConcreteOp", "TraceBuilder", "graph_from_traces", "instantiate_rank", "representatives"]
 

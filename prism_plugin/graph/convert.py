@@ -36,10 +36,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prism_plugin.config.kinds import OpKind
 from prism_plugin.graph.build import TraceBuilder
 from prism_plugin.graph.rank_trace import RankTrace, TracedIteration
 from prism_plugin.graph.schema import ClassTrace, ExecutionGraph, WorldLayout, rule_class_name
-from prism_plugin.kinds import OpKind
 
 __all__ = ["ConversionReport", "class_trace", "graph_from_rank_traces", "group_role", "peer_step"]
 

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from prism_plugin.config.faults import Crash, FaultSpec, Hang
+from prism_plugin.cost.faults import FaultSet
 from prism_plugin.cost.model import CostModel
-from prism_plugin.faults import Crash, FaultSet, FaultSpec, Hang
 from prism_plugin.graph.fold import ReplayMode, fold
 from prism_plugin.graph.replay import ReplayDeadlock, _compile, _Engine
 from prism_plugin.graph.schema import ExecutionGraph, NodeKind

@@ -31,7 +31,7 @@ Limitations: one issuing thread (waits from other threads, e.g. a future's helpe
 so the op counts as waited at the iteration end); an iteration is what lies between two marks, the part
 before the first mark and after the last one is not kept.
 
-Pure: stdlib and prism_plugin.kinds only.
+Pure: stdlib and prism_plugin.config.kinds only.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from prism_plugin.kinds import OpKind
+from prism_plugin.config.kinds import OpKind
 
 __all__ = ["RANK_TRACE_FORMAT", "RANK_TRACE_VERSION", "RankTrace", "TracedIteration", "TracedOp", "load_rank_traces"]
 

@@ -38,8 +38,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prism_plugin.config.faults import FaultSpec
+from prism_plugin.cost.faults import FaultSet
 from prism_plugin.cost.model import CostModel
-from prism_plugin.faults import FaultSet, FaultSpec
 from prism_plugin.graph.fold import Actor, ActorSpace, ReplayMode, fold
 from prism_plugin.graph.result import OpSpan, RankBreakdown, ReplayResult
 from prism_plugin.graph.schema import ExecutionGraph, Node, NodeKind
@@ -338,7 +339,7 @@ def replay(
 
     `stragglers` maps a global rank to a slowdown factor of its compute (1.5 = 50% slower); it combines
     with the graph's own overrides. `record_events` keeps the completion order (for tests and debugging).
-    `faults` (`prism_plugin.faults`): stragglers (their `from_step` is ignored: the replay predicts the
+    `faults` (`prism_plugin.config.faults`): stragglers (their `from_step` is ignored: the replay predicts the
     faulty steady state), degraded links (an op crossing one costs ``cost / bandwidth``; forces
     `ReplayMode.FULL`, since folding assumes identical placements) and seeded jitter (``exp(sigma z)`` per
     (group role, seq), the same for every instance, so folding stays exact). Hangs, crashes and kills are

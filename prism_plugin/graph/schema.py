@@ -58,8 +58,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from prism_plugin.config.kinds import OpKind
 from prism_plugin.graph.layout import AxisSpec, WorldLayout
-from prism_plugin.kinds import OpKind
 
 __all__ = [
     "FORMAT_NAME",

@@ -10,7 +10,7 @@ its iterations measures. From that replay:
   state); `SteadyState.step_us` is the largest over ranks;
 - `ArrivalTable.for_rank` gives, for every communication op of a live (real) rank, when its virtual
   partners arrive at it, as an offset from *that rank's* iteration start (the end of its previous copy):
-  what `prism_plugin.hybrid` adds to the rank's own iteration anchor.
+  what `prism_plugin.runtime.arrivals` adds to the rank's own iteration anchor.
 
 Limitation: steady state is assumed reached after ``iterations - 1`` copies (2 copies suffice for 1F1B
 and for jobs whose iterations end with a collective over every rank; 3 is the default).
@@ -35,13 +35,13 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prism_plugin.config.faults import FaultSpec
+from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost.model import CostModel
-from prism_plugin.faults import FaultSpec
 from prism_plugin.graph.build import instantiate_rank
 from prism_plugin.graph.replay import ReplayResult, replay
 from prism_plugin.graph.result import RankBreakdown
 from prism_plugin.graph.schema import ClassTrace, ExecutionGraph, Node, NodeKind
-from prism_plugin.kinds import OpKind
 
 __all__ = ["ArrivalTable", "SampledSteps", "SteadyState", "sampled_steps", "steady_state", "unroll"]
 

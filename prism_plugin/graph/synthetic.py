@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from prism_plugin.config.kinds import OpKind
 from prism_plugin.graph.build import TraceBuilder
 from prism_plugin.graph.schema import ExecutionGraph, WorldLayout
-from prism_plugin.kinds import OpKind
 from prism_plugin.topology import MegatronLayout
 
 __all__ = ["GradSync", "SyntheticJob", "build_1f1b_graph"]

@@ -21,7 +21,7 @@ What it measures, identically in real and emulated runs (so the two compare like
   those tensors from run to run; this way it is reproducible to the byte (a program whose cycles would
   have been collected mid-step shows a higher, but deterministic, peak). ``PRISM_PROBE_GC=auto`` keeps
   the collector as it is.
-- **Memory**: on CPU a `prism_plugin.memory.StorageTracker` started before the program, extended with
+- **Memory**: on CPU a `prism_plugin.runtime.memory.StorageTracker` started before the program, extended with
   a timeline and per-step peaks: bytes of live tensor storage created by ATen ops (see that module's
   limitations). On GPU: ``torch.cuda.max_memory_allocated`` of the current device, peak reset at
   each step end. ``peak_bytes`` is the maximum from the program's start to the end of its last step.
@@ -33,10 +33,10 @@ What it measures, identically in real and emulated runs (so the two compare like
 - **Modelled communication**: under an emulation, the session's modelled communication time per
   step (`Session.modelled_comm_s` at each step end), so scale recipes can subtract it; with faults, the
   extra cost that degraded links and jitter add to it (``fault_extra_comm_s``, from
-  `prism_plugin.fault_runtime.LiveFaults.extra_comm_s`; None without faults).
+  `prism_plugin.runtime.live_faults.LiveFaults.extra_comm_s`; None without faults).
 - **Faults** (``faults``; None without): the ops the session's faults delayed, each with when it waited,
   how long and on which rank (the blame), and the hangs / crashes met
-  (`prism_plugin.fault_runtime.LiveFaults.timeline`), on the probe's clock; the Chrome trace shows them
+  (`prism_plugin.runtime.live_faults.LiveFaults.timeline`), on the probe's clock; the Chrome trace shows them
   on a "fault waits" row.
 - **Loss**: the value of the first one-element root with an implicit (or one-element) gradient handed
   to autograd's engine in each step (``loss.backward()``, ``torch.autograd.backward(loss)``,
@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from prism_plugin.memory import StorageTracker
+from prism_plugin.runtime.memory import StorageTracker
 
 __all__ = ["METRICS_SCHEMA", "Probe", "TimelineTracker", "main"]
 
@@ -346,7 +346,7 @@ class Probe:
         peaks = [p for p in self.step_peaks if p is not None]
         faults = self._faults if self._faults is not None else getattr(_prism_session(), "faults", None)
         if self.tracker is not None:
-            source = "cpu tensor-storage tracker (prism_plugin.memory)"
+            source = "cpu tensor-storage tracker (prism_plugin.runtime.memory)"
             t, v = _decimate(self.tracker.times_s, self.tracker.values, _MAX_TIMELINE)
             if self.step_ends_s:  # the timeline up to the last step end, as the peak
                 keep = [i for i, x in enumerate(t) if x <= self.step_ends_s[-1]]
@@ -411,12 +411,12 @@ def chrome_trace(doc: dict[str, Any]) -> dict[str, Any]:
 
 def _prism_session() -> Any:
     """The active prism session of this process, if the program runs under one."""
-    module = sys.modules.get("prism_plugin.session")
+    module = sys.modules.get("prism_plugin.runtime.session")
     return module.current_session() if module is not None else None
 
 
 def _tracker_stack() -> list[Any]:
-    from prism_plugin import memory
+    from prism_plugin.runtime import memory
 
     return list(memory._CURRENT)
 
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
         probe.write()
 
     atexit.register(finish)
-    from prism_plugin.bootstrap import run_target
+    from prism_plugin.runtime.bootstrap import run_target
 
     run_target(args)
 

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prism_plugin.kinds import DataPolicy
+from prism_plugin.config.kinds import DataPolicy
 from prism_plugin.recipes.compare import Comparison, RankFigures, compare, noise_spread, rank_figures, summarise
 from prism_plugin.recipes.expect import ExpectCheck, FailedRun, check_failure, check_figures
-from prism_plugin.recipes.programs import RunPlan, emulation_plan, logged_first_loss, real_plan
+from prism_plugin.recipes.plans import RunPlan, emulation_plan, logged_first_loss, real_plan
 from prism_plugin.recipes.schema import Recipe
 
 __all__ = ["RecipeResult", "RunFailed", "RunOutcome", "execute", "execute_failing", "measure_noise", "run_recipe"]

@@ -33,7 +33,7 @@ Semantics:
   tighter than the run-to-run noise of the real run recorded in `noise` (``prism recipe noise``
   measures it); loss relative error (0: exact, the recorded data policy), or null to report only.
 
-- Faults: an emulation's `faults` (`prism_plugin.faults` specs, checked against its world size) go to its
+- Faults: an emulation's `faults` (`prism_plugin.config.faults` specs, checked against its world size) go to its
   run as ``--fault`` / ``--prism-fault`` / the DeepSpeed section's ``"faults"``; its `expect` (`Expect`)
   states what they must produce: a failure (error text, within a time) or figures (who is waited on and
   how long, how much the modelled communication grows), checked by `prism_plugin.recipes.expect`.
@@ -50,9 +50,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from prism_plugin.config import ConfigError
-from prism_plugin.faults import FaultSet, parse_faults
-from prism_plugin.kinds import DataPolicy
+from prism_plugin.config.emulation import ConfigError
+from prism_plugin.config.faults import check_fault_ranks, parse_faults
+from prism_plugin.config.kinds import DataPolicy
 
 __all__ = [
     "Emulation", "Expect", "Framework", "Layout", "ModelSpec", "Noise", "RealLauncher", "RealRun", "Recipe",
@@ -65,9 +65,9 @@ class RecipeError(ConfigError):
 
 
 class Framework(StrEnum):
-    TORCH = "torch"  # prism_plugin.examples.toy_train: TP x DP MLP on plain torch.distributed
+    TORCH = "torch"  # prism_plugin.programs.toy_train: TP x DP MLP on plain torch.distributed
     MEGATRON = "megatron"  # megatron-core GPT through prism_plugin.megatron
-    DEEPSPEED = "deepspeed"  # recipes/programs/deepspeed_train.py through prism_plugin.deepspeed
+    DEEPSPEED = "deepspeed"  # prism_plugin/programs/deepspeed_mlp.py through prism_plugin.deepspeed
 
 
 class RealLauncher(StrEnum):
@@ -309,7 +309,7 @@ class Emulation:
     tolerances: Tolerances | None = None
     """Replaces the recipe's tolerances for this emulation's comparisons (None: the recipe's)."""
     faults: tuple[str, ...] = ()
-    """Fault specs (`prism_plugin.faults`), passed as ``--fault`` / ``--prism-fault`` / ds ``"faults"``."""
+    """Fault specs (`prism_plugin.config.faults`), passed as ``--fault`` / ``--prism-fault`` / ds ``"faults"``."""
     timeout_s: float | None = None
     """The job's collective timeout (``--timeout`` / ``--prism-timeout``; None: the launcher's default)."""
     expect: Expect | None = None
@@ -354,7 +354,7 @@ class Emulation:
             raise RecipeError(f"{where}.faults must be a list of fault strings, e.g. [\"straggler:ranks=1,factor=2\"]")
         faults = tuple(self.faults)
         try:
-            FaultSet(parse_faults(faults), self.world_size, self.gpus_per_node)
+            check_fault_ranks(parse_faults(faults), self.world_size)
         except ConfigError as exc:
             raise RecipeError(f"{where}.faults: {exc}") from None
         object.__setattr__(self, "faults", faults)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from prism_plugin.config import ConfigError
+from prism_plugin.config.emulation import ConfigError
 from prism_plugin.topology import DeepSpeedTopology
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ def check_topology(axes: tuple[str, ...], dims: tuple[int, ...], world_size: int
     >>> check_topology(("pipe", "data"), (3, 2), 8, None)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    prism_plugin.config.ConfigError: the pipeline topology {'pipe': 3, 'data': 2} spans 6 ranks but ...
+    prism_plugin.config.emulation.ConfigError: the pipeline topology {'pipe': 3, 'data': 2} spans 6 ranks but ...
     """
     sizes = dict(zip(axes, dims, strict=True))
     span = 1

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from prism_plugin.adapters.deepspeed.section import TensorSpec
-from prism_plugin.kinds import DataPolicy
+from prism_plugin.config.kinds import DataPolicy
 
 if TYPE_CHECKING:
     from prism_plugin.adapters.deepspeed.runtime import DeepSpeedEmulation

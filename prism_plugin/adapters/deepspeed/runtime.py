@@ -42,9 +42,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-import prism_plugin.session as session_mod
+import prism_plugin.runtime.session as session_mod
 from prism_plugin.adapters.deepspeed.section import PrismSection, parse_section
-from prism_plugin.config import ConfigError
+from prism_plugin.config.emulation import ConfigError
 
 __all__ = ["DeepSpeedEmulation", "init_distributed", "shutdown", "active", "maybe_init_distributed"]
 

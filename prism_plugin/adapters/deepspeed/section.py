@@ -16,7 +16,7 @@ A DeepSpeed config (a dict, or a path to a JSON/HJSON file) turns emulation on w
         "record_dir": null,              # recording run: write every payload received here
         "replay_dir": null,              # data_policy "recorded": a recording run's record_dir
         "timing": true,                  # hold each op until its emulated completion time
-        "faults": ["straggler:ranks=4-7,factor=1.3"],   # faults and what-ifs (prism_plugin.faults), optional
+        "faults": ["straggler:ranks=4-7,factor=1.3"],   # faults and what-ifs (prism_plugin.config.faults), optional
         "topology": {"pipe": 4, "data": 2048, "model": 1},   # optional: checked against world_size
         "pipe_activations": {"shape": [2, 64], "dtype": "float32"}   # optional, see below
     }
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prism_plugin.config import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
-from prism_plugin.kinds import DataPolicy
+from prism_plugin.config.emulation import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
+from prism_plugin.config.kinds import DataPolicy
 
 __all__ = ["PrismSection", "TensorSpec", "load_ds_config", "parse_section", "SECTION_KEY", "ALLOWED_KEYS"]
 
@@ -248,7 +248,7 @@ def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool =
     except ConfigError as exc:
         raise ConfigError(f'"prism" section: {exc}') from None
     if graph is not None:
-        from prism_plugin.hybrid import load_job_graph
+        from prism_plugin.runtime.arrivals import load_job_graph
 
         try:
             load_job_graph(Path(graph), world_size)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from prism_plugin.kinds import DataPolicy
+from prism_plugin.config.kinds import DataPolicy
 
 if TYPE_CHECKING:
     from prism_plugin.adapters.deepspeed.runtime import DeepSpeedEmulation

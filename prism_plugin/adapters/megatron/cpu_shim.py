@@ -47,7 +47,7 @@ Patches (the numbers are stable; `skip=` leaves some out, for ablation):
    with CUDA enabled``); they answer for a "cpu" device (capability 0.0) instead. The memory
    statistics (``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``,
    ``max_memory_reserved``, ``memory_stats``), which silently report 0 there, report the CPU
-   tensor-storage tracker of `prism_plugin.memory` when one runs, so Megatron's own memory report
+   tensor-storage tracker of `prism_plugin.runtime.memory` when one runs, so Megatron's own memory report
    prints the emulated rank's figures.
 9. ``torch.compile`` runs eagerly (``torch._dynamo.config.disable``): megatron.training's
    ``_warmup_jit_function`` and the ``jit_fuser`` fused bias-gelu/bias-dropout kernels would
@@ -208,7 +208,7 @@ def _mode_active(mode: torch.overrides.TorchFunctionMode) -> bool:
 
 
 def _cuda_memory_stats() -> dict[str, int]:
-    from prism_plugin import memory
+    from prism_plugin.runtime import memory
 
     tracker = memory.current_tracker()
     current = tracker.current_bytes if tracker is not None else 0
@@ -392,7 +392,7 @@ class CpuShim:
 
 
 def _reset_peak() -> None:
-    from prism_plugin import memory
+    from prism_plugin.runtime import memory
 
     tracker = memory.current_tracker()
     if tracker is not None:

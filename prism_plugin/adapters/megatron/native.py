@@ -44,7 +44,7 @@ def activate_from_args(args: argparse.Namespace) -> Any:
     from prism_plugin.adapters.megatron.adapter import MegatronAdapter, current_adapter
     from prism_plugin.adapters.megatron.refusals import check_args
     from prism_plugin.adapters.megatron.wrapper import _check_layout, _real_store, _write_summary
-    from prism_plugin.memory import StorageTracker
+    from prism_plugin.runtime.memory import StorageTracker
 
     session = P.current_session()
     if session is not None:

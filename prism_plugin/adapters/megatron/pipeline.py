@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from prism_plugin.kinds import DataPolicy
+from prism_plugin.config.kinds import DataPolicy
 
 __all__ = ["install", "fill_if_degenerate", "DeviceGenerators"]
 

@@ -27,7 +27,7 @@ virtual participant arrives at each op when the graph's replay says (re-anchored
 Megatron's optimizer step). ``--prism-trace DIR`` writes each real rank's per-iteration trace (the input
 of ``prism graph build``); ``prism profile`` runs a slicing plan's profiling runs with it.
 
-``--prism-fault SPEC`` (repeatable; `prism_plugin.faults`) injects a fault on virtual participants
+``--prism-fault SPEC`` (repeatable; `prism_plugin.config.faults`) injects a fault on virtual participants
 (straggler, link, jitter, hang, crash) or kills a real rank. The collective timeout is the job's own:
 Megatron's ``--distributed-timeout-minutes`` (default 10), unless ``--prism-timeout S`` overrides it, so a
 hung virtual peer surfaces after the time Megatron would wait at scale.
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from prism_plugin.adapters.megatron.refusals import Refusal
-from prism_plugin.config import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
+from prism_plugin.config.emulation import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
 
 __all__ = ["PrismFlags", "split_prism_flags", "main"]
 
@@ -170,7 +170,7 @@ def _check_layout(config: EmulationConfig, ns: Any) -> None:
         raise ConfigError(f"--prism-world-size {config.world.world_size} does not fit the job's layout: {exc}") \
             from None
     if config.graph is not None:
-        from prism_plugin.hybrid import load_job_graph
+        from prism_plugin.runtime.arrivals import load_job_graph
 
         try:
             load_job_graph(config.graph, config.world.world_size)
@@ -224,7 +224,7 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
 
     import prism_plugin as P
     from prism_plugin.adapters.megatron.adapter import MegatronAdapter
-    from prism_plugin.memory import StorageTracker
+    from prism_plugin.runtime.memory import StorageTracker
 
     if not script_argv:
         raise ConfigError("name the training script: python -m prism_plugin.megatron pretrain_gpt.py <args>")

@@ -1,0 +1,164 @@
+"""The `prism` command line.
+
+    prism run --world-size N --real-ranks 0,5 [--profile dgx-h100] -- script.py args
+    prism run --world-size N --real-ranks 0 -m package.module args
+    prism run ... --fault straggler:ranks=4-7,factor=1.3 --fault hang:rank=1,group=tp,op=3 --timeout 60 -- script.py
+    prism profiles [NAME]
+    prism megatron pretrain_gpt.py <megatron args> --prism-world-size N --prism-real-ranks r1,...
+    prism calibrate [--backend gloo|nccl] [--processes 2] [--from-nccl-tests DIR] --out profile.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from prism_plugin.cli.graph import (
+    add_graph_parser,
+    add_profile_parser,
+    add_replay_parser,
+    add_slice_parser,
+    add_trace_run_args,
+    run_target_args,
+    trace_config_kwargs,
+)
+from prism_plugin.config.emulation import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
+from prism_plugin.cost.profiles import ProfileError
+
+__all__ = ["main", "build_config"]
+
+console = Console(stderr=True)
+
+
+def _add_world_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", type=int, required=True, help="N, the job's total number of ranks")
+    p.add_argument("--real-ranks", required=True, help="virtual ranks to run for real, e.g. 0,5 or 0-3")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node of the target cluster")
+    p.add_argument("--profile", default="local-cpu-gloo", help="hardware profile name or YAML path")
+    p.add_argument("--data-policy", default="mirror", choices=["mirror", "recorded", "zeros"])
+    p.add_argument("--record", type=Path, default=None, help="record received payloads into DIR")
+    p.add_argument("--replay", type=Path, default=None, help="recorded payloads to replay (policy recorded)")
+    p.add_argument("--output", type=Path, default=None, help="write per-rank summaries into DIR")
+    p.add_argument("--no-timing", action="store_true", help="complete ops when their data is ready")
+    p.add_argument("--timeout", type=float, default=1800.0, help="collective timeout of the job, seconds")
+
+
+def build_config(args: argparse.Namespace) -> EmulationConfig:
+    """The EmulationConfig for parsed `prism run` arguments (raises ConfigError on bad input)."""
+    policy = args.data_policy
+    if args.replay is not None and policy == "mirror":
+        policy = "recorded"
+    world = VirtualWorld(world_size=args.world_size, real_ranks=parse_rank_list(args.real_ranks),
+                         gpus_per_node=args.gpus_per_node)
+    config = EmulationConfig(world=world, profile=args.profile, data_policy=policy, record_dir=args.record,
+                             replay_dir=args.replay, timing=not args.no_timing, timeout_s=args.timeout,
+                             output_dir=args.output, **trace_config_kwargs(args))
+    from prism_plugin.cost import load_profile
+
+    load_profile(config.profile)  # an unknown profile fails here, before any process starts
+    return config
+
+
+def _summaries_table(output: Path) -> Table | None:
+    files = sorted(output.glob("rank*.summary.json"))
+    if not files:
+        return None
+    table = Table(title=f"prism: what the real ranks saw ({output})")
+    for col in ("rank", "of N", "profile", "policy", "groups", "ops", "bytes", "modelled comm (ms)"):
+        table.add_column(col, justify="right")
+    for f in files:
+        s = json.loads(f.read_text())
+        table.add_row(str(s["rank"]), str(s["world_size"]), s["profile"], s["data_policy"],
+                      str(s["groups_created"]), str(sum(s["op_counts"].values())),
+                      f"{sum(s['op_bytes'].values()):,}", f"{1e3 * s['modelled_comm_s']:.3f}")
+    table.caption = "arrivals: " + json.loads(files[0].read_text())["arrivals_note"]
+    for f in files:  # faults (issue 7): each real rank's waits on faulty ranks and its fault events
+        faults = json.loads(f.read_text()).get("faults")
+        if faults:
+            waited = sum(step["waited_s"] for step in faults["steps"])
+            on = sorted({w["rank"] for step in faults["steps"] for w in step["waited_on"]})
+            events = ", ".join(f"{e['event']} of rank {e['rank']} at step {e['step']}" for e in faults["events"][:3])
+            table.caption += (f"\nrank {json.loads(f.read_text())['rank']}: waited {1e3 * waited:.3f} ms on faulty "
+                              f"ranks {on} over {len(faults['steps'])} steps" + (f"; {events}" if events else ""))
+    return table
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from prism_plugin.runtime.launch import LaunchSpec, launch
+
+    target = run_target_args(args)
+    config = build_config(args)
+    rc = launch(LaunchSpec(config=config, target=target, store_dir=args.output))
+    if config.output_dir is not None:
+        table = _summaries_table(config.output_dir)
+        if table is not None:
+            console.print(table)
+    return rc
+
+
+def _cmd_profiles(args: argparse.Namespace) -> int:
+    from prism_plugin.cost import available_profiles, load_profile
+    from prism_plugin.cost.profiles import profile_to_yaml
+
+    if args.name:
+        print(profile_to_yaml(load_profile(args.name)))
+        return 0
+    table = Table(title="hardware profiles")
+    for col in ("name", "gpus/node", "intra GB/s", "inter GB/s", "description"):
+        table.add_column(col)
+    for name in available_profiles():
+        p = load_profile(name)
+        table.add_row(name, str(p.gpus_per_node), f"{p.intra_node.bandwidth_gbytes_per_s:g}",
+                      f"{p.inter_node.bandwidth_gbytes_per_s:g}", p.description.splitlines()[0][:60])
+    Console().print(table)
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="prism", description="Emulate an N-rank job with a few real ranks.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="launch real ranks of an N-rank torch.distributed program")
+    _add_world_args(run)
+    add_trace_run_args(run)
+    run.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None,
+                     help="run a module and its arguments, like python -m")
+    run.add_argument("target", nargs=argparse.REMAINDER, help="-- script.py args")
+    run.set_defaults(func=_cmd_run)
+    sub.add_parser("megatron", help="run a Megatron script emulated: prism megatron pretrain_gpt.py <args> "
+                   "--prism-world-size N --prism-real-ranks r1,..")
+    prof = sub.add_parser("profiles", help="list hardware profiles, or print one as YAML")
+    prof.add_argument("name", nargs="?")
+    prof.set_defaults(func=_cmd_profiles)
+    from prism_plugin.runtime.calibrate import add_calibrate_parser  # prism calibrate (issue 6, item 5)
+
+    add_calibrate_parser(sub)
+    from prism_plugin.cli.recipes import add_recipe_parser  # prism recipe (issue 6)
+
+    add_recipe_parser(sub)
+    for add in (add_slice_parser, add_profile_parser, add_graph_parser, add_replay_parser):  # issue 5
+        add(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["megatron"]:
+        # prism megatron pretrain_gpt.py <megatron args> --prism-...: argparse would reject --prism-* flags
+        from prism_plugin.adapters.megatron.wrapper import main as megatron_main
+
+        return int(megatron_main(argv[1:]) or 0)
+    args = make_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, ProfileError) as exc:
+        console.print(f"[bold red]prism: invalid input:[/] {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""The config layer: pure value objects of one emulation, its vocabularies, fault specs and errors.
+
+Modules: `errors` (the error contract and shared validators), `kinds` (closed vocabularies),
+`emulation` (`VirtualWorld`, `EmulationConfig`), `faults` (fault and what-if specs, parsed from strings).
+Pure: imports nothing from torch.
+"""
+
+from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
+from prism_plugin.config.errors import ConfigError, coerce_enum, parse_rank_list, positive_int, rank_in_range
+from prism_plugin.config.kinds import DataPolicy, IterationMarker, OpKind
+
+__all__ = ["ConfigError", "DataPolicy", "EmulationConfig", "IterationMarker", "OpKind", "VirtualWorld",
+           "coerce_enum", "parse_rank_list", "positive_int", "rank_in_range"]

@@ -1,0 +1,199 @@
+"""Configuration of one emulation: the virtual world, the data policy and the timing source.
+
+Pure value objects (no torch.distributed): every check runs at construction, before any process
+group exists, and each error names the field and says how to fix it (a `ConfigError`, a
+`ValueError`).
+
+Example: two real processes playing ranks 0 and 8191 of an 8192-rank job on DGX-H100 nodes::
+
+    EmulationConfig(world=VirtualWorld(world_size=8192, real_ranks=(0, 8191), gpus_per_node=8),
+                    profile="dgx-h100")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prism_plugin.config.errors import ConfigError, parse_rank_list
+from prism_plugin.config.kinds import DataPolicy, IterationMarker
+
+if TYPE_CHECKING:
+    from prism_plugin.config.faults import FaultSpec
+
+__all__ = ["ConfigError", "VirtualWorld", "EmulationConfig", "parse_rank_list"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VirtualWorld:
+    """N virtual ranks on nodes of `gpus_per_node`, of which `real_ranks` run for real.
+
+    Physical process i (torchrun's RANK) plays virtual rank ``real_ranks[i]`` and uses physical
+    device ``devices[i]`` (default: ``i % local process count``, or the CPU).
+    """
+
+    world_size: int
+    """N, the number of ranks the training program believes exist."""
+    real_ranks: tuple[int, ...]
+    """Virtual ranks executed by real processes, in physical-process order; distinct, in [0, N)."""
+    gpus_per_node: int = 8
+    """Ranks per node in the target cluster (placement of groups on nodes for the cost model)."""
+    devices: tuple[int, ...] | None = None
+    """Physical device index of each real process (None: the process's local index)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ConfigError(
+                f"world_size={self.world_size!r} is not a positive integer; give the job's total rank count, "
+                "e.g. --world-size 8192"
+            )
+        if isinstance(self.real_ranks, (str, int)) or not isinstance(self.real_ranks, Sequence):
+            raise ConfigError(f"real_ranks={self.real_ranks!r} must be a list of ranks, e.g. [0, 5]")
+        object.__setattr__(self, "real_ranks", tuple(int(r) for r in self.real_ranks))
+        if not self.real_ranks:
+            raise ConfigError("real_ranks is empty; name at least one rank to run for real, e.g. [0]")
+        bad = [r for r in self.real_ranks if not 0 <= r < self.world_size]
+        if bad:
+            raise ConfigError(
+                f"real_ranks {bad} out of range for world_size={self.world_size}; "
+                f"use ranks in 0..{self.world_size - 1}"
+            )
+        seen: set[int] = set()
+        dups = sorted({r for r in self.real_ranks if r in seen or seen.add(r)})
+        if dups:
+            raise ConfigError(f"real_ranks lists {dups} more than once; each real rank must appear once")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ConfigError(
+                f"gpus_per_node={self.gpus_per_node!r} must be a positive integer (8 on DGX nodes)"
+            )
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
+            if len(self.devices) != len(self.real_ranks):
+                raise ConfigError(
+                    f"devices has {len(self.devices)} entries but real_ranks has {len(self.real_ranks)}; "
+                    "give one physical device per real rank, or omit devices"
+                )
+            if any(d < 0 for d in self.devices):
+                raise ConfigError(f"devices={list(self.devices)} has a negative index; use 0, 1, ...")
+
+    @property
+    def num_real(self) -> int:
+        return len(self.real_ranks)
+
+    def is_real(self, rank: int) -> bool:
+        return rank in self._real_set()
+
+    def _real_set(self) -> frozenset[int]:
+        return frozenset(self.real_ranks)
+
+    def virtual_rank_of(self, process_index: int) -> int:
+        """The virtual rank played by physical process `process_index`."""
+        if not 0 <= process_index < self.num_real:
+            raise ConfigError(
+                f"process index {process_index} has no real rank: real_ranks has {self.num_real} entries; "
+                f"launch exactly {self.num_real} processes (e.g. torchrun --nproc-per-node {self.num_real})"
+            )
+        return self.real_ranks[process_index]
+
+    def device_of(self, process_index: int, local_world_size: int = 1) -> int:
+        if self.devices is not None:
+            return self.devices[process_index]
+        return process_index % max(1, local_world_size)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EmulationConfig:
+    """Everything one real process needs to join an emulation."""
+
+    world: VirtualWorld
+    profile: str = "local-cpu-gloo"
+    """Hardware profile name (see `prism profiles`) or a path to a profile YAML."""
+    data_policy: DataPolicy = DataPolicy.MIRROR
+    """What virtual participants contribute; RECORDED needs `replay_dir`."""
+    record_dir: Path | None = None
+    """Write every payload this rank receives here (a recording run: usually all ranks real)."""
+    replay_dir: Path | None = None
+    """Recorded payloads to replay (data_policy=RECORDED)."""
+    timing: bool = True
+    """Hold each op until its emulated completion time; False completes ops as soon as data is ready."""
+    timeout_s: float = 1800.0
+    """Timeout of the inner real groups (the job's own collective timeout)."""
+    output_dir: Path | None = None
+    """Where metrics and traces go (None: nothing written)."""
+    extra: dict[str, str] = field(default_factory=dict)
+    trace_dir: Path | None = None
+    """Trace capture: write this rank's ops and compute spans per iteration to ``<trace_dir>/rank<R>.trace.json``."""
+    trace_max_iterations: int = 64
+    """Iterations traced (from the first mark); later ones are not recorded, so memory stays bounded."""
+    graph: Path | None = None
+    """Hybrid emulation: an execution graph (`prism graph build`) whose replay gives virtual arrivals."""
+    iteration_marker: IterationMarker = IterationMarker.AUTO
+    """What delimits iterations: explicit `mark_iteration()` calls, optimizer steps, or auto (both)."""
+    faults: tuple[FaultSpec, ...] = ()
+    """Faults and what-ifs (`prism_plugin.config.faults`): specs or strings like "straggler:ranks=4-7,factor=1.3"."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world, VirtualWorld):
+            raise ConfigError("world must be a VirtualWorld(world_size=..., real_ranks=...)")
+        try:
+            object.__setattr__(self, "data_policy", DataPolicy(self.data_policy))
+        except ValueError:
+            raise ConfigError(
+                f"data_policy={self.data_policy!r} is unknown; choose one of "
+                f"{[p.value for p in DataPolicy]}"
+            ) from None
+        for name in ("record_dir", "replay_dir", "output_dir", "trace_dir", "graph"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, Path(value))
+        if self.data_policy is DataPolicy.RECORDED:
+            if self.replay_dir is None:
+                raise ConfigError(
+                    "data_policy='recorded' needs replay_dir: the directory a recording run wrote "
+                    "(run it with record_dir=DIR / --record DIR first)"
+                )
+            if not self.replay_dir.is_dir():
+                raise ConfigError(
+                    f"replay_dir={str(self.replay_dir)!r} does not exist; point it at a recording run's "
+                    "record_dir"
+                )
+        elif self.replay_dir is not None:
+            raise ConfigError("replay_dir is only read with data_policy='recorded'; set both or neither")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ConfigError(f"timeout_s={self.timeout_s!r} must be a positive number of seconds")
+        try:
+            object.__setattr__(self, "iteration_marker", IterationMarker(self.iteration_marker))
+        except ValueError:
+            raise ConfigError(
+                f"iteration_marker={self.iteration_marker!r} is unknown; choose one of "
+                f"{[m.value for m in IterationMarker]}"
+            ) from None
+        m = self.trace_max_iterations
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"trace_max_iterations={m!r} must be a positive integer (iterations to trace)")
+        if self.graph is not None and not self.graph.is_file():
+            raise ConfigError(
+                f"graph={str(self.graph)!r} is not a file; build one with `prism graph build` (or drop --graph)"
+            )
+        if not isinstance(self.profile, str) or not self.profile:
+            raise ConfigError("profile must be a profile name (e.g. dgx-h100) or a path to a profile YAML")
+        self._check_faults()
+
+    def _check_faults(self) -> None:
+        from prism_plugin.config.faults import Crash, Hang, Kill, check_fault_ranks, parse_faults
+
+        object.__setattr__(self, "faults", parse_faults(self.faults))
+        check_fault_ranks(self.faults, self.world.world_size)
+        for spec in self.faults:
+            if isinstance(spec, Hang | Crash) and self.world.is_real(spec.rank):
+                raise ConfigError(
+                    f"fault {spec.to_text()!r}: rank {spec.rank} is a real rank; {spec.kind.value} applies to a "
+                    "virtual rank (to stop a real rank, use kill:rank=R,step=S)"
+                )
+            if isinstance(spec, Kill) and not self.world.is_real(spec.rank):
+                raise ConfigError(
+                    f"fault {spec.to_text()!r}: rank {spec.rank} is virtual; kill stops a real rank's process "
+                    f"(real ranks: {list(self.world.real_ranks)}); for a virtual rank use crash:rank=R,step=S"
+                )

@@ -1,0 +1,158 @@
+"""Deterministic peak tensor memory on CPU: a tensor-storage tracker (DESIGN.md section 7).
+
+On GPU the allocator's own statistics (``torch.cuda.max_memory_allocated``) are the peak. A
+CPU-only torch keeps no such statistics, so `StorageTracker` counts them itself: a
+`TorchDispatchMode` that sees the output of every ATen op (forward and backward, in the thread
+that entered it), registers each storage an op *creates* once (an output sharing an input's
+storage, as views, in-place and ``out=`` results do, is not an allocation) and subtracts its bytes
+when the storage is freed (a weak reference on the storage, whose Python object torch preserves
+for the storage's whole life). The figure is bytes of live tensor storage: deterministic run to
+run, with no allocator rounding, caching or fragmentation, so two runs that allocate the same
+tensors report the same peak to the byte.
+
+Pure-ish: imports torch, never torch.distributed, Megatron or DeepSpeed.
+
+Limitations (say them next to any figure):
+- only storages created by ATen ops while the tracker is active count; tensors that existed before
+  `start()` are the baseline (not counted, nor are views of them), and storages made outside the dispatcher
+  (``torch.from_numpy``, unpickled data-loader batches, memory-mapped loads) are not seen;
+- ``storage.resize_()`` after creation is not followed (Megatron's FSDP path does this);
+- one thread: ops issued by other threads (a data-loader thread) are not seen;
+- it slows every op by a Python call (fine for the tiny models of CPU tests).
+
+Example::
+
+    from prism_plugin.runtime.memory import StorageTracker
+    with StorageTracker() as mem:
+        train_step()
+    print(mem.peak_bytes)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["StorageTracker", "current_tracker"]
+
+_CURRENT: list[StorageTracker] = []
+_LOCK = threading.Lock()
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def current_tracker() -> StorageTracker | None:
+    """The innermost running tracker of this process, if any."""
+    return _CURRENT[-1] if _CURRENT else None
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live and peak bytes of tensor storage created while active (see the module docstring).
+
+    `devices`: device types counted (default: cpu only, the case this tracker exists for).
+    """
+
+    def __init__(self, devices: tuple[str, ...] = ("cpu",)) -> None:
+        super().__init__()
+        self.devices = frozenset(devices)
+        self.current_bytes = 0
+        """Bytes of tracked storage alive now."""
+        self.peak_bytes = 0
+        """Highest `current_bytes` since start (or the last `reset_peak`)."""
+        self.allocations = 0
+        """Storages registered so far."""
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+
+    # -- accounting ----------------------------------------------------------------------------
+    def _register(self, t: torch.Tensor) -> None:
+        if t.device.type not in self.devices or t.is_meta:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse / nested / wrapper tensors
+            return
+        key = storage._cdata
+        if key in self._live:
+            return
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        self._live[key] = (weakref.ref(storage, lambda _ref, k=key: self._free(k)), nbytes)
+        self.allocations += 1
+        self.current_bytes += nbytes
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+
+    def _free(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.current_bytes -= entry[1]
+
+    def reset_peak(self) -> None:
+        """Restart the peak from the bytes alive now (like ``torch.cuda.reset_peak_memory_stats``)."""
+        self.peak_bytes = self.current_bytes
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        """Count tensors made outside the dispatcher (e.g. a data-loader batch) from now on."""
+        for t in tensors:
+            self._register(t)
+
+    # -- dispatch ------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outputs:
+            return out
+        # a view, an in-place or an out= result shares an input's storage: not a new allocation
+        # (and a view of a storage allocated while untracked must not count as one either)
+        inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in outputs:
+            if _storage_key(t) not in inputs:
+                self._register(t)
+        return out
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def start(self) -> StorageTracker:
+        """Enter the mode (in this thread) and make it the process's current tracker."""
+        self.__enter__()
+        return self
+
+    def stop(self) -> None:
+        self.__exit__(None, None, None)
+
+    def __enter__(self) -> StorageTracker:
+        with _LOCK:
+            _CURRENT.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        with _LOCK:
+            if self in _CURRENT:
+                _CURRENT.remove(self)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Allocations inside are not counted (e.g. a test's copies of results); frees still are."""
+        self.stop()
+        try:
+            yield
+        finally:
+            self.start()
+
+    def summary(self) -> dict[str, int]:
+        return {"current_bytes": self.current_bytes, "peak_bytes": self.peak_bytes,
+                "allocations": self.allocations}

@@ -1,0 +1,405 @@
+"""The emulation session: the one process-wide owner of an active emulation.
+
+`activate()` validates the configuration (before any process group exists), registers the `prism`
+backend, and initialises torch.distributed as rank ``real_ranks[i]`` of N with a store that only
+the real processes share. From then on the unmodified program's collectives reach the backend.
+`deactivate()` tears it down and writes the recording, if any.
+
+Seams owned here (each explicit, each undone by `deactivate`):
+- `new_group` delegation (torch >= 2.13): the default group creates subgroups itself, no
+  rendezvous with virtual ranks. On older torch (or with `PRISM_NEW_GROUP_DELEGATION=0`) the
+  backend creator is used instead, and requests for a real side backend (``backend="gloo"``) are
+  redirected to `prism`, since a real gloo group would wait forever for absent ranks.
+- `broadcast_object_list` from a virtual source under the mirror policy: the virtual root sends
+  what this rank holds (its own objects), so the objects deserialize instead of reading garbage.
+- iteration marks of plain scripts: a global ``torch.optim`` step post-hook marks an iteration at the
+  end of each optimizer step (``iteration_marker`` auto / optimizer-step); explicit
+  `mark_iteration()` calls (the adapters') take over in auto mode. Each mark anchors the clock,
+  closes the traced iteration (``trace_dir``) and restarts the replayed-arrival counts (``graph``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from prism_plugin.comm.backend import BACKEND_NAME, PrismProcessGroup
+from prism_plugin.comm.group import VirtualGroup
+from prism_plugin.comm.recording import Recorder, Replayer
+from prism_plugin.config.emulation import ConfigError, EmulationConfig
+from prism_plugin.config.kinds import ArrivalAssumption, DataPolicy, IterationMarker, OpKind
+from prism_plugin.cost import CostModel, load_profile
+from prism_plugin.cost.model import GroupPlacement
+from prism_plugin.runtime.clock import EmulationClock, WakeupStats
+
+__all__ = ["Session", "activate", "deactivate", "current_session", "mark_iteration"]
+
+_CURRENT: Session | None = None
+_LOCK = threading.Lock()
+
+
+def current_session() -> Session | None:
+    """The active session of this process, if any."""
+    return _CURRENT
+
+
+def _delegation_enabled() -> bool:
+    return os.environ.get("PRISM_NEW_GROUP_DELEGATION", "1") != "0"
+
+
+class _NoDelegationGroup(PrismProcessGroup):
+    """The default group without `new_group`: torch falls back to the backend creator."""
+
+    new_group = None  # type: ignore[assignment]
+
+
+class Session:
+    """Process-wide state of one emulation: config, cost model, groups' shared parts, counters."""
+
+    def __init__(self, config: EmulationConfig, process_index: int, real_store: dist.Store | None) -> None:
+        world = config.world
+        self.config = config
+        self.process_index = process_index
+        self.rank = world.virtual_rank_of(process_index)
+        if world.num_real > 1 and real_store is None:
+            raise ConfigError(
+                f"{world.num_real} real ranks need a store shared by the real processes: pass real_store=, "
+                "or launch with `prism run` / torchrun (MASTER_ADDR and MASTER_PORT set)"
+            )
+        self.real_store = real_store
+        self.profile = load_profile(config.profile)
+        self.cost_model = CostModel(self.profile)
+        self.gpus_per_node = world.gpus_per_node
+        self.arrivals = ArrivalAssumption.SYMMETRIC
+        self.clock = EmulationClock()
+        self.recorder = Recorder(config.record_dir, self.rank, world.world_size) if config.record_dir else None
+        self.replayer = (
+            Replayer(config.replay_dir, self.rank, world.world_size)
+            if config.data_policy is DataPolicy.RECORDED and config.replay_dir is not None
+            else None
+        )
+        self.op_counts: Counter[OpKind] = Counter()
+        self.op_bytes: Counter[OpKind] = Counter()
+        self.groups_created = 0
+        self.modelled_comm_s = 0.0
+        self._placements: dict[int, GroupPlacement] = {}
+        self._costs: dict[tuple[int, OpKind, int, int | None], float] = {}
+        self._undo: list[Any] = []
+        self._comm_use: dict[str, list[Any]] = {}  # group name -> [ranks, collective used, p2p peers]
+        # execution-graph layer: trace capture, replayed arrivals, iteration marks
+        self._explicit_marks = False
+        self.tracer = None
+        self.replayed = None
+        if config.trace_dir is not None:
+            from prism_plugin.runtime.tracer import Tracer
+
+            self.tracer = Tracer(self.rank, world.world_size, config.trace_dir, config.trace_max_iterations, {
+                "profile": config.profile, "real_ranks": list(world.real_ranks),
+                "data_policy": config.data_policy.value, "iteration_marker": config.iteration_marker.value,
+                "graph": str(config.graph) if config.graph else None,
+            })
+        if config.graph is not None:
+            from prism_plugin.runtime.arrivals import load_arrivals
+
+            try:
+                self.replayed = load_arrivals(config.graph, self.cost_model, self.rank, world.real_ranks,
+                                              world.world_size, self.clock, config.faults)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            self.arrivals = ArrivalAssumption.REPLAYED
+        self.wakeups = WakeupStats()  # how late each wait that slept woke past the emulated completion
+        self.faults = None  # faults and what-ifs (prism_plugin.config.faults), applied per op by comm.collectives
+        if config.faults:
+            from prism_plugin.cost.faults import FaultSet
+            from prism_plugin.runtime.live_faults import LiveFaults
+
+            self.faults = LiveFaults(FaultSet(config.faults, world.world_size, world.gpus_per_node), self.rank,
+                                     self.clock, config.timeout_s)
+            self.faults.timing = config.timing
+            if self.replayed is not None:  # the graph's replay already delays virtual stragglers' arrivals
+                self.faults.role_of = self.replayed._role
+                self.faults.live_stragglers = False
+        self.op_hooks = None
+        if self.tracer is not None or self.replayed is not None:
+            from prism_plugin.runtime.op_hooks import OpHooks
+
+            self.op_hooks = OpHooks(self.replayed, self.tracer, config.timing)
+
+    # -- groups -----------------------------------------------------------------------------
+    def create_group(self, ranks: Sequence[int] | None, group_name: str | None,
+                     group_desc: str | None = None, *, world: bool = False) -> PrismProcessGroup | None:
+        """The prism group over `ranks` (global), or None when this rank is not a member."""
+        if not world and self.rank not in ranks:  # type: ignore[operator]
+            return None
+        vg = VirtualGroup(self, group_name or "", None if world else ranks)
+        vg.desc = group_desc or ""  # type: ignore[attr-defined]  # fault specs select groups by description
+        cls = _NoDelegationGroup if world and not _delegation_enabled() else PrismProcessGroup
+        pg = cls(vg)
+        if group_name is not None:
+            pg.setGroupName(group_name)
+        if group_desc is not None:
+            pg.setGroupDesc(group_desc)
+        self.groups_created += 1
+        return pg
+
+    def make_inner_group(self, prefix: str, rank: int, size: int, device_type: str,
+                         timeout: timedelta) -> Any:
+        """A real group among real processes (gloo on CPU, NCCL on CUDA) over the real store."""
+        store = dist.PrefixStore(prefix + "/", self.real_store)
+        if device_type == "cuda":
+            return dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+        if device_type != "cpu":
+            raise NotImplementedError(f"prism: no inner real backend for device type {device_type!r}")
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    # -- timing -----------------------------------------------------------------------------------
+    def cost_s(self, kind: OpKind, size_bytes: int, vg: VirtualGroup, peer: int | None) -> float:
+        """Emulated duration of an op on `vg` (0 when the group has no virtual member or timing is off)."""
+        if vg.all_real or not self.config.timing:
+            return 0.0
+        key = (id(vg), kind, size_bytes, peer)
+        cost = self._costs.get(key)
+        if cost is None:
+            if peer is not None:
+                placement = GroupPlacement.from_ranks((self.rank, peer), self.gpus_per_node)
+            else:
+                placement = self._placements.get(id(vg))
+                if placement is None:
+                    placement = GroupPlacement.from_ranks(vg.global_ranks, self.gpus_per_node)
+                    self._placements[id(vg)] = placement
+            cost = self.cost_model.collective_us_placed(kind, size_bytes, placement) * 1e-6
+            if len(self._costs) > 100_000:
+                self._costs.clear()
+            self._costs[key] = cost
+        self.modelled_comm_s += cost
+        return cost
+
+    def count(self, kind: OpKind, size_bytes: int, vg: VirtualGroup | None = None, peer: int | None = None) -> None:
+        self.op_counts[kind] += 1
+        self.op_bytes[kind] += size_bytes
+        if vg is not None:  # which communicators NCCL would have created (cost/comm_memory.py)
+            use = self._comm_use.get(vg.name)
+            if use is None:
+                use = self._comm_use[vg.name] = [vg.global_ranks, False, set()]
+            if peer is None:
+                use[1] = True
+            elif peer != self.rank:
+                use[2].add(peer)
+
+    def communicator_memory(self) -> dict[str, Any]:
+        """Modelled NCCL buffer bytes of the groups this rank used (never part of the measured peak)."""
+        from prism_plugin.cost.comm_memory import CommUse, NcclBufferModel
+
+        uses = [CommUse(size=len(ranks), num_nodes=GroupPlacement.from_ranks(ranks, self.gpus_per_node).num_nodes,
+                        collective=collective, p2p_peers=len(peers))
+                for ranks, collective, peers in self._comm_use.values()]
+        return NcclBufferModel().report(uses)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "world_size": self.config.world.world_size,
+            "real_ranks": list(self.config.world.real_ranks),
+            "profile": self.profile.name,
+            "data_policy": self.config.data_policy.value,
+            "arrivals": self.arrivals.value,
+            "arrivals_note": "virtual participants assumed to arrive at each op with this rank "
+            "(no execution graph loaded)" if self.arrivals is ArrivalAssumption.SYMMETRIC else
+            f"virtual participants arrive when the replay of execution graph {self.config.graph} says",
+            "groups_created": self.groups_created,
+            "iterations_marked": self.clock.iteration,
+            "op_counts": {k.value: v for k, v in self.op_counts.items()},
+            "op_bytes": {k.value: v for k, v in self.op_bytes.items()},
+            "modelled_comm_s": round(self.modelled_comm_s, 9),
+            "communicator_memory": self.communicator_memory(),
+            "emulated_waits": {**self.wakeups.summary(), "note": "how late each wait() that slept until an "
+                               "op's emulated completion woke past it: this host's scheduling, the emulator's own "
+                               "timing error"},
+            **({"graph": self.replayed.summary()} if self.replayed is not None else {}),
+            **({"trace": self.tracer.summary()} if self.tracer is not None else {}),
+            **({"faults": self._faults_summary()} if self.faults is not None else {}),
+        }
+
+    def _faults_summary(self) -> dict[str, Any]:
+        """Live fault report, plus (hybrid) the graph replay's blame chain of this rank's steady step."""
+        assert self.faults is not None
+        out = self.faults.summary()
+        if self.replayed is not None and self.replayed.blame:
+            out["replay_blame"] = self.replayed.blame
+        return out
+
+    # -- iterations ---------------------------------------------------------------------------------
+    def mark_iteration(self, iteration: int | None = None, *, explicit: bool = True) -> None:
+        """Anchor the clock at an iteration start; close the traced iteration; restart replayed counts.
+
+        `explicit=False` is the optimizer-step marker: ignored once an explicit mark was seen (AUTO).
+        """
+        if explicit:
+            self._explicit_marks = True
+        elif self._explicit_marks and self.config.iteration_marker is IterationMarker.AUTO:
+            return
+        self.clock.anchor(iteration)
+        if self.tracer is not None:
+            self.tracer.on_iteration(self.clock.iteration_start_s, self.clock.iteration)
+        if self.replayed is not None:
+            self.replayed.on_iteration(self.clock.iteration)
+        if self.faults is not None:
+            self.faults.on_mark(self.clock.iteration)
+
+    # -- process-wide seams ------------------------------------------------------------------------
+    def _patch(self, owner: Any, name: str, new: Any) -> None:
+        self._undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+
+    def install(self) -> None:
+        from prism_plugin.comm import work as work_module
+
+        self._patch(work_module, "_WAKEUPS", self.wakeups)
+        original_bol = c10d.broadcast_object_list
+
+        @functools.wraps(original_bol)
+        def broadcast_object_list(object_list: list[Any], src: int | None = None, group: Any = None,
+                                  device: Any = None, group_src: int | None = None) -> None:
+            self._queue_object_payloads(object_list, src, group, device, group_src)
+            return original_bol(object_list, src=src, group=group, device=device, group_src=group_src)
+
+        self._patch(c10d, "broadcast_object_list", broadcast_object_list)
+        self._patch(dist, "broadcast_object_list", broadcast_object_list)
+        # iterations of plain scripts: the end of each optimizer step (IterationMarker)
+        if self.config.iteration_marker is not IterationMarker.EXPLICIT:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            handle = register_optimizer_step_post_hook(lambda *_: self.mark_iteration(explicit=False))
+            self._undo.append((handle, None, None))
+        if not _delegation_enabled() or not hasattr(dist.ProcessGroup, "new_group"):
+            original_helper = c10d._new_process_group_helper
+
+            @functools.wraps(original_helper)
+            def new_process_group_helper(*args: Any, **kwargs: Any) -> Any:
+                # redirect every requested backend (gloo twins included) to prism
+                if "backend" in kwargs:
+                    kwargs["backend"] = BACKEND_NAME
+                    kwargs.pop("backend_options", None)
+                elif len(args) > 3:
+                    args = args[:3] + (BACKEND_NAME,) + args[4:]
+                return original_helper(*args, **kwargs)
+
+            self._patch(c10d, "_new_process_group_helper", new_process_group_helper)
+
+    def uninstall(self) -> None:
+        while self._undo:
+            owner, name, old = self._undo.pop()
+            if name is None:
+                owner.remove()  # a hook handle
+            else:
+                setattr(owner, name, old)
+
+    def _queue_object_payloads(self, object_list: list[Any], src: int | None, group: Any,
+                               device: Any, group_src: int | None) -> None:
+        if self.config.data_policy is DataPolicy.RECORDED:
+            return  # the recorded sizes and bytes replay exactly
+        pg = group if group is not None else c10d._get_default_group()
+        if not isinstance(pg, PrismProcessGroup):
+            return
+        vg = pg.vg
+        root = group_src if group_src is not None else (vg.group_rank_of(src) if src is not None else 0)
+        if root is None or vg.is_real(root):
+            return
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        pairs = [c10d._object_to_tensor(obj, dev, pg) for obj in object_list]
+        vg.pending_root_payloads.append(torch.cat([size for _, size in pairs]))
+        vg.pending_root_payloads.append(torch.cat([tensor for tensor, _ in pairs]))
+
+
+def _creator(opts: Any, backend_options: Any) -> PrismProcessGroup:
+    session = _CURRENT
+    if session is None:
+        raise RuntimeError("prism: the prism backend is only usable through prism_plugin.activate()")
+    ranks = list(opts.global_ranks_in_group)
+    if not ranks:  # the default group
+        pg = session.create_group(None, opts.group_id, "default_pg", world=True)
+    else:
+        pg = session.create_group(ranks, opts.group_id)
+    assert pg is not None
+    return pg
+
+
+def activate(config: EmulationConfig, process_index: int = 0, real_store: dist.Store | None = None,
+             init_timeout_s: float | None = None, num_processes: int | None = None) -> Session:
+    """Initialise torch.distributed as rank ``config.world.real_ranks[process_index]`` of N.
+
+    `real_store` is a store shared by the real processes only (TCPStore/FileStore sized to the
+    real process count); it is needed when there are 2+ real ranks. `num_processes`, when known
+    (a launcher's process count), must equal the number of real ranks. Raises `ConfigError`
+    before touching torch.distributed when the input is invalid.
+    """
+    global _CURRENT
+    if not isinstance(config, EmulationConfig):
+        raise ConfigError("activate() needs an EmulationConfig(world=VirtualWorld(...), ...)")
+    if num_processes is not None and num_processes != config.world.num_real:
+        raise ConfigError(
+            f"real_ranks lists {config.world.num_real} real ranks but {num_processes} processes were "
+            f"launched; launch {config.world.num_real} processes or list {num_processes} real ranks"
+        )
+    with _LOCK:
+        if _CURRENT is not None or dist.is_initialized():
+            raise RuntimeError(
+                "prism: torch.distributed is already initialised; activate() must run before "
+                "init_process_group (or call prism_plugin.deactivate() first)"
+            )
+        session = Session(config, process_index, real_store)
+        if os.environ.get("TORCH_DIST_INIT_BARRIER", "0") != "0":
+            os.environ["TORCH_DIST_INIT_BARRIER"] = "0"  # a store barrier over N ranks would wait forever
+        if BACKEND_NAME.upper() not in dist.Backend._plugins:
+            dist.Backend.register_backend(BACKEND_NAME, _creator, extended_api=True, devices=["cpu", "cuda"])
+        _CURRENT = session
+        session.install()
+        try:
+            dist.init_process_group(
+                backend=BACKEND_NAME,
+                rank=session.rank,
+                world_size=config.world.world_size,
+                store=dist.HashStore(),  # never contacted: the default group talks to no one
+                timeout=timedelta(seconds=init_timeout_s or config.timeout_s),
+            )
+        except BaseException:
+            session.uninstall()
+            _CURRENT = None
+            raise
+        return session
+
+
+def mark_iteration(iteration: int | None = None) -> None:
+    """Anchor the emulation clock at the start of a training iteration (adapters call this)."""
+    if _CURRENT is None:
+        raise RuntimeError("prism: mark_iteration() needs an active emulation (prism_plugin.activate)")
+    _CURRENT.mark_iteration(iteration)
+
+
+def deactivate() -> dict[str, Any] | None:
+    """Destroy the process groups, write the recording (if any) and return the session summary."""
+    global _CURRENT
+    with _LOCK:
+        session = _CURRENT
+        if session is None:
+            return None
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            session.uninstall()
+            if session.recorder is not None:
+                session.recorder.close()
+            if session.tracer is not None:
+                session.tracer.close()
+            _CURRENT = None
+        return session.summary()
