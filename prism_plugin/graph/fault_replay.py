@@ -23,14 +23,13 @@ from typing import Any
 from prism_plugin.config.faults import Crash, FaultSpec, Hang
 from prism_plugin.cost.faults import FaultSet
 from prism_plugin.cost.model import CostModel
+from prism_plugin.graph.engine import WAIT, Engine, ReplayDeadlock, compile_program
 from prism_plugin.graph.fold import ReplayMode, fold
-from prism_plugin.graph.replay import ReplayDeadlock, _compile, _Engine
 from prism_plugin.graph.schema import ExecutionGraph, NodeKind
 from prism_plugin.graph.steady import unroll
 
 __all__ = ["FailureReport", "failure_replay"]
 
-_COMM, _WAIT = 1, 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,7 +90,7 @@ def failure_replay(graph: ExecutionGraph, cost: CostModel, fault: Hang | Crash, 
     scales = {r: s.factor for s in timing.stragglers for r in s.ranks}
     space = fold(unrolled, cost.profile.gpus_per_node, compute_scale=scales, mode=ReplayMode.FULL)
     cache: dict[Any, float] = {}
-    programs = [_compile(space, actor, cost, cache, timing or None) for actor in space.actors]
+    programs = [compile_program(space, actor, cost, cache, timing or None) for actor in space.actors]
     a_fault = space.actor_of(fault.rank).index
     prog = programs[a_fault]
     per_copy = len(prog.kinds) // iterations
@@ -100,7 +99,7 @@ def failure_replay(graph: ExecutionGraph, cost: CostModel, fault: Hang | Crash, 
     programs[a_fault] = replace(prog, kinds=prog.kinds[:cut], value=prog.value[:cut], key=prog.key[:cut],
                                 expected=prog.expected[:cut], is_async=prog.is_async[:cut], link=prog.link[:cut],
                                 nodes=prog.nodes[:cut])
-    engine = _Engine(space, programs, False)
+    engine = Engine(space, programs, False)
     try:
         engine.run()
     except ReplayDeadlock:
@@ -114,7 +113,7 @@ def failure_replay(graph: ExecutionGraph, cost: CostModel, fault: Hang | Crash, 
         i = engine.blocked[a]
         p = programs[a]
         since = engine.issue[a][i]
-        if p.kinds[i] == _WAIT:
+        if p.kinds[i] == WAIT:
             i = p.link[i]
         node = p.nodes[i]
         pend = engine.pending.get(p.key[i])

@@ -16,7 +16,7 @@ from prism_plugin.graph.fold import ActorSpace
 from prism_plugin.graph.schema import Node, NodeKind
 
 if TYPE_CHECKING:
-    from prism_plugin.graph.replay import _Engine
+    from prism_plugin.graph.engine import Engine
 
 __all__ = ["OpSpan", "RankBreakdown", "ReplayResult"]
 
@@ -54,7 +54,7 @@ class ReplayResult:
     Queries take global ranks; a rank's answers are those of the actor standing for it.
     """
 
-    def __init__(self, space: ActorSpace, engine: _Engine) -> None:
+    def __init__(self, space: ActorSpace, engine: Engine) -> None:
         self.space = space
         self.graph = space.graph
         self._e = engine
