@@ -61,9 +61,9 @@ from typing import Any
 
 from prism_plugin.graph.rank_trace import RankTrace, load_rank_traces
 from validation.pipeline import (
-    _steps,
     arrival_errors,
     calibrated_profile,
+    compared_steps,
     hybrid_errors,
     replay_errors,
     sampled_errors,
@@ -152,7 +152,7 @@ def run_commands(job: FrameworkJob, run: RunSpec) -> list[tuple[list[str], dict[
             argv += ["--prism-graph", str(run.graph)]
         # K > 1 real ranks: the wrapper starts K processes itself
         return [(argv, {**env, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})]
-    from prism_plugin.recipes.plans import _deepspeed_args, deepspeed_config
+    from prism_plugin.recipes.plans import deepspeed_args, deepspeed_config
 
     section: dict[str, object] = {"world_size": PP, "real_ranks": list(run.real_ranks), "profile": job.profile,
                                   "gpus_per_node": PP, "trace": str(run.out), "output": str(run.out),
@@ -165,7 +165,7 @@ def run_commands(job: FrameworkJob, run: RunSpec) -> list[tuple[list[str], dict[
     cfg.write_text(json.dumps(deepspeed_config(recipe, PP, section), indent=2), encoding="utf-8")
     k = len(run.real_ranks)
     store = {"PRISM_STORE_FILE": str(run.out / "store")} if k > 1 else {}
-    return [([sys.executable, *_deepspeed_args(recipe, cfg)],
+    return [([sys.executable, *deepspeed_args(recipe, cfg)],
              {**env, **store, "RANK": str(i), "WORLD_SIZE": str(k), "LOCAL_RANK": str(i)}) for i in range(k)]
 
 
@@ -232,19 +232,19 @@ def validate_framework(job: FrameworkJob, workdir: Path, *, hybrid_ranks: Sequen
     cost = CostModel(load_profile(job.profile))
     state = steady_state(graph, cost)
     a = real[0]
-    real_steps = [s for r in sorted(a) for s in _steps(a[r], job.warmup)]
+    real_steps = [s for r in sorted(a) for s in compared_steps(a[r], job.warmup)]
     figures: dict[str, Any] = {
         "job": {"framework": job.framework, "pp": PP, "recipe": _RECIPES[job.framework], "profile": job.profile,
-                "graph_from": job.graph_from, "steps_compared": len(_steps(a[0], job.warmup)),
+                "graph_from": job.graph_from, "steps_compared": len(compared_steps(a[0], job.warmup)),
                 "transfer_us_measured": None if measured_us is None else round(measured_us, 1)},
-        "real_step_ms": {str(r): round(statistics.fmean(_steps(a[r], job.warmup)) / 1e3, 4) for r in sorted(a)},
+        "real_step_ms": {str(r): round(statistics.fmean(compared_steps(a[r], job.warmup)) / 1e3, 4) for r in sorted(a)},
         "real_step_median_ms": round(statistics.median(real_steps) / 1e3, 4),
         "real_step_cv_pct": _cv_pct(real_steps),
         "replay": {**replay_errors(state.step_us, real_steps), **sampled_errors(graph, cost, real_steps)},
         "predicted_rank_step_ms": {str(r): round(state.rank_step_us(r) / 1e3, 4) for r in range(PP)},
     }
     if job.real_runs > 1:
-        b_steps = [s for r in sorted(real[1]) for s in _steps(real[1][r], job.warmup)]
+        b_steps = [s for r in sorted(real[1]) for s in compared_steps(real[1][r], job.warmup)]
         figures["real_run_to_run_pct"] = round(100 * abs(statistics.fmean(b_steps) / statistics.fmean(real_steps)
                                                          - 1), 3)
     hybrid_runs = [RunSpec(out=workdir / f"hybrid{r}", real_ranks=(r,), steps=job.steps, graph=graph_path)

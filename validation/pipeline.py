@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from prism_plugin.cost import CostModel
     from prism_plugin.graph.schema import ExecutionGraph
 
-__all__ = ["PipelineJob", "arrival_errors", "calibrated_profile", "hybrid_errors", "measure_transfer_us", "op_waits_us",
-           "replay_errors", "sampled_errors", "validate"]
+__all__ = ["PipelineJob", "arrival_errors", "calibrated_profile", "compared_steps", "hybrid_errors",
+           "measure_transfer_us", "op_waits_us", "replay_errors", "run_pipeline", "sampled_errors", "validate"]
 
 MODULE = "prism_plugin.programs.pipeline_train"
 
@@ -144,8 +144,10 @@ def calibrated_profile(base: str, size_bytes: int, path: Path, rounds: int = 40)
     return path, measured
 
 
-def _run(job: PipelineJob, out: Path, real_ranks: Sequence[int], steps: int, profile: str,
-         graph: Path | None = None, timeout_s: float = 300.0, faults: Sequence[str] = ()) -> dict[int, RankTrace]:
+def run_pipeline(job: PipelineJob, out: Path, real_ranks: Sequence[int], steps: int, profile: str,
+                 graph: Path | None = None, timeout_s: float = 300.0,
+                 faults: Sequence[str] = ()) -> dict[int, RankTrace]:
+    """One `prism run` of the job with `real_ranks` real (the others virtual); the real ranks' traces by rank."""
     config = EmulationConfig(world=VirtualWorld(world_size=job.pp, real_ranks=tuple(real_ranks), gpus_per_node=2),
                              profile=profile, trace_dir=out, output_dir=out, graph=graph, faults=tuple(faults))
     rc = launch(LaunchSpec(config=config, target=job.args(steps), store_dir=out), timeout_s=timeout_s)
@@ -175,7 +177,8 @@ def _plain_run(job: PipelineJob, out: Path, timeout_s: float = 300.0) -> list[fl
     return times
 
 
-def _steps(trace: RankTrace, warmup: int) -> list[float]:
+def compared_steps(trace: RankTrace, warmup: int) -> list[float]:
+    """The step times (us) a validation compares: the traced iterations after the first `warmup`."""
     return trace.step_times_us()[warmup:]
 
 
@@ -225,7 +228,7 @@ def sampled_errors(graph: ExecutionGraph, cost: CostModel, real_steps: Sequence[
 
 def hybrid_errors(real: RankTrace, hybrid: RankTrace, warmup: int) -> dict[str, Any]:
     """One rank's hybrid run against its real run: step-time errors and per-op wait errors (module docstring)."""
-    mine, steps_h = _steps(real, warmup), _steps(hybrid, warmup)
+    mine, steps_h = compared_steps(real, warmup), compared_steps(hybrid, warmup)
     waits_real, waits_h = op_waits_us(real, warmup), op_waits_us(hybrid, warmup)
     if len(waits_real) != len(waits_h):
         raise RuntimeError(f"rank {real.rank}: the hybrid run issued {len(waits_h)} ops per step, the real run "
@@ -314,23 +317,23 @@ def validate(job: PipelineJob, workdir: Path, *, hybrid_ranks: Sequence[int] | N
     if job.calibrate:
         path, measured_us = calibrated_profile(job.profile, job.activation_bytes, workdir / "calibrated.yaml")
         profile = str(path)
-    real = [_run(job, workdir / f"real{i}", range(job.pp), job.steps, profile) for i in range(real_runs)]
+    real = [run_pipeline(job, workdir / f"real{i}", range(job.pp), job.steps, profile) for i in range(real_runs)]
     plan = make_plan(parse_layout(f"pp={job.pp},dp=1"), devices=1)
     profiled: list[RankTrace] = []
     for i, run in enumerate(plan.runs):
-        profiled += _run(job, workdir / f"profile{i}", run, job.profile_steps, profile).values()
+        profiled += run_pipeline(job, workdir / f"profile{i}", run, job.profile_steps, profile).values()
     graph = graph_from_rank_traces(profiled, plan.job.world, plan.class_axes, warmup=2)
     graph_path = graph.save(workdir / "job.graph")
     cost = CostModel(load_profile(profile))
     state = steady_state(graph, cost)
     predicted = state.step_us
     a = real[0]
-    real_steps = [s for r in sorted(a) for s in _steps(a[r], job.warmup)]
+    real_steps = [s for r in sorted(a) for s in compared_steps(a[r], job.warmup)]
     figures: dict[str, Any] = {
         "job": {"pp": job.pp, "microbatches": job.microbatches, "fwd_ms": job.fwd_ms, "bwd_ms": job.bwd_ms,
-                "profile": job.profile, "steps_compared": len(_steps(a[0], job.warmup)),
+                "profile": job.profile, "steps_compared": len(compared_steps(a[0], job.warmup)),
                 "transfer_us_measured": None if measured_us is None else round(measured_us, 1)},
-        "real_step_ms": {str(r): round(statistics.fmean(_steps(a[r], job.warmup)) / 1e3, 4) for r in sorted(a)},
+        "real_step_ms": {str(r): round(statistics.fmean(compared_steps(a[r], job.warmup)) / 1e3, 4) for r in sorted(a)},
         "real_step_stdev_ms": round(statistics.stdev(real_steps) / 1e3, 4),
         "real_step_cv_pct": round(100 * statistics.stdev(real_steps) / statistics.fmean(real_steps), 3),
         "replay": {**replay_errors(predicted, real_steps), **sampled_errors(graph, cost, real_steps)},
@@ -341,12 +344,12 @@ def validate(job: PipelineJob, workdir: Path, *, hybrid_ranks: Sequence[int] | N
         figures["real_vs_plain_gloo_pct"] = round(100 * (statistics.fmean(real_steps) / statistics.fmean(plain) - 1),
                                                   3)
     if real_runs > 1:
-        b_steps = [s for r in sorted(real[1]) for s in _steps(real[1][r], job.warmup)]
+        b_steps = [s for r in sorted(real[1]) for s in compared_steps(real[1][r], job.warmup)]
         figures["real_run_to_run_pct"] = round(100 * abs(statistics.fmean(b_steps) / statistics.fmean(real_steps)
                                                          - 1), 3)
     hybrid: dict[str, Any] = {}
     for r in (range(job.pp) if hybrid_ranks is None else hybrid_ranks):
-        h = _run(job, workdir / f"hybrid{r}", [r], job.steps, profile, graph=graph_path)[r]
+        h = run_pipeline(job, workdir / f"hybrid{r}", [r], job.steps, profile, graph=graph_path)[r]
         hybrid[str(r)] = {**hybrid_errors(a[r], h, job.warmup),
                           "arrivals_check": arrival_errors(h, graph, cost, job.warmup),
                           "summary": json.loads((workdir / f"hybrid{r}" / f"rank{r}.summary.json").read_text())}

@@ -34,7 +34,7 @@ import pytest
 
 from prism_plugin.graph.rank_trace import load_rank_traces
 from prism_plugin.graph.schema import ExecutionGraph
-from validation.pipeline import PipelineJob, _run, validate
+from validation.pipeline import PipelineJob, run_pipeline, validate
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,7 @@ def test_hybrid_straggler_slows_the_virtual_stage_from_its_from_step(figures: di
     """Rank 0 real, stage 1 virtual and a straggler (x1.5) from step 8: the replayed arrivals switch from the
     clean replay's to the faulty one's at the mark that starts step 8, and rank 0's step follows each."""
     graph = Path(figures["graph"])
-    traces = _run(JOB, tmp_path, [0], 14, str(graph.parent / "calibrated.yaml"), graph=graph,
+    traces = run_pipeline(JOB, tmp_path, [0], 14, str(graph.parent / "calibrated.yaml"), graph=graph,
                   faults=("straggler:ranks=1,factor=1.5,from_step=8",))
     summary = json.loads((tmp_path / "rank0.summary.json").read_text())
     clean, slow = (p["predicted_rank_step_ms"] for p in summary["graph"]["phases"])

@@ -36,8 +36,8 @@ import prism_plugin
 from prism_plugin.config.kinds import DataPolicy
 from prism_plugin.recipes.schema import Emulation, Framework, RealLauncher, Recipe, RecipeError
 
-__all__ = ["ProcessSpec", "RunPlan", "emulation_plan", "logged_first_loss", "megatron_args", "real_plan",
-           "toy_args"]
+__all__ = ["DEEPSPEED_SCRIPT", "MEGATRON_SCRIPT", "ProcessSpec", "RunPlan", "deepspeed_args", "deepspeed_config",
+           "deepspeed_program", "emulation_plan", "logged_first_loss", "megatron_args", "real_plan", "toy_args"]
 
 PACKAGE_DIR = Path(prism_plugin.__file__).resolve().parent
 MEGATRON_SCRIPT = PACKAGE_DIR / "programs" / "pretrain_gpt.py"
@@ -152,7 +152,8 @@ def deepspeed_program(recipe: Recipe) -> Path:
     return DEEPSPEED_SCRIPT
 
 
-def _deepspeed_args(recipe: Recipe, config_path: Path) -> list[str]:
+def deepspeed_args(recipe: Recipe, config_path: Path) -> list[str]:
+    """argv (after the interpreter) of the recipe's DeepSpeed program reading the ds_config at `config_path`."""
     m, lay = recipe.model, recipe.layout
     return [str(deepspeed_program(recipe)), "--config", str(config_path), "--pp", str(lay.pp),
             "--hidden", str(m.hidden_size), "--layers", str(m.num_layers), "--steps", str(recipe.steps.total),
@@ -197,7 +198,7 @@ def real_plan(recipe: Recipe, out: Path, record_dir: Path | None = None) -> RunP
     else:
         cfg = out / "ds_config.json"
         files[str(cfg)] = json.dumps(deepspeed_config(recipe, k, None), indent=2)
-        target = _deepspeed_args(recipe, cfg)
+        target = deepspeed_args(recipe, cfg)
     procs = tuple(
         ProcessSpec(argv=_probe(*target), env={**_env("real", probe_dir, PRISM_PROBE_STORE=store),
                                                **_torchrun_env(i, k)}, log=out / f"process{i}.log")
@@ -265,7 +266,7 @@ def _prism_plan(recipe: Recipe, label: str, out: Path, world_size: int, ranks: t
                                            "dtype": "float32"}
         cfg = out / "ds_config.json"
         files[str(cfg)] = json.dumps(deepspeed_config(recipe, world_size, section), indent=2)
-        target = _deepspeed_args(recipe, cfg)
+        target = deepspeed_args(recipe, cfg)
     store = {"PRISM_STORE_FILE": str(out / "store")} if k > 1 else {}
     if recipe.framework is Framework.MEGATRON:
         store["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron asserts it with TP/CP (as every Megatron launch sets)
