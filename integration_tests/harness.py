@@ -5,15 +5,18 @@ test would dominate the suite. A `Cluster` spawns at most `max_workers` processe
 *spawn* context), and re-configures them in place: a `Setup` says which world the workers join
 (`GLOO`: a plain ``init_process_group("gloo")`` over N processes, the REAL run; `PRISM`:
 ``prism_plugin.activate`` with k real processes playing `real_ranks` of N). The rendezvous is a
-`FileStore` in a fresh file of the cluster's tmp dir (never a port). A case is a plain function
+`FileStore` in a fresh file of the cluster's tmp dir (never a port); `BARE`: no world, the case brings
+its own (a DeepSpeed job calling ``prism_plugin.deepspeed.init_distributed``). A case is a plain function
 ``fn(ctx, **kwargs)`` of an importable module (``programs``), run by every active worker; it returns
-picklable results (CPU tensors, lists, dicts, plain objects).
+picklable results (CPU tensors, lists, dicts, plain objects). `Cluster.run_jobs` runs a *job*, a plain
+function ``fn(**kwargs_i)`` that brings its own world, on workers 0..k-1 with one kwargs each.
 
 Failure handling (tests must fail, never hang): every receive from a worker polls with a timeout; a
 case that raises is reported with the worker's traceback as a `WorkerError`. After an error or a
 timeout the cluster kills its workers and respawns them lazily at the next use, since peers of a
 failed collective may be stuck inside it. `close()` asks workers to exit and returns their exit codes
-(0 = clean).
+(0 = clean). Workers are only started when the pool is short of them: at first use and after a kill
+(`spawned` <= `max_workers` x (1 + `kills`)), never per test.
 
 Non-goals: workers run one setup at a time (a process has one default group); cases of one batch
 run in order and in lockstep on all active workers; results travel pickled through pipes, so keep
@@ -47,6 +50,8 @@ class Mode(enum.StrEnum):
     """Plain torch.distributed over gloo: every rank is a real process (the reference run)."""
     PRISM = "prism"
     """prism_plugin.activate: `real_ranks` run as processes, the other ranks are virtual."""
+    BARE = "bare"
+    """No world: `world_size` workers, each case brings up (and tears down) its own (see `Cluster.run_jobs`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +60,7 @@ class Setup:
 
     mode: Mode
     world_size: int = 4
-    """N, the world size the program sees."""
+    """N, the world size the program sees (BARE: the number of workers)."""
     real_ranks: tuple[int, ...] = ()
     """PRISM: ranks run by processes 0..k-1 (GLOO: always range(world_size))."""
     data_policy: str = "mirror"
@@ -77,7 +82,7 @@ class Setup:
     @property
     def ranks(self) -> tuple[int, ...]:
         """Rank played by each active worker, in worker order."""
-        return tuple(range(self.world_size)) if self.mode is Mode.GLOO else self.real_ranks
+        return self.real_ranks if self.mode is Mode.PRISM else tuple(range(self.world_size))
 
     @property
     def num_workers(self) -> int:
@@ -87,8 +92,8 @@ class Setup:
         return replace(self, **changes)
 
     def __str__(self) -> str:
-        if self.mode is Mode.GLOO:
-            return f"gloo{self.world_size}"
+        if self.mode is not Mode.PRISM:
+            return f"{self.mode.value}{self.world_size}"
         extra = "" if self.delegation else ",nodeleg"
         pol = "" if self.data_policy == "mirror" else f",{self.data_policy}"
         return f"prism{self.world_size}{list(self.real_ranks)}{pol}{extra}{self.label}"
@@ -166,6 +171,9 @@ class _Worker:
         import torch.distributed as dist
 
         rank = setup.ranks[self.index]
+        if setup.mode is Mode.BARE:  # no world: the jobs bring their own
+            self.ctx = Ctx(setup=setup, process_index=self.index, rank=rank, world_size=setup.world_size)
+            return {"rank": rank, "world_size": setup.world_size}
         env = {"PRISM_NEW_GROUP_DELEGATION": "1" if setup.delegation else "0"}
         self.saved_env = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -201,7 +209,9 @@ class _Worker:
 
         summary = None
         if self.ctx is not None:
-            if self.ctx.setup.mode is Mode.PRISM:
+            if self.ctx.setup.mode is Mode.BARE:
+                pass
+            elif self.ctx.setup.mode is Mode.PRISM:
                 import prism_plugin as P
 
                 summary = P.deactivate()
@@ -215,6 +225,17 @@ class _Worker:
                 os.environ[key] = value
         self.saved_env = {}
         return summary
+
+
+def run_job(ctx: Ctx, ref: str, per_worker: list[dict[str, Any]]) -> dict[str, Any]:
+    """BARE case of `Cluster.run_jobs`: worker i runs job `ref` with ``per_worker[i]``.
+
+    Also reports whether the job left a torch.distributed world behind (it must tear down its own).
+    """
+    import torch.distributed as dist
+
+    result = _resolve(ref)(**per_worker[ctx.process_index])
+    return {"result": result, "left_world": dist.is_initialized()}
 
 
 def _worker_main(index: int, conn: Any, path_entries: list[str]) -> None:
@@ -275,6 +296,8 @@ class Cluster:
         self._stores = itertools.count()
         self.spawned = 0
         """Processes started over the cluster's life (the suite should need only a few)."""
+        self.kills = 0
+        """Kills of the workers (after an error or a hang); each may cost up to `max_workers` respawns."""
         self.setups = 0
         """World initialisations over the cluster's life."""
         self.exit_codes: list[int | None] = []
@@ -318,6 +341,8 @@ class Cluster:
 
     def kill(self) -> None:
         """Kill every worker at once (after an error or a hang); they respawn at the next use."""
+        if self._procs:
+            self.kills += 1
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
@@ -371,17 +396,23 @@ class Cluster:
         self._setup = None
         return self._guard(lambda: self._all(count, ("teardown",), self.timeout_s))
 
+    def store_path(self) -> str:
+        """A fresh FileStore file: per setup, or for a job's own world (see `run_jobs`).
+
+        Fresh each time: a FileStore file left by an earlier (killed) world would hand the new one
+        stale peer addresses.
+        """
+        store_file = self.tmp_dir / f"store-{os.getpid()}-{next(self._stores)}"
+        store_file.unlink(missing_ok=True)
+        return str(store_file)
+
     def setup(self, setup: Setup) -> None:
         """Bring the workers into `setup` (a no-op when already there)."""
         if self._setup == setup:
             return
         self.teardown()
         self._ensure_workers(setup.num_workers)
-        # a fresh file per setup: a FileStore file left by an earlier (killed) world would hand
-        # the new one stale peer addresses
-        store_file = self.tmp_dir / f"store-{os.getpid()}-{next(self._stores)}"
-        store_file.unlink(missing_ok=True)
-        store_path = str(store_file)
+        store_path = self.store_path()
         self._guard(lambda: self._all(setup.num_workers, ("setup", setup, store_path), self.spawn_timeout_s))
         self._setup = setup
         self.setups += 1
@@ -452,6 +483,30 @@ class Cluster:
             rank, err = next(iter(errors.items()))
             raise WorkerError(f"{case_ref(fn)} failed on rank {rank} under {setup}:\n{err.traceback}")
         return per_rank
+
+
+    def run_jobs(self, fn: Callable[..., Any] | str, kwargs_list: Sequence[dict[str, Any]],
+                 timeout_s: float = 120.0) -> list[Any]:
+        """Run job `fn` on workers 0..k-1 at once (worker i: ``fn(**kwargs_list[i])``); results in worker order.
+
+        A job brings its own world (e.g. ``prism_plugin.deepspeed.init_distributed`` and ``shutdown``) in a
+        `BARE` setup. A job that raises fails with that worker's traceback (`WorkerError`), one that stops
+        answering with `WorkerTimeout`; either way, and when a job returns with torch.distributed still
+        initialised, every worker is killed (respawned at the next use): a half set-up world or
+        framework global must not leak into the next test.
+        """
+        setup = Setup(mode=Mode.BARE, world_size=len(kwargs_list))
+        try:
+            per_worker = self.run(setup, run_job, case_timeout_s=timeout_s, ref=case_ref(fn),
+                                  per_worker=[dict(kwargs) for kwargs in kwargs_list])
+        except WorkerError:
+            self.kill()
+            raise
+        leaked = [i for i, out in per_worker.items() if out["left_world"]]
+        if leaked:
+            self.kill()
+            raise WorkerError(f"{case_ref(fn)} left torch.distributed initialised on workers {leaked}")
+        return [per_worker[i]["result"] for i in range(len(kwargs_list))]
 
 
 def all_subsets(n: int) -> Iterable[tuple[int, ...]]:

@@ -1,4 +1,4 @@
-"""Training programs the DeepSpeed integration tests run inside pool workers (see ds_pool.py).
+"""Training programs the DeepSpeed integration tests run as jobs in the shared workers (`Cluster.run_jobs`).
 
 Each job brings up its own world through `prism_plugin.deepspeed.init_distributed` (the drop-in the
 adapter documents), trains a tiny model for a few steps with plain DeepSpeed calls, and returns what

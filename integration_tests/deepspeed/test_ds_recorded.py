@@ -1,6 +1,6 @@
 """Real vs emulated, same rank: DeepSpeed ZeRO 1/2/3 and PipelineEngine replayed bit for bit.
 
-For each case three jobs run in the reusable pool:
+For each case three jobs run in the reusable cluster:
 1. real: plain torch.distributed over gloo, every rank a process (DeepSpeed's own TorchBackend);
 2. recording: the same job through `prism_plugin.deepspeed.init_distributed` with every rank real and
    ``"record_dir"`` set (its losses must equal the real run's: the recording run is faithful);
@@ -33,29 +33,29 @@ ZERO_CASES = [(0, 2, 1)] + [(stage, dp, (stage + dp) % dp) for stage in (1, 2, 3
 REAL_RETRIES = 5  # a fresh-clone CI run once saw the +4 B transient in 3 real runs in a row (ZeRO-0, DP 2)
 
 
-def _jobs(pool, fn, config, n, **kwargs):
-    store = pool.store_path()
-    return pool.run(fn, [dict(config=config, process_index=i, store_path=store, **kwargs) for i in range(n)])
+def _jobs(cluster, fn, config, n, **kwargs):
+    store = cluster.store_path()
+    return cluster.run_jobs(fn, [dict(config=config, process_index=i, store_path=store, **kwargs) for i in range(n)])
 
 
-def _real_and_recording(pool, tmp_path, fn, n, make_config, **kwargs):
+def _real_and_recording(cluster, tmp_path, fn, n, make_config, **kwargs):
     record_dir = tmp_path / "rec"
-    real = _jobs(pool, fn, make_config(real_ranks=list(range(n))), n, plain_gloo=True, **kwargs)
-    recording = _jobs(pool, fn, make_config(real_ranks=list(range(n)), record_dir=str(record_dir)), n, **kwargs)
+    real = _jobs(cluster, fn, make_config(real_ranks=list(range(n))), n, plain_gloo=True, **kwargs)
+    recording = _jobs(cluster, fn, make_config(real_ranks=list(range(n)), record_dir=str(record_dir)), n, **kwargs)
     for r, (a, b) in enumerate(zip(real, recording, strict=True)):
         assert a["rank"] == b["rank"] == r
         assert b["losses"] == a["losses"], f"rank {r}: the recording run diverged from the real run"
     return real, record_dir
 
 
-def _reference(pool, fn, make_config, n, rank, real, emulated, **kwargs):
+def _reference(cluster, fn, make_config, n, rank, real, emulated, **kwargs):
     """The real rank's figures; when its memory differs from the emulated rank's, the real run is repeated
     (up to REAL_RETRIES times) and the lowest peak and final bytes kept: those without a gloo transient."""
     reference = dict(real[rank])
     runs = [reference]
     while ((emulated["peak_bytes"], emulated["live_bytes"]) != (reference["peak_bytes"], reference["live_bytes"])
            and len(runs) <= REAL_RETRIES):
-        again = _jobs(pool, fn, make_config(real_ranks=list(range(n))), n, plain_gloo=True, **kwargs)[rank]
+        again = _jobs(cluster, fn, make_config(real_ranks=list(range(n))), n, plain_gloo=True, **kwargs)[rank]
         assert again["losses"] == reference["losses"], "the real run's losses changed between runs"
         runs.append(again)
         reference["peak_bytes"] = min(r["peak_bytes"] for r in runs)
@@ -72,14 +72,14 @@ def _assert_same(emulated, real):
 
 
 @pytest.mark.parametrize("stage,dp,rank", ZERO_CASES, ids=[f"zero{s}-dp{d}-rank{r}" for s, d, r in ZERO_CASES])
-def test_zero_replays_real_rank(ds_pool, tmp_path, stage, dp, rank):
+def test_zero_replays_real_rank(cluster, tmp_path, stage, dp, rank):
     def make(**kw):
         return ds_config(stage=stage, world_size=dp, dp=dp, **kw)
 
-    real, record_dir = _real_and_recording(ds_pool, tmp_path, zero_job, dp, make)
+    real, record_dir = _real_and_recording(cluster, tmp_path, zero_job, dp, make)
     config = make(real_ranks=[rank], policy="recorded", replay_dir=str(record_dir))
-    (emulated,) = ds_pool.run(zero_job, [dict(config=config, process_index=0, store_path=None)])
-    _assert_same(emulated, _reference(ds_pool, zero_job, make, dp, rank, real, emulated))
+    (emulated,) = cluster.run_jobs(zero_job, [dict(config=config, process_index=0, store_path=None)])
+    _assert_same(emulated, _reference(cluster, zero_job, make, dp, rank, real, emulated))
     assert emulated["dp"] == dp
     assert all(v > 0 for v in emulated["op_counts"].values())
 
@@ -91,30 +91,30 @@ VARIANTS = [("bf16", 1, 3, 2, {"bf16": {"enabled": True}}), ("bf16", 1, 1, 2, {"
 
 
 @pytest.mark.parametrize("name,rank,stage,dp,extra", VARIANTS, ids=[f"{v[0]}-zero{v[2]}" for v in VARIANTS])
-def test_zero_variants_replay_real_rank(ds_pool, tmp_path, name, rank, stage, dp, extra):
+def test_zero_variants_replay_real_rank(cluster, tmp_path, name, rank, stage, dp, extra):
     gas = 2 if name == "gas2" else 1
     zero_init = name == "zero_init"
 
     def make(**kw):
         return {**ds_config(stage=stage, world_size=dp, dp=dp, gas=gas, **kw), **extra}
 
-    real, record_dir = _real_and_recording(ds_pool, tmp_path, zero_job, dp, make, gas=gas, zero_init=zero_init)
+    real, record_dir = _real_and_recording(cluster, tmp_path, zero_job, dp, make, gas=gas, zero_init=zero_init)
     config = make(real_ranks=[rank], policy="recorded", replay_dir=str(record_dir))
-    (emulated,) = ds_pool.run(zero_job, [dict(config=config, process_index=0, store_path=None, gas=gas,
+    (emulated,) = cluster.run_jobs(zero_job, [dict(config=config, process_index=0, store_path=None, gas=gas,
                                                zero_init=zero_init)])
-    _assert_same(emulated, _reference(ds_pool, zero_job, make, dp, rank, real, emulated, gas=gas,
+    _assert_same(emulated, _reference(cluster, zero_job, make, dp, rank, real, emulated, gas=gas,
                                       zero_init=zero_init))
     assert len(emulated["losses"]) == 3 * gas
 
 
-def test_zero2_two_real_ranks_of_four(ds_pool, tmp_path):
+def test_zero2_two_real_ranks_of_four(cluster, tmp_path):
     """Any subset of ranks may be real: ranks 1 and 3 of 4 replay their real losses bit for bit."""
     def make(**kw):
         return ds_config(stage=2, world_size=4, dp=4, **kw)
 
-    real, record_dir = _real_and_recording(ds_pool, tmp_path, zero_job, 4, make)
+    real, record_dir = _real_and_recording(cluster, tmp_path, zero_job, 4, make)
     config = make(real_ranks=[1, 3], policy="recorded", replay_dir=str(record_dir))
-    emulated = _jobs(ds_pool, zero_job, config, 2)
+    emulated = _jobs(cluster, zero_job, config, 2)
     assert [e["rank"] for e in emulated] == [1, 3]
     for e in emulated:
         assert e["losses"] == real[e["rank"]]["losses"]
@@ -126,15 +126,15 @@ PIPE_CASES = [(2, 2, 3), (2, 2, 0), (3, 1, 1)]
 
 
 @pytest.mark.parametrize("stages,dp,rank", PIPE_CASES, ids=[f"pp{s}-dp{d}-rank{r}" for s, d, r in PIPE_CASES])
-def test_pipeline_replays_real_rank(ds_pool, tmp_path, stages, dp, rank):
+def test_pipeline_replays_real_rank(cluster, tmp_path, stages, dp, rank):
     n = stages * dp
 
     def make(**kw):
         return ds_config(stage=1, world_size=n, dp=dp, gas=4, **kw)
 
-    real, record_dir = _real_and_recording(ds_pool, tmp_path, pipe_job, n, make, stages=stages)
+    real, record_dir = _real_and_recording(cluster, tmp_path, pipe_job, n, make, stages=stages)
     config = make(real_ranks=[rank], policy="recorded", replay_dir=str(record_dir))
-    (emulated,) = ds_pool.run(pipe_job, [dict(config=config, process_index=0, store_path=None, stages=stages)])
-    _assert_same(emulated, _reference(ds_pool, pipe_job, make, n, rank, real, emulated, stages=stages))
+    (emulated,) = cluster.run_jobs(pipe_job, [dict(config=config, process_index=0, store_path=None, stages=stages)])
+    _assert_same(emulated, _reference(cluster, pipe_job, make, n, rank, real, emulated, stages=stages))
     assert emulated["stage"] == real[rank]["stage"] == rank // dp
     assert emulated["op_counts"]["send"] > 0 and emulated["op_counts"]["recv"] > 0

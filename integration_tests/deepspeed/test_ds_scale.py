@@ -25,8 +25,8 @@ import math
 
 import pytest
 from ds_grid_programs import grid_equivalence_job, pipeline_setup_at_scale_job, pipeline_topology_error_job
-from ds_pool import JobError
 from ds_programs import ds_config, pipe_job, zero_job
+from harness import WorkerError
 
 pytestmark = pytest.mark.slow
 
@@ -65,9 +65,9 @@ def expected_model_state_bytes(stage: int, dp: int, adam_step: int = FP32) -> tu
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("dp", [64, 1024])
-def test_model_state_memory_follows_zero_partitioning(ds_pool, stage, dp):
+def test_model_state_memory_follows_zero_partitioning(cluster, stage, dp):
     config = ds_config(stage=stage, world_size=dp, real_ranks=[5], dp=dp)
-    (out,) = ds_pool.run(zero_job, [dict(config=config, process_index=0, store_path=None, steps=2)])
+    (out,) = cluster.run_jobs(zero_job, [dict(config=config, process_index=0, store_path=None, steps=2)])
     after_init, after_steps = expected_model_state_bytes(stage, dp, FP32 if tracker_sees_torch_tensor() else 0)
     assert out["dp"] == dp and out["rank"] == 5
     assert out["after_init_bytes"] == after_init
@@ -75,10 +75,11 @@ def test_model_state_memory_follows_zero_partitioning(ds_pool, stage, dp):
     assert all(math.isfinite(x) and x > 0 for x in out["losses"])
 
 
-def test_zero3_partitioned_construction_at_1024(ds_pool):
+def test_zero3_partitioned_construction_at_1024(cluster):
     """deepspeed.zero.Init at DP 1024: the same per-rank model states as partitioning after construction."""
     config = ds_config(stage=3, world_size=1024, real_ranks=[1000], dp=1024)
-    (out,) = ds_pool.run(zero_job, [dict(config=config, process_index=0, store_path=None, steps=2, zero_init=True)])
+    (out,) = cluster.run_jobs(zero_job, [dict(config=config, process_index=0, store_path=None, steps=2,
+                                              zero_init=True)])
     after_init, after_steps = expected_model_state_bytes(3, 1024, FP32 if tracker_sees_torch_tensor() else 0)
     assert (out["after_init_bytes"], out["live_bytes"]) == (after_init, after_steps)
 
@@ -93,10 +94,10 @@ PIPE_ACTS = {"pipe_activations": {"shape": [2, 16], "dtype": "float32"}}
 
 
 @pytest.mark.parametrize("rank", [5, 70, 130])
-def test_pipeline_stage_with_virtual_neighbours(ds_pool, rank):
+def test_pipeline_stage_with_virtual_neighbours(cluster, rank):
     """3 stages x DP 64 (N = 192), mirror policy: the first, a middle and the last stage run alone."""
     config = ds_config(stage=1, world_size=192, real_ranks=[rank], dp=64, gas=4, extra_prism=PIPE_ACTS)
-    (out,) = ds_pool.run(pipe_job, [dict(config=config, process_index=0, store_path=None, stages=3)])
+    (out,) = cluster.run_jobs(pipe_job, [dict(config=config, process_index=0, store_path=None, stages=3)])
     assert out["stage"] == rank // 64 and out["dp"] == 64
     assert all(math.isfinite(x) for x in out["losses"])
     if out["stage"] == 2:  # the last stage computes the loss itself
@@ -105,19 +106,19 @@ def test_pipeline_stage_with_virtual_neighbours(ds_pool, rank):
     assert counts["send"] > 0 and counts["recv"] > 0
 
 
-def test_middle_stage_without_activation_shapes_is_refused(ds_pool):
+def test_middle_stage_without_activation_shapes_is_refused(cluster):
     config = ds_config(stage=1, world_size=192, real_ranks=[70], dp=64, gas=4)
-    with pytest.raises(JobError, match="pipe_activations"):
-        ds_pool.run(pipe_job, [dict(config=config, process_index=0, store_path=None, stages=3)])
+    with pytest.raises(WorkerError, match="pipe_activations"):
+        cluster.run_jobs(pipe_job, [dict(config=config, process_index=0, store_path=None, stages=3)])
 
 
 TOPOLOGIES = [((2, 1, 4), (0, 5, 7)), ((3, 2, 2), (0, 4, 11)), ((4, 1, 1), (2,)), ((2, 2, 3), (1, 9))]
 
 
 @pytest.mark.parametrize("topo,ranks", TOPOLOGIES, ids=[f"pp{t[0]}-mp{t[1]}-dp{t[2]}" for t, _ in TOPOLOGIES])
-def test_grid_equals_stock_deepspeed(ds_pool, topo, ranks):
+def test_grid_equals_stock_deepspeed(cluster, topo, ranks):
     for rank in ranks:
-        (out,) = ds_pool.run(grid_equivalence_job, [dict(topo_args=topo, rank=rank)])
+        (out,) = cluster.run_jobs(grid_equivalence_job, [dict(topo_args=topo, rank=rank)])
         stock, fast = out["stock"], out["fast"]
         assert fast["calls"] == stock["calls"], "new_group calls differ"
         assert fast["attrs"] == stock["attrs"]
@@ -125,9 +126,9 @@ def test_grid_equals_stock_deepspeed(ds_pool, topo, ranks):
         assert fast["queries"] == stock["queries"]
 
 
-def test_pipeline_topology_must_fit_the_virtual_world(ds_pool):
+def test_pipeline_topology_must_fit_the_virtual_world(cluster):
     def run(**kw):
-        (msg,) = ds_pool.run(pipeline_topology_error_job, [kw])
+        (msg,) = cluster.run_jobs(pipeline_topology_error_job, [kw])
         return msg
 
     assert "spans 6 ranks but prism.world_size is 8" in run(world_size=8, pp=2, dp=3, topology=None)
@@ -135,14 +136,14 @@ def test_pipeline_topology_must_fit_the_virtual_world(ds_pool):
     assert run(world_size=8, pp=4, dp=2, topology={"pipe": 4, "data": 2}) == ""
 
 
-def test_pipeline_setup_at_65536_is_fast(ds_pool):
+def test_pipeline_setup_at_65536_is_fast(cluster):
     """PipelineModule + deepspeed.initialize as rank 5 of 65536 (4 stages): DeepSpeed's own grid takes ~59 s.
 
     The bound is on the process's CPU time (wall time on an idle machine; ~3 s here), so that other jobs
     sharing the 2 cores cannot fail the test.
     """
     n, stages = 65536, 4
-    (out,) = ds_pool.run(pipeline_setup_at_scale_job, [dict(world_size=n, rank=5, stages=stages)], timeout_s=300)
+    (out,) = cluster.run_jobs(pipeline_setup_at_scale_job, [dict(world_size=n, rank=5, stages=stages)], timeout_s=300)
     assert out["setup_cpu_s"] < 10.0, out
     dp = n // stages
     assert out["stage"] == 0
