@@ -2,17 +2,18 @@
 
 ``python -m prism_plugin.runtime.bootstrap script.py args`` (or ``-m module args``) with PRISM_CONFIG,
 PRISM_PROCESS_INDEX and PRISM_STORE_FILE set. The script's own ``init_process_group(backend=...)``
-becomes `prism_plugin.activate`: the requested backend and init_method are not used, because a
-real rendezvous would wait for all N ranks; the timeout the script asks for is kept. At exit the
-session summary goes to stdout (one JSON line, prefixed ``PRISM_SUMMARY``) and to
-``<output_dir>/rank<R>.summary.json`` when an output directory is configured.
+becomes `prism_plugin.activate` (through `lifecycle.EmulatedRun`): the requested backend and
+init_method are not used, because a real rendezvous would wait for all N ranks; the timeout the script
+asks for is kept. At exit (after the script's own atexit handlers) the session summary goes to stdout
+(one JSON line, prefixed ``PRISM_SUMMARY``) and to ``<output_dir>/rank<R>.summary.json`` when an output
+directory is configured, with the script's ``exit_code`` (and ``error`` when it raised). SIGTERM from the
+launcher raises ``SystemExit(143)`` in the script once it is emulated, so the summary is still written.
+A script that never calls ``init_process_group`` writes no summary.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
-import json
 import os
 import runpy
 import sys
@@ -22,36 +23,17 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-import prism_plugin.runtime.session as session_mod
 from prism_plugin.runtime.launch import config_from_env
+from prism_plugin.runtime.lifecycle import EmulatedRun, real_store
 
-__all__ = ["install_init_hook", "main"]
-
-
-def _real_store(num_real: int, process_index: int) -> dist.Store | None:
-    if num_real < 2:
-        return None
-    path = os.environ.get("PRISM_STORE_FILE")
-    if not path:
-        raise RuntimeError("prism: PRISM_STORE_FILE is not set; launch with `prism run`")
-    return dist.FileStore(path, num_real)
+__all__ = ["install_init_hook", "main", "run_target"]
 
 
-def _write_summary(summary: dict[str, Any] | None, output_dir: str | None) -> None:
-    if summary is None:
-        return
-    print("PRISM_SUMMARY " + json.dumps(summary), flush=True)
-    if output_dir:
-        os.makedirs(output_dir, exist_ok=True)
-        with open(os.path.join(output_dir, f"rank{summary['rank']}.summary.json"), "w") as fh:
-            json.dump(summary, fh, indent=2)
-
-
-def install_init_hook() -> None:
-    """Make `init_process_group` activate the emulation configured in the environment."""
+def install_init_hook() -> EmulatedRun:
+    """Make `init_process_group` start the emulation configured in the environment; returns the run."""
     config = config_from_env(os.environ["PRISM_CONFIG"])
     process_index = int(os.environ.get("PRISM_PROCESS_INDEX", "0"))
-    real_store = _real_store(config.world.num_real, process_index)
+    run = EmulatedRun(config, process_index, real_store(config.world.num_real, process_index))
     original = c10d.init_process_group
 
     @functools.wraps(original)
@@ -62,29 +44,26 @@ def install_init_hook() -> None:
                 f"prism: the script asks for world_size={world_size} but the emulation has "
                 f"--world-size {config.world.world_size}; make them agree"
             )
-        if rank not in (-1, config.world.real_ranks[process_index]):
+        if rank not in (-1, run.rank):
             raise ValueError(
-                f"prism: the script asks for rank={rank} but this process plays rank "
-                f"{config.world.real_ranks[process_index]}; read RANK from the environment"
+                f"prism: the script asks for rank={rank} but this process plays rank {run.rank}; "
+                "read RANK from the environment"
             )
         dist.init_process_group = c10d.init_process_group = original
-        init_timeout = timeout.total_seconds() if timeout is not None else None
-        session_mod.activate(config, process_index, real_store, init_timeout_s=init_timeout)
+        run.start(init_timeout_s=timeout.total_seconds() if timeout is not None else None)
 
     dist.init_process_group = c10d.init_process_group = init_process_group
-
-    def finish() -> None:
-        _write_summary(session_mod.deactivate(), str(config.output_dir) if config.output_dir else None)
-
-    atexit.register(finish)
+    run.finish_at_exit()
+    return run
 
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         raise SystemExit("usage: python -m prism_plugin.runtime.bootstrap script.py [args] | -m module [args]")
-    install_init_hook()
-    run_target(args)
+    run = install_init_hook()
+    with run.recording():
+        run_target(args)
 
 
 def run_target(args: list[str]) -> None:

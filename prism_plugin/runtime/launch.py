@@ -7,15 +7,16 @@ in the output directory (no ports), used only for their inner real groups.
 
 Environment the script sees: RANK = its virtual rank, WORLD_SIZE = N, LOCAL_RANK = i (the
 physical device index, so ``torch.cuda.set_device(LOCAL_RANK)`` picks real device i),
-LOCAL_WORLD_SIZE = k, plus PRISM_CONFIG (JSON) and PRISM_PROCESS_INDEX.
+LOCAL_WORLD_SIZE = k, plus PRISM_CONFIG (JSON), PRISM_PROCESS_INDEX and PRISM_STORE_FILE.
+
+Start, watch and stop are `prism_plugin.runtime.lifecycle.launch_processes` (shared with ``prism
+megatron``): each real rank is its own process group; signals to the launcher reach every group.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prism_plugin.config.emulation import EmulationConfig
+from prism_plugin.runtime.lifecycle import DEFAULT_GRACE_S, RealProcess, launch_processes
 
 __all__ = ["LaunchSpec", "config_to_env", "config_from_env", "launch"]
 
@@ -70,17 +72,26 @@ class LaunchSpec:
     target: list[str]
     """`script.py args...` or `-m module args...`."""
     store_dir: Path | None = None
+    """Where the real processes' FileStore lives (default: a temporary directory, removed at exit)."""
+    grace_s: float = DEFAULT_GRACE_S
+    """Seconds a stopping job waits after SIGTERM before it SIGKILLs the real ranks still running."""
 
 
 def launch(spec: LaunchSpec, *, timeout_s: float | None = None) -> int:
-    """Run the k real processes to completion; the first failure stops the others. Returns the exit code."""
+    """Run the k real processes to completion (`lifecycle.launch_processes`); returns the job's exit code.
+
+    The first failure stops the others (SIGTERM, SIGKILL after ``spec.grace_s``); a rank killed by signal S
+    counts as 128 + S; SIGTERM / SIGINT / SIGHUP to this process are forwarded to every real rank; 124
+    past `timeout_s`. The store file (and the temporary directory holding it) is removed at exit.
+    """
     config = spec.config
     k = config.world.num_real
+    created = spec.store_dir is None
     store_dir = Path(spec.store_dir or tempfile.mkdtemp(prefix="prism-store-"))
     store_dir.mkdir(parents=True, exist_ok=True)
     store_file = store_dir / f"store-{os.getpid()}-{time.time_ns()}"
     cfg_json = config_to_env(config)
-    procs: list[subprocess.Popen[bytes]] = []
+    processes = []
     for i, rank in enumerate(config.world.real_ranks):
         env = dict(os.environ)
         env.update({
@@ -95,40 +106,7 @@ def launch(spec: LaunchSpec, *, timeout_s: float | None = None) -> int:
             "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
             "MASTER_PORT": env.get("MASTER_PORT", "29500"),
         })
-        cmd = [sys.executable, "-m", "prism_plugin.runtime.bootstrap", *spec.target]
-        procs.append(subprocess.Popen(cmd, env=env))
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    code = 0
-    try:
-        alive = list(procs)
-        while alive:
-            for p in list(alive):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                alive.remove(p)
-                if rc != 0 and code == 0:
-                    code = rc
-                    rank = config.world.real_ranks[procs.index(p)]
-                    why = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
-                    print(f"prism run: real rank {rank} (process {procs.index(p)}) ended with {why}; stopping the "
-                          f"other {len(alive)} real rank(s)", file=sys.stderr, flush=True)
-                    for other in alive:  # a failed real rank ends the job: never a silent hang
-                        other.send_signal(signal.SIGTERM)
-            if deadline is not None and time.monotonic() > deadline:
-                for p in alive:
-                    p.kill()
-                return 124
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        for p in procs:
-            p.send_signal(signal.SIGINT)
-        for p in procs:
-            p.wait()
-        return 130
-    finally:
-        try:
-            store_file.unlink(missing_ok=True)
-        except OSError:
-            pass
-    return code
+        argv = (sys.executable, "-m", "prism_plugin.runtime.bootstrap", *spec.target)
+        processes.append(RealProcess(argv=argv, env=env, virtual_rank=rank, process_index=i))
+    return launch_processes(processes, launcher="prism run", timeout_s=timeout_s, grace_s=spec.grace_s,
+                            remove=[store_dir if created else store_file])

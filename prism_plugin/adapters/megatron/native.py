@@ -11,14 +11,13 @@ The patch adds ``--prism-world-size``, ``--prism-real-ranks``, ``--prism-profile
 flags set, ``_initialize_distributed`` calls `activate_from_args` (a no-op when parse_args did)
 instead of ``init_process_group``.
 
-Same behaviour as the wrapper (`wrapper`), minus its argv handling; the summary is written at exit.
+Same behaviour as the wrapper (`wrapper`, whose `start_run` it shares), minus its argv handling; the
+summary is written at exit (without ``exit_code``: the program's exit is not seen here).
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
-import os
 from typing import Any
 
 __all__ = ["activate_from_args", "flags_from_args"]
@@ -37,14 +36,16 @@ def flags_from_args(args: argparse.Namespace) -> Any:
 
 
 def activate_from_args(args: argparse.Namespace) -> Any:
-    """Activate the emulation for Megatron's parsed args (idempotent); returns the session."""
+    """Activate the emulation for Megatron's parsed args (idempotent); returns the session.
+
+    The run (`lifecycle.EmulatedRun`, through the wrapper's `start_run`) finishes at interpreter exit:
+    deactivate, then the summary (stdout line and ``<output>/rank<R>.summary.json``).
+    """
     import torch
 
     import prism_plugin as P
-    from prism_plugin.adapters.megatron.adapter import MegatronAdapter, current_adapter
     from prism_plugin.adapters.megatron.refusals import check_args
-    from prism_plugin.adapters.megatron.wrapper import _check_layout, _real_store, _write_summary
-    from prism_plugin.runtime.memory import StorageTracker
+    from prism_plugin.adapters.megatron.wrapper import _check_layout, start_run
 
     session = P.current_session()
     if session is not None:
@@ -58,24 +59,9 @@ def activate_from_args(args: argparse.Namespace) -> Any:
     if k != config.world.num_real:
         raise P.ConfigError(f"--prism-real-ranks lists {config.world.num_real} ranks but {k} processes were "
                             f"launched; use torchrun --nproc-per-node {config.world.num_real}")
-    store = _real_store(k, process_index)
     args.prism_process_index, args.prism_num_processes = process_index, k
     args.rank = config.world.virtual_rank_of(process_index)
     args.world_size = config.world.world_size
-    os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world_size))
-    session = P.activate(config, process_index=process_index, real_store=store, num_processes=k)
-    adapter = current_adapter() or MegatronAdapter(session, cpu_mode=cpu_mode, import_training=True).install()
-    tracker = StorageTracker().start() if cpu_mode else None
-
-    def finish() -> None:
-        if tracker is not None:
-            tracker.stop()
-        summary = P.deactivate() or {}
-        summary["megatron"] = adapter.summary()
-        adapter.uninstall()
-        if tracker is not None:
-            summary["memory"] = {"source": "cpu tensor-storage tracker", **tracker.summary()}
-        _write_summary(summary, config.output_dir)
-
-    atexit.register(finish)
-    return session
+    run = start_run(config, process_index, k, cpu_mode, cuda_peak=False)
+    run.finish_at_exit()
+    return run.session

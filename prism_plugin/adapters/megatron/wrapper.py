@@ -7,7 +7,8 @@
         [--prism-iteration-marker auto|explicit|optimizer-step] [--prism-no-timing] \
         [--prism-fault SPEC ...] [--prism-timeout S]
 
-(or ``prism megatron ...``; without torchrun, K > 1 real ranks are launched as K local processes.)
+(or ``prism megatron ...``; without torchrun, K > 1 real ranks are launched as K local processes by the
+shared watch loop of `prism_plugin.runtime.lifecycle`, as ``prism run`` does.)
 
 What it does, in order, before the script runs:
 1. strips the ``--prism-*`` flags (anywhere in the argv, ``--flag value`` or ``--flag=value``);
@@ -20,7 +21,7 @@ What it does, in order, before the script runs:
 5. installs the Megatron adapter (CPU shim on a CPU-only torch, device mapping, log redirection)
    and, in CPU mode, the tensor-storage tracker (peak memory);
 6. runs the script unmodified as ``__main__``; at exit prints ``PRISM_SUMMARY <json>`` and writes
-   ``<output>/rank<R>.summary.json``.
+   ``<output>/rank<R>.summary.json`` (`lifecycle.EmulatedRun`), also when the launcher's SIGTERM stops it.
 
 ``--prism-graph FILE`` (an execution graph from ``prism graph build``) turns on hybrid emulation: every
 virtual participant arrives at each op when the graph's replay says (re-anchored each iteration, at
@@ -35,19 +36,19 @@ hung virtual peer surfaces after the time Megatron would wait at scale.
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prism_plugin.adapters.megatron.refusals import Refusal
 from prism_plugin.config.emulation import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
+
+if TYPE_CHECKING:
+    from prism_plugin.runtime.lifecycle import EmulatedRun
 
 __all__ = ["PrismFlags", "split_prism_flags", "main"]
 
@@ -178,53 +179,65 @@ def _check_layout(config: EmulationConfig, ns: Any) -> None:
             raise ConfigError(f"--prism-graph: {exc}") from None
 
 
-def _real_store(k: int, process_index: int) -> Any:
-    """A store shared by the K real processes only (None when K == 1)."""
-    if k < 2:
-        return None
-    import torch.distributed as dist
+def _self_launch(argv: list[str], config: EmulationConfig) -> int:
+    """Run K copies of this wrapper as local processes (torchrun-like env, FileStore rendezvous) through the
+    shared watch loop (`lifecycle.launch_processes`): signals reach every copy, a failure stops the others."""
+    from prism_plugin.runtime.lifecycle import RealProcess, launch_processes
 
-    path = os.environ.get("PRISM_STORE_FILE")
-    if path:
-        return dist.FileStore(path, k)
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise ConfigError(f"{k} real ranks need a shared store: launch with torchrun (MASTER_ADDR/MASTER_PORT) "
-                          "or through `prism megatron`")
-    store, _rank, _size = next(dist.rendezvous("env://", rank=process_index, world_size=k))
-    return dist.PrefixStore("prism", store)
+    k = config.world.num_real
+    store_dir = Path(tempfile.mkdtemp(prefix="prism-megatron-"))
+    processes = [
+        RealProcess(argv=(sys.executable, "-m", "prism_plugin.megatron", *argv),
+                    env=dict(os.environ, RANK=str(i), LOCAL_RANK=str(i), WORLD_SIZE=str(k), LOCAL_WORLD_SIZE=str(k),
+                             PRISM_STORE_FILE=str(store_dir / "store")),
+                    virtual_rank=config.world.real_ranks[i], process_index=i)
+        for i in range(k)
+    ]
+    return launch_processes(processes, launcher="prism megatron", remove=[store_dir])
 
 
-def _self_launch(argv: list[str], k: int) -> int:
-    """Run K copies of this wrapper as local processes (torchrun-like env, FileStore rendezvous)."""
-    store_file = Path(tempfile.mkdtemp(prefix="prism-megatron-")) / "store"
-    procs = []
-    for i in range(k):
-        env = dict(os.environ, RANK=str(i), LOCAL_RANK=str(i), WORLD_SIZE=str(k), LOCAL_WORLD_SIZE=str(k),
-                   PRISM_STORE_FILE=str(store_file))
-        procs.append(subprocess.Popen([sys.executable, "-m", "prism_plugin.megatron", *argv], env=env))
-    code = 0
-    alive = list(procs)
-    while alive:
-        for p in list(alive):
-            rc = p.poll()
-            if rc is None:
-                continue
-            alive.remove(p)
-            if rc != 0 and code == 0:
-                code = rc
-                for other in alive:
-                    other.terminate()
-        time.sleep(0.05)
-    return code
+def start_run(config: EmulationConfig, process_index: int, k: int, cpu_mode: bool, *,
+              cuda_peak: bool) -> EmulatedRun:
+    """The real processes' store, this process's environment (RANK = its virtual rank, WORLD_SIZE = N), the
+    emulation, the Megatron adapter and, in CPU mode, the tensor-storage tracker; shared with `native`.
+
+    The run's summary gains ``megatron`` (the adapter's) and ``memory`` (the tracker's peak; with
+    `cuda_peak`, ``torch.cuda.max_memory_allocated`` on a CUDA host). A failure after activation is
+    summarised (``exit_code`` 1, ``error``) before it propagates.
+    """
+    import torch
+
+    from prism_plugin.adapters.megatron.adapter import MegatronAdapter, current_adapter
+    from prism_plugin.runtime.lifecycle import EmulatedRun, real_store
+    from prism_plugin.runtime.memory import StorageTracker
+
+    store = real_store(k, process_index)
+    os.environ.update(RANK=str(config.world.virtual_rank_of(process_index)), WORLD_SIZE=str(config.world.world_size),
+                      PRISM_PROCESS_INDEX=str(process_index))
+    os.environ.setdefault("LOCAL_RANK", str(process_index))
+    run = EmulatedRun(config, process_index, store, num_processes=k)
+    session = run.start()
+    try:
+        adapter = current_adapter() or MegatronAdapter(session, cpu_mode=cpu_mode, import_training=True).install()
+        run.add_summary(lambda: {"megatron": adapter.summary()})
+        run.cleanup.callback(adapter.uninstall)
+        if cpu_mode:
+            tracker = StorageTracker().start()
+            run.on_stop(tracker.stop)
+            run.add_summary(lambda: {"memory": {"source": "cpu tensor-storage tracker", **tracker.summary()}})
+        elif cuda_peak and torch.cuda.is_available():
+            run.add_summary(lambda: {"memory": {"source": "torch.cuda",
+                                                "peak_bytes": int(torch.cuda.max_memory_allocated())}})
+    except BaseException as exc:
+        run.record_exit(exc)
+        run.finish()
+        raise
+    return run
 
 
 def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
     """Run the script in this process as the real rank torchrun's RANK selects; returns the summary."""
     import torch
-
-    import prism_plugin as P
-    from prism_plugin.adapters.megatron.adapter import MegatronAdapter
-    from prism_plugin.runtime.memory import StorageTracker
 
     if not script_argv:
         raise ConfigError("name the training script: python -m prism_plugin.megatron pretrain_gpt.py <args>")
@@ -241,50 +254,12 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
     if k != config.world.num_real:
         raise ConfigError(f"--prism-real-ranks lists {config.world.num_real} ranks but {k} processes were "
                           f"launched; use torchrun --nproc-per-node {config.world.num_real}")
-    rank = config.world.virtual_rank_of(process_index)
-    store = _real_store(k, process_index)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(config.world.world_size), PRISM_PROCESS_INDEX=str(process_index))
-    os.environ.setdefault("LOCAL_RANK", str(process_index))
-    session = P.activate(config, process_index=process_index, real_store=store, num_processes=k)
-    adapter = MegatronAdapter(session, cpu_mode=cpu_mode, import_training=True).install()
-    tracker = StorageTracker().start() if cpu_mode else None
-    exit_code: Any = 0
-    error: BaseException | None = None
-    try:
+    emulated = start_run(config, process_index, k, cpu_mode, cuda_peak=True)
+    with emulated:  # the program's exit status and error go into the summary; its exception propagates
         sys.argv = list(script_argv)
         sys.path.insert(0, os.path.dirname(os.path.abspath(script_argv[0])))
         runpy.run_path(script_argv[0], run_name="__main__")
-    except SystemExit as exc:
-        exit_code = exc.code
-    except BaseException as exc:  # the program's own failure (a fault's error, say): summarised, then re-raised
-        exit_code, error = 1, exc
-    finally:
-        if tracker is not None:
-            tracker.stop()
-        summary = P.deactivate() or {}
-        summary["megatron"] = adapter.summary()
-        adapter.uninstall()
-    if tracker is not None:
-        summary["memory"] = {"source": "cpu tensor-storage tracker", **tracker.summary()}
-    elif torch.cuda.is_available():
-        summary["memory"] = {"source": "torch.cuda", "peak_bytes": int(torch.cuda.max_memory_allocated())}
-    summary["exit_code"] = exit_code
-    if error is not None:
-        summary["error"] = f"{type(error).__name__}: {error}"
-    _write_summary(summary, config.output_dir)
-    if error is not None:
-        raise error
-    if exit_code not in (0, None):
-        raise SystemExit(exit_code)
-    return summary
-
-
-def _write_summary(summary: dict[str, Any], output_dir: Path | None) -> None:
-    print("PRISM_SUMMARY " + json.dumps(summary, default=str), flush=True)
-    if output_dir is not None:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / f"rank{summary.get('rank', 'x')}.summary.json").write_text(
-            json.dumps(summary, indent=2, default=str))
+    return emulated.summary or {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         script_argv, flags = split_prism_flags(argv)
         config = flags.to_config()
         if "RANK" not in os.environ and config.world.num_real > 1:
-            return _self_launch(argv, config.world.num_real)
+            return _self_launch(argv, config)
         run(script_argv, flags)
     except ConfigError as exc:
         print(f"prism: invalid input: {exc}", file=sys.stderr, flush=True)

@@ -1,0 +1,419 @@
+"""One process lifecycle for every entry point: the real processes' store, start -> run -> stop -> summary,
+and the launcher's child-watch loop.
+
+Four entry points run emulated processes: `prism run` (`launch` starts children that run `bootstrap`), the
+Megatron wrapper (and its ``prism megatron`` self-launch), the native Megatron patch and the DeepSpeed
+drop-in. They share three pieces, all here:
+
+- `real_store`: the store the k real processes share for their inner real groups (None for one real rank).
+- `EmulatedRun`: activate -> the program -> deactivate -> the summary (a ``PRISM_SUMMARY <json>`` line on
+  stdout and ``<output_dir>/rank<R>.summary.json``), with the adapters' extra summary parts and clean-ups.
+  While it runs, SIGTERM raises ``SystemExit(143)`` in the program (unless the program installed its own
+  handler), so a rank stopped by its launcher still writes its summary and flushes stdout.
+- `launch_processes`: the launcher's watch loop, modelled on torchrun's elastic agent. Each real rank is
+  started in its own session (process group) and signalled as a group, so its DataLoader workers and
+  other children go with it; SIGTERM / SIGINT / SIGHUP to the launcher are forwarded to every group;
+  the first rank to fail is named and the others get SIGTERM, then SIGKILL after `grace_s` (a program
+  that ignores SIGTERM cannot hang the job); a child killed by signal S counts as exit code 128 + S.
+
+Limits: a rank blocked inside a C++ call (a gloo wait) runs Python's SIGTERM handler only when the call
+returns, so it may be SIGKILLed after the grace period without a summary. On Linux each child also dies
+with the launcher (``PR_SET_PDEATHSIG``), so a SIGKILLed launcher leaves no orphans; elsewhere it may.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from prism_plugin.config.emulation import ConfigError, EmulationConfig
+from prism_plugin.runtime.undo import Patches
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from prism_plugin.runtime.session import Session
+
+__all__ = ["DEFAULT_GRACE_S", "EmulatedRun", "RealProcess", "exit_code_of", "launch_processes", "real_store",
+           "write_summary"]
+
+DEFAULT_GRACE_S = 5.0
+"""Seconds between the SIGTERM a stopping launcher sends and its SIGKILL (torchrun's agent waits 30 s)."""
+_POLL_S = 0.05
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+# -- the real processes' store ------------------------------------------------------------------------
+def real_store(num_real: int, process_index: int, *, store: dist.Store | None = None,
+               init_method: str | None = None) -> dist.Store | None:
+    """The store shared by the `num_real` real processes only (None when there is one).
+
+    In order: the `store` a caller passes; a FileStore at ``$PRISM_STORE_FILE`` (`prism run`, ``prism
+    megatron``, the recipes); a FileStore at a ``file://`` `init_method`; the launcher's TCPStore at
+    ``$MASTER_ADDR:$MASTER_PORT`` (torchrun, the deepspeed launcher) under a ``prism/`` key prefix.
+    Raises `ConfigError` naming the options when none applies. Example: 2 real ranks under torchrun ->
+    ``PrefixStore("prism", <torchrun's store>)``; 1 real rank -> None (no inner real group).
+    """
+    if num_real < 2:
+        return None
+    if store is not None:
+        return store
+    import torch.distributed as dist
+
+    path = os.environ.get("PRISM_STORE_FILE")
+    if path:
+        return dist.FileStore(path, num_real)
+    if init_method and init_method.startswith("file://"):
+        return dist.FileStore(init_method[len("file://"):], num_real)
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise ConfigError(
+            f"{num_real} real ranks need a store shared by the real processes: launch with `prism run` / "
+            "`prism megatron` (PRISM_STORE_FILE), torchrun or the deepspeed launcher (MASTER_ADDR, MASTER_PORT), "
+            "or pass store= or init_method='file:///path'"
+        )
+    tcp, _rank, _size = next(dist.rendezvous("env://", rank=process_index, world_size=num_real))
+    return dist.PrefixStore("prism", tcp)
+
+
+# -- the summary ----------------------------------------------------------------------------------------
+def write_summary(summary: Mapping[str, Any], output_dir: str | Path | None, *, rank: int | str = "x",
+                  stdout: bool = True) -> Path | None:
+    """Print ``PRISM_SUMMARY <one-line json>`` (when `stdout`) and write ``<output_dir>/rank<R>.summary.json``
+    (indented; R is ``summary["rank"]``, else `rank`). Returns the file written, if any. Values JSON cannot
+    encode are written as ``str(value)``."""
+    if stdout:
+        print("PRISM_SUMMARY " + json.dumps(summary, default=str), flush=True)
+    if output_dir is None:
+        return None
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank{summary.get('rank', rank)}.summary.json"
+    path.write_text(json.dumps(summary, indent=2, default=str))
+    return path
+
+
+class EmulatedRun:
+    """One real process's emulation: `start` (activate) -> the program -> `finish` (deactivate, summary).
+
+    Entry points that run the program themselves use it as a context manager around the program (the
+    exit status and error are recorded, the summary written, the program's exception re-raised; a clean
+    ``SystemExit`` is absorbed); those that do not (the native Megatron patch, DeepSpeed, `bootstrap`)
+    call `finish` at exit or on shutdown. Adapters add to it: `on_stop` (before deactivate, e.g. stop a
+    memory tracker), `add_summary` (fields merged into the summary after deactivate) and `cleanup`
+    (a `Patches` closed after the summary parts, e.g. an adapter's uninstall).
+
+    Summary fields beyond the session's: those of the parts, then ``exit_code`` (the program's
+    ``SystemExit`` code; 1 when it raised, 130 on KeyboardInterrupt, 143 on the SIGTERM this class turns into
+    ``SystemExit``) and ``error`` (``"Type: message"``, only when it raised), both only when the exit was
+    recorded. Not thread-safe; one per process at a time (the session's own rule).
+    """
+
+    def __init__(self, config: EmulationConfig, process_index: int = 0, store: dist.Store | None = None, *,
+                 num_processes: int | None = None, print_summary: bool = True) -> None:
+        self.config = config
+        self.process_index = process_index
+        self.store = store
+        self.num_processes = num_processes
+        self.print_summary = print_summary
+        self.session: Session | None = None
+        self.summary: dict[str, Any] | None = None
+        self.cleanup = Patches()
+        self._on_stop: list[Callable[[], None]] = []
+        self._parts: list[Callable[[], Mapping[str, Any]]] = []
+        self._exit: tuple[Any, BaseException | None] | None = None
+        self._finished = False
+
+    @property
+    def rank(self) -> int:
+        """The virtual rank this process plays."""
+        return self.config.world.real_ranks[self.process_index]
+
+    def start(self, *, init_timeout_s: float | None = None) -> Session:
+        """Activate the emulation (`prism_plugin.activate`) and turn SIGTERM into ``SystemExit(143)``."""
+        from prism_plugin.runtime import session as session_mod
+
+        if self.session is not None or self._finished:
+            raise RuntimeError("prism: EmulatedRun.start() runs once per run")
+        self.session = session_mod.activate(self.config, self.process_index, self.store,
+                                            init_timeout_s=init_timeout_s, num_processes=self.num_processes)
+        _exit_on_sigterm(self.cleanup)
+        return self.session
+
+    def on_stop(self, fn: Callable[[], None]) -> None:
+        """Call `fn` when the program has ended, before the session is deactivated."""
+        self._on_stop.append(fn)
+
+    def add_summary(self, part: Callable[[], Mapping[str, Any]]) -> None:
+        """Merge ``part()`` into the summary (after deactivate, before `cleanup`), in the order added."""
+        self._parts.append(part)
+
+    def record_exit(self, exc: BaseException | None) -> None:
+        """Record how the program ended: None (it returned), its ``SystemExit``, or the exception it raised."""
+        if exc is None:
+            self._exit = (0, None)
+        elif isinstance(exc, SystemExit):
+            self._exit = (exc.code, None)
+        else:
+            self._exit = (130 if isinstance(exc, KeyboardInterrupt) else 1, exc)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[EmulatedRun]:
+        """Record the exit of the block's program (`record_exit`) without finishing the run."""
+        try:
+            yield self
+        except BaseException as exc:
+            self.record_exit(exc)
+            raise
+        self.record_exit(None)
+
+    def finish_at_exit(self) -> None:
+        """Finish the run when the interpreter exits (after the program's own atexit handlers)."""
+        import atexit
+
+        atexit.register(self.finish)
+
+    def finish(self) -> dict[str, Any] | None:
+        """Deactivate and write the summary (once; later calls return it). None when never started."""
+        if self._finished:
+            return self.summary
+        self._finished = True
+        if self.session is None:
+            self.cleanup.close()
+            return None
+        from prism_plugin.runtime import session as session_mod
+
+        try:
+            try:
+                for fn in self._on_stop:
+                    fn()
+            finally:
+                summary = session_mod.deactivate() or {}
+            for part in self._parts:
+                summary.update(part())
+        finally:
+            self.cleanup.close()
+        if self._exit is not None:
+            summary["exit_code"], error = self._exit
+            if error is not None:
+                summary["error"] = f"{type(error).__name__}: {error}"
+        self.summary = summary
+        write_summary(summary, self.config.output_dir, rank=self.rank, stdout=self.print_summary)
+        sys.stderr.flush()
+        return summary
+
+    def __enter__(self) -> EmulatedRun:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        self.record_exit(exc)
+        self.finish()
+        return isinstance(exc, SystemExit) and exc.code in (0, None)
+
+
+def _raise_system_exit(signum: int, _frame: FrameType | None) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise SystemExit(128 + signum)
+
+
+def _exit_on_sigterm(cleanup: Patches) -> None:
+    """SIGTERM -> ``SystemExit(143)`` in the main thread until `cleanup` closes; a program's own handler wins."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGTERM) is _raise_system_exit:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    cleanup.callback(restore)
+
+
+# -- the launcher ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RealProcess:
+    """One real rank a launcher starts: its command and environment, and the names the launcher reports."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    virtual_rank: int
+    """The rank of N this process plays (``real_ranks[process_index]``)."""
+    process_index: int
+    """Its index among the k real processes (LOCAL_RANK)."""
+
+
+def exit_code_of(returncode: int) -> int:
+    """A child's exit status as a shell reports it: killed by signal S (returncode -S) -> 128 + S.
+
+    Examples: 0 -> 0; 1 -> 1; -9 (SIGKILL) -> 137; -15 (SIGTERM) -> 143.
+    """
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _how(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {-returncode} ({name}, exit code {exit_code_of(returncode)})"
+    return f"exit code {returncode}"
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when the launcher dies (Linux ``PR_SET_PDEATHSIG``)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:  # the launcher died before the call
+            os._exit(1)
+
+    return preexec
+
+
+class _Watch:
+    """The state of one launch: the children, the first failure, the pending SIGKILL deadline."""
+
+    def __init__(self, specs: Sequence[RealProcess], launcher: str, grace_s: float) -> None:
+        self.specs = list(specs)
+        self.launcher = launcher
+        self.grace_s = grace_s
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.ended: dict[int, int] = {}
+        self.code = 0
+        self.signalled: int | None = None
+        self.kill_at: float | None = None
+
+    def say(self, text: str) -> None:
+        print(f"{self.launcher}: {text}", file=sys.stderr, flush=True)
+
+    def start(self) -> None:
+        preexec = _die_with_parent()
+        for spec in self.specs:
+            if self.signalled is not None:  # stopped while starting: start no more
+                break
+            self.procs.append(subprocess.Popen(list(spec.argv), env=dict(spec.env), start_new_session=True,
+                                               preexec_fn=preexec))
+
+    def running(self) -> list[int]:
+        return [i for i in range(len(self.procs)) if i not in self.ended]
+
+    def signal_groups(self, sig: int) -> None:
+        """Send `sig` to every child's process group (an ended rank's leftover children included)."""
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, sig)
+
+    def stop(self, sig: int) -> None:
+        """Signal every group; SIGKILL follows after the grace period unless already pending."""
+        self.signal_groups(sig)
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + self.grace_s
+
+    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.signalled is not None:  # asked twice: no more grace
+            self.say(f"received {name} again; killing the {len(self.running())} running real rank(s)")
+            self.signal_groups(signal.SIGKILL)
+            return
+        self.signalled = signum
+        self.say(f"received {name}; forwarding it to the {len(self.running())} running real rank(s)")
+        self.stop(signum)
+
+    def poll(self) -> None:
+        for i in self.running():
+            rc = self.procs[i].poll()
+            if rc is None:
+                continue
+            self.ended[i] = rc
+            if rc != 0 and self.code == 0 and self.signalled is None:
+                self.code = exit_code_of(rc)
+                spec = self.specs[i]
+                self.say(f"real rank {spec.virtual_rank} (process {spec.process_index}) ended with {_how(rc)}; "
+                         f"stopping the other {len(self.running())} real rank(s)")
+                self.stop(signal.SIGTERM)  # a failed real rank ends the job: never a silent hang
+
+    def kill_stragglers(self) -> None:
+        for i in self.running():
+            spec = self.specs[i]
+            self.say(f"real rank {spec.virtual_rank} (process {spec.process_index}) did not stop within "
+                     f"{self.grace_s:g} s; sending SIGKILL")
+        self.signal_groups(signal.SIGKILL)
+
+    def wait(self, timeout_s: float | None) -> int:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self.poll()
+            if not self.running():
+                break
+            now = time.monotonic()
+            if self.kill_at is not None and now >= self.kill_at:
+                self.kill_stragglers()
+                self.kill_at = float("inf")
+            if deadline is not None and now > deadline:
+                self.say(f"the job ran past its {timeout_s:g} s limit; killing {len(self.running())} real rank(s)")
+                self.signal_groups(signal.SIGKILL)
+                for p in self.procs:
+                    p.wait()
+                return 124
+            time.sleep(_POLL_S)
+        if self.kill_at is not None:  # stopping: leftovers of groups whose leader already ended go too
+            self.signal_groups(signal.SIGKILL)
+        return 128 + self.signalled if self.signalled is not None else self.code
+
+
+def launch_processes(processes: Sequence[RealProcess], *, launcher: str, timeout_s: float | None = None,
+                     grace_s: float = DEFAULT_GRACE_S, remove: Sequence[Path] = ()) -> int:
+    """Start the real ranks, watch them to the end and return the job's exit code; remove `remove` at exit.
+
+    Exit code: 0 when every rank exits 0; else the first failed rank's (`exit_code_of`: 137 for SIGKILL);
+    128 + S when the launcher itself got signal S (SIGTERM 143, SIGINT 130, SIGHUP 129); 124 past
+    `timeout_s` (every group SIGKILLed). `launcher` prefixes the messages on stderr, e.g. ``prism run:
+    real rank 5 (process 1) ended with exit code 1; stopping the other 1 real rank(s)``. The launcher's
+    signal handlers are installed only when called from the main thread, and restored on return.
+    """
+    watch = _Watch(processes, launcher, grace_s)
+    previous: dict[int, Any] = {}
+    try:
+        if threading.current_thread() is threading.main_thread():
+            for sig in _STOP_SIGNALS:
+                previous[sig] = signal.signal(sig, watch.on_signal)
+        watch.start()
+        return watch.wait(timeout_s)
+    except BaseException:
+        watch.signal_groups(signal.SIGKILL)  # never leave real ranks behind
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for p in watch.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=grace_s)
+        for path in remove:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
