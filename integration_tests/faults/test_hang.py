@@ -12,6 +12,8 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.runtime.launch import LaunchSpec, launch
 
@@ -34,6 +36,7 @@ for step in range(1, 5):
 """
 
 
+@pytest.mark.slow  # launches `prism run` processes
 def test_hung_virtual_tp_peer_times_out_on_the_real_rank_and_ends_the_job(tmp_path: Path, capfd) -> None:
     script = tmp_path / "tp_dp.py"
     script.write_text(PROGRAM)

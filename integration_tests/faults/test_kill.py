@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.runtime.launch import LaunchSpec, config_to_env, launch
 
@@ -35,6 +37,7 @@ def _config(tmp_path: Path) -> EmulationConfig:
                            timeout_s=TIMEOUT_S, iteration_marker="explicit", faults=("kill:rank=0,step=3",))
 
 
+@pytest.mark.slow  # launches `prism run` processes
 def test_killed_real_rank_stops_the_job_with_a_message_naming_it(tmp_path: Path, capfd) -> None:
     script = tmp_path / "steps.py"
     script.write_text(PROGRAM)
