@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prism_plugin.config.emulation import ConfigError
+from prism_plugin.config.errors import ConfigError
 
 __all__ = [
     "main",
@@ -41,18 +41,6 @@ def _console() -> Any:
     from rich.console import Console
 
     return Console()
-
-
-def _input_errors(fn: Any) -> Any:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except ConfigError:
-            raise
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-
-    return run
 
 
 # -- prism run --trace / --graph ------------------------------------------------------------------
@@ -87,7 +75,7 @@ def add_slice_parser(subparsers: Any) -> None:
     p.add_argument("--devices", type=int, required=True, help="physical devices per profiling run")
     p.add_argument("--out", type=Path, default=None, help="write the plan (JSON) for `prism profile --plan`")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(func=_input_errors(_cmd_slice))
+    p.set_defaults(func=_cmd_slice)
 
 
 def _cmd_slice(args: argparse.Namespace) -> int:
@@ -126,7 +114,7 @@ def add_profile_parser(subparsers: Any) -> None:
     p.add_argument("--timeout", type=float, default=None, help="seconds per profiling run")
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None)
     p.add_argument("target", nargs=argparse.REMAINDER, help="-- script.py args")
-    p.set_defaults(func=_input_errors(_cmd_profile))
+    p.set_defaults(func=_cmd_profile)
 
 
 def profile_plan(plan_path: Path, out: Path, target: list[str], *, profile: str = "local-cpu-gloo",
@@ -200,10 +188,10 @@ def add_graph_parser(subparsers: Any) -> None:
     b.add_argument("--layout", default=None, help="parallel sizes if no plan, e.g. tp=8,pp=16,dp=64")
     b.add_argument("--framework", default="megatron", choices=["megatron", "deepspeed"])
     b.add_argument("--warmup", type=int, default=2, help="iterations dropped per trace")
-    b.set_defaults(func=_input_errors(_cmd_graph_build))
+    b.set_defaults(func=_cmd_graph_build)
     s = sub.add_parser("show", help="layout, classes and nodes of a graph")
     s.add_argument("graph", type=Path)
-    s.set_defaults(func=_input_errors(_cmd_graph_show))
+    s.set_defaults(func=_cmd_graph_show)
 
 
 def _build(paths: list[Path], layout: Any, class_axes: tuple[str, ...], warmup: int,
@@ -236,10 +224,7 @@ def _cmd_graph_build(args: argparse.Namespace) -> int:
 def _load_graph(path: Path) -> Any:
     from prism_plugin.graph.schema import ExecutionGraph
 
-    try:
-        return ExecutionGraph.load(path)
-    except OSError as exc:
-        raise ConfigError(f"cannot read graph {str(path)!r}: {exc}") from None
+    return ExecutionGraph.load(path)  # a GraphError naming the file when it cannot be used
 
 
 def _cmd_graph_show(args: argparse.Namespace) -> int:
@@ -281,7 +266,7 @@ def add_replay_parser(subparsers: Any) -> None:
     p.add_argument("--ranks", default=None, help="ranks to list (and export), e.g. 0,5,8-11")
     p.add_argument("--chrome-trace", type=Path, default=None, help="write a Chrome/Perfetto trace of --ranks")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
-    p.set_defaults(func=_input_errors(_cmd_replay))
+    p.set_defaults(func=_cmd_replay)
 
 
 def _parse_stragglers(items: list[str]) -> dict[int, float]:
@@ -347,7 +332,7 @@ def replay_prediction(graph: Any, profile_name: str, *, stragglers: dict[int, fl
 def _cmd_replay(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from prism_plugin.config.emulation import parse_rank_list
+    from prism_plugin.config.errors import parse_rank_list
     from prism_plugin.graph.export import write_chrome_trace
 
     graph = _load_graph(args.graph)
@@ -423,12 +408,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prism_plugin.cost.profiles import ProfileError
-
     args = make_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, ProfileError) as exc:
+    except ConfigError as exc:  # every user-input error: GraphError, ProfileError, fault specs, flags
         from rich.console import Console
 
         Console(stderr=True).print(f"[bold red]prism: invalid input:[/] {exc}")

@@ -18,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from prism_plugin.cli.calibrate import add_calibrate_parser
 from prism_plugin.cli.graph import (
     add_graph_parser,
     add_profile_parser,
@@ -27,8 +28,8 @@ from prism_plugin.cli.graph import (
     run_target_args,
     trace_config_kwargs,
 )
-from prism_plugin.config.emulation import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
-from prism_plugin.cost.profiles import ProfileError
+from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
+from prism_plugin.config.errors import ConfigError, parse_rank_list
 
 __all__ = ["main", "build_config"]
 
@@ -134,9 +135,7 @@ def make_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profiles", help="list hardware profiles, or print one as YAML")
     prof.add_argument("name", nargs="?")
     prof.set_defaults(func=_cmd_profiles)
-    from prism_plugin.runtime.calibrate import add_calibrate_parser  # prism calibrate (issue 6, item 5)
-
-    add_calibrate_parser(sub)
+    add_calibrate_parser(sub)  # prism calibrate (issue 6, item 5)
     from prism_plugin.cli.recipes import add_recipe_parser  # prism recipe (issue 6)
 
     add_recipe_parser(sub)
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, ProfileError) as exc:
+    except ConfigError as exc:  # every user-input error (profile, recipe, graph, fault spec, flags)
         console.print(f"[bold red]prism: invalid input:[/] {exc}")
         return 2
 

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from prism_plugin.config.errors import ConfigError
 from prism_plugin.recipes.load import load_recipe
 from prism_plugin.recipes.plans import PACKAGE_DIR
 from prism_plugin.recipes.schema import Recipe, RecipeError, Tier
@@ -124,7 +125,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     for path in _all_recipes():
         try:
             r = load_recipe(path)
-        except RecipeError as exc:
+        except ConfigError as exc:  # RecipeError, or a profile / fault spec it names
             table.add_row(path.stem, "-", "-", "-", "-", f"[red]invalid: {exc}", "-", str(path))
             bad += 1
             continue

@@ -6,8 +6,15 @@ Pure: imports nothing from torch.
 """
 
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
-from prism_plugin.config.errors import ConfigError, coerce_enum, parse_rank_list, positive_int, rank_in_range
-from prism_plugin.config.kinds import DataPolicy, IterationMarker, OpKind
+from prism_plugin.config.errors import (
+    ConfigError,
+    coerce_enum,
+    int_at_least,
+    parse_rank_list,
+    positive_int,
+    rank_in_range,
+)
+from prism_plugin.config.kinds import DataPolicy, Framework, IterationMarker, OpKind
 
-__all__ = ["ConfigError", "DataPolicy", "EmulationConfig", "IterationMarker", "OpKind", "VirtualWorld",
-           "coerce_enum", "parse_rank_list", "positive_int", "rank_in_range"]
+__all__ = ["ConfigError", "DataPolicy", "EmulationConfig", "Framework", "IterationMarker", "OpKind", "VirtualWorld",
+           "coerce_enum", "int_at_least", "parse_rank_list", "positive_int", "rank_in_range"]

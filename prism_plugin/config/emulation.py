@@ -13,11 +13,11 @@ Example: two real processes playing ranks 0 and 8191 of an 8192-rank job on DGX-
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prism_plugin.config.errors import ConfigError, parse_rank_list
+from prism_plugin.config.errors import ConfigError, coerce_enum, parse_rank_list, positive_int
 from prism_plugin.config.kinds import DataPolicy, IterationMarker
 
 if TYPE_CHECKING:
@@ -44,18 +44,14 @@ class VirtualWorld:
     """Physical device index of each real process (None: the process's local index)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ConfigError(
-                f"world_size={self.world_size!r} is not a positive integer; give the job's total rank count, "
-                "e.g. --world-size 8192"
-            )
+        positive_int("world_size", self.world_size, hint="give the job's total rank count, e.g. --world-size 8192")
         if isinstance(self.real_ranks, (str, int)) or not isinstance(self.real_ranks, Sequence):
             raise ConfigError(f"real_ranks={self.real_ranks!r} must be a list of ranks, e.g. [0, 5]")
         object.__setattr__(self, "real_ranks", tuple(int(r) for r in self.real_ranks))
         if not self.real_ranks:
             raise ConfigError("real_ranks is empty; name at least one rank to run for real, e.g. [0]")
         bad = [r for r in self.real_ranks if not 0 <= r < self.world_size]
-        if bad:
+        if bad:  # every bad rank at once (rank_in_range names one)
             raise ConfigError(
                 f"real_ranks {bad} out of range for world_size={self.world_size}; "
                 f"use ranks in 0..{self.world_size - 1}"
@@ -64,10 +60,7 @@ class VirtualWorld:
         dups = sorted({r for r in self.real_ranks if r in seen or seen.add(r)})
         if dups:
             raise ConfigError(f"real_ranks lists {dups} more than once; each real rank must appear once")
-        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise ConfigError(
-                f"gpus_per_node={self.gpus_per_node!r} must be a positive integer (8 on DGX nodes)"
-            )
+        positive_int("gpus_per_node", self.gpus_per_node, hint="ranks per node of the target cluster, 8 on DGX nodes")
         if self.devices is not None:
             object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
             if len(self.devices) != len(self.real_ranks):
@@ -90,7 +83,7 @@ class VirtualWorld:
 
     def virtual_rank_of(self, process_index: int) -> int:
         """The virtual rank played by physical process `process_index`."""
-        if not 0 <= process_index < self.num_real:
+        if not 0 <= process_index < self.num_real:  # a launch error: says how many processes to start
             raise ConfigError(
                 f"process index {process_index} has no real rank: real_ranks has {self.num_real} entries; "
                 f"launch exactly {self.num_real} processes (e.g. torchrun --nproc-per-node {self.num_real})"
@@ -122,7 +115,6 @@ class EmulationConfig:
     """Timeout of the inner real groups (the job's own collective timeout)."""
     output_dir: Path | None = None
     """Where metrics and traces go (None: nothing written)."""
-    extra: dict[str, str] = field(default_factory=dict)
     trace_dir: Path | None = None
     """Trace capture: write this rank's ops and compute spans per iteration to ``<trace_dir>/rank<R>.trace.json``."""
     trace_max_iterations: int = 64
@@ -137,13 +129,7 @@ class EmulationConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.world, VirtualWorld):
             raise ConfigError("world must be a VirtualWorld(world_size=..., real_ranks=...)")
-        try:
-            object.__setattr__(self, "data_policy", DataPolicy(self.data_policy))
-        except ValueError:
-            raise ConfigError(
-                f"data_policy={self.data_policy!r} is unknown; choose one of "
-                f"{[p.value for p in DataPolicy]}"
-            ) from None
+        object.__setattr__(self, "data_policy", coerce_enum(DataPolicy, self.data_policy, "data_policy"))
         for name in ("record_dir", "replay_dir", "output_dir", "trace_dir", "graph"):
             value = getattr(self, name)
             if value is not None:
@@ -163,16 +149,9 @@ class EmulationConfig:
             raise ConfigError("replay_dir is only read with data_policy='recorded'; set both or neither")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ConfigError(f"timeout_s={self.timeout_s!r} must be a positive number of seconds")
-        try:
-            object.__setattr__(self, "iteration_marker", IterationMarker(self.iteration_marker))
-        except ValueError:
-            raise ConfigError(
-                f"iteration_marker={self.iteration_marker!r} is unknown; choose one of "
-                f"{[m.value for m in IterationMarker]}"
-            ) from None
-        m = self.trace_max_iterations
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ConfigError(f"trace_max_iterations={m!r} must be a positive integer (iterations to trace)")
+        object.__setattr__(self, "iteration_marker",
+                           coerce_enum(IterationMarker, self.iteration_marker, "iteration_marker"))
+        positive_int("trace_max_iterations", self.trace_max_iterations, hint="the number of iterations to trace")
         if self.graph is not None and not self.graph.is_file():
             raise ConfigError(
                 f"graph={str(self.graph)!r} is not a file; build one with `prism graph build` (or drop --graph)"

@@ -66,7 +66,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from prism_plugin.config.errors import ConfigError, parse_rank_list
+from prism_plugin.config.errors import ConfigError, int_at_least, parse_rank_list, positive_int
 
 __all__ = [
     "FaultKind", "Straggler", "SlowLink", "Jitter", "Hang", "Crash", "Kill", "FaultSpec",
@@ -102,14 +102,8 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return "+".join(parts)
 
 
-def _check_step(kind: str, name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{kind}: {name}={value!r} must be an integer >= 0 (a step number; 0 = from the start)")
-
-
-def _check_rank(kind: str, rank: int) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ConfigError(f"{kind}: rank={rank!r} must be a global rank >= 0, e.g. rank=5")
+_STEP_HINT = "a step number; 0 = from the start"
+_RANK_HINT = "a global rank, e.g. rank=5; the job's world size is checked by check_fault_ranks"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -128,7 +122,7 @@ class Straggler:
         object.__setattr__(self, "factor", float(f))
         if not self.ranks:
             raise ConfigError("straggler: ranks= is empty; name the slow ranks, e.g. ranks=4-7")
-        _check_step("straggler", "from_step", self.from_step)
+        int_at_least("straggler: from_step", self.from_step, 0, hint=_STEP_HINT)
 
     kind = FaultKind.STRAGGLER
 
@@ -211,10 +205,9 @@ class Hang:
     step: int = 0
 
     def __post_init__(self) -> None:
-        _check_rank("hang", self.rank)
-        if isinstance(self.op, bool) or not isinstance(self.op, int) or self.op < 1:
-            raise ConfigError(f"hang: op={self.op!r} must be an integer >= 1 (1 = the first op)")
-        _check_step("hang", "step", self.step)
+        int_at_least("hang: rank", self.rank, 0, hint=_RANK_HINT)
+        positive_int("hang: op", self.op, hint="an integer >= 1 (1 = the first op)")
+        int_at_least("hang: step", self.step, 0, hint=_STEP_HINT)
 
     kind = FaultKind.HANG
 
@@ -231,8 +224,8 @@ class Crash:
     step: int = 0
 
     def __post_init__(self) -> None:
-        _check_rank("crash", self.rank)
-        _check_step("crash", "step", self.step)
+        int_at_least("crash: rank", self.rank, 0, hint=_RANK_HINT)
+        int_at_least("crash: step", self.step, 0, hint=_STEP_HINT)
 
     kind = FaultKind.CRASH
 
@@ -248,8 +241,8 @@ class Kill:
     step: int = 1
 
     def __post_init__(self) -> None:
-        _check_rank("kill", self.rank)
-        _check_step("kill", "step", self.step)
+        int_at_least("kill: rank", self.rank, 0, hint=_RANK_HINT)
+        int_at_least("kill: step", self.step, 0, hint=_STEP_HINT)
 
     kind = FaultKind.KILL
 

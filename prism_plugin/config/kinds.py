@@ -58,6 +58,22 @@ class ArrivalAssumption(StrEnum):
     REPLAYED = "replayed"  # from the replay of an execution graph
 
 
+class Framework(StrEnum):
+    """Whose training program (and parallel layout) a job uses: the one enum of the slicer and the recipes.
+
+    TORCH: plain torch.distributed (the recipes' toy TP x DP MLP, prism_plugin.programs.toy_train); the
+        slicer cannot slice it (a `ConfigError`).
+    MEGATRON: Megatron-core (its dense grid: tp, cp, dp, pp; virtual pipeline chunks); recipes run its GPT
+        through prism_plugin.megatron.
+    DEEPSPEED: DeepSpeed (pipe, data, model axes; ZeRO partitions are data-parallel); recipes run
+        prism_plugin/programs/deepspeed_mlp.py through prism_plugin.deepspeed.
+    """
+
+    TORCH = "torch"
+    MEGATRON = "megatron"
+    DEEPSPEED = "deepspeed"
+
+
 class IterationMarker(StrEnum):
     """What delimits training iterations (the clock anchor, trace iterations, replayed arrivals).
 

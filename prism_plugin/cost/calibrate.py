@@ -44,6 +44,7 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from prism_plugin.config.errors import ConfigError
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost.model import CostModel, GroupPlacement
 from prism_plugin.cost.profiles import HardwareProfile, LinkSpec, profile_to_yaml
@@ -100,13 +101,13 @@ class Measurement:
         if self.kind is OpKind.RECV:
             object.__setattr__(self, "kind", OpKind.SEND)
         if isinstance(self.size_bytes, bool) or not isinstance(self.size_bytes, int) or self.size_bytes < 0:
-            raise ValueError(f"Measurement.size_bytes must be a non-negative int, got {self.size_bytes!r}")
+            raise ConfigError(f"Measurement.size_bytes must be a non-negative int, got {self.size_bytes!r}")
         if not (isinstance(self.time_us, int | float) and math.isfinite(self.time_us) and self.time_us > 0):
-            raise ValueError(f"Measurement.time_us must be a finite positive number, got {self.time_us!r}")
+            raise ConfigError(f"Measurement.time_us must be a finite positive number, got {self.time_us!r}")
         if self.placement.size < 2:
-            raise ValueError("Measurement.placement must have >= 2 ranks: a 1-rank group costs 0 in the model")
+            raise ConfigError("Measurement.placement must have >= 2 ranks: a 1-rank group costs 0 in the model")
         if self.kind is OpKind.SEND and self.placement.size != 2:
-            raise ValueError("a send/recv Measurement needs a placement of exactly 2 ranks")
+            raise ConfigError("a send/recv Measurement needs a placement of exactly 2 ranks")
 
 
 def one_node_placement(num_ranks: int) -> GroupPlacement:
@@ -153,7 +154,7 @@ class CalibrationFit:
         """The worst relative error of `kind` over every group it was measured on."""
         errs = [r.max_rel_error for r in self.residuals if r.kind is OpKind(kind)]
         if not errs:
-            raise ValueError(f"{OpKind(kind).value} was not measured; measured: {[r.label for r in self.residuals]}")
+            raise ConfigError(f"{OpKind(kind).value} was not measured; measured: {[r.label for r in self.residuals]}")
         return max(errs)
 
     def to_yaml(self) -> str:
@@ -209,17 +210,17 @@ def fit_profile(
     """
     ms = tuple(measurements)
     if not ms:
-        raise ValueError("fit_profile: no measurements; measure at least two sizes of two ops")
+        raise ConfigError("fit_profile: no measurements; measure at least two sizes of two ops")
     crowded = [m for m in ms if m.placement.max_ranks_per_node > gpus_per_node]
     if crowded:
-        raise ValueError(
+        raise ConfigError(
             f"fit_profile: a {crowded[0].kind.value} measurement puts {crowded[0].placement.max_ranks_per_node} "
             f"ranks on one node but gpus_per_node={gpus_per_node}; pass the measured nodes' size"
         )
     intra = [m for m in ms if m.placement.num_nodes == 1]
     inter = [m for m in ms if m.placement.num_nodes > 1]
     if not intra:
-        raise ValueError(
+        raise ConfigError(
             "fit_profile: every measurement spans nodes; the intra-node tier needs single-node runs "
             "(e.g. all_reduce_perf and sendrecv_perf on one node)"
         )
@@ -328,7 +329,7 @@ def _fit_stage(
                     break
             else:
                 kinds = sorted({m.kind.value for m in ms})
-                raise ValueError(
+                raise ConfigError(
                     f"calibration: the measurements ({', '.join(kinds)}) cannot separate "
                     f"{', '.join(_LABEL[free[c]] for c in cols)}; measure more sizes and ops with different "
                     "hop counts (e.g. all_reduce and all_gather, plus send/recv)"
@@ -341,7 +342,7 @@ def _fit_stage(
             if p in free and p not in missing and new[p] <= 0:
                 missing.append(p)
         if _UC in missing and _UP in missing:
-            raise ValueError(
+            raise ConfigError(
                 "calibration: no measured time grows with message size; measure sizes spanning at least "
                 "two orders of magnitude (e.g. 1 KiB .. 64 MiB)"
             )

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from prism_plugin.config.errors import ConfigError, int_at_least
 from prism_plugin.config.kinds import Algorithm, OpKind
 from prism_plugin.cost.profiles import HardwareProfile
 from prism_plugin.topology.placement import NodePlacement
@@ -72,7 +73,7 @@ class GroupPlacement:
     def __post_init__(self) -> None:
         n, m, hi, lo = self.size, self.num_nodes, self.max_ranks_per_node, self.min_ranks_per_node
         if not (1 <= m <= n and 1 <= lo <= hi and lo * m <= n <= hi * m) or (m == 1 and lo != n):
-            raise ValueError(
+            raise ConfigError(
                 f"inconsistent GroupPlacement(size={n}, num_nodes={m}, max_ranks_per_node={hi}, "
                 f"min_ranks_per_node={lo}); build it with GroupPlacement.from_ranks(ranks, gpus_per_node)"
             )
@@ -84,17 +85,16 @@ class GroupPlacement:
         Example: from_ranks(range(16), 8) -> size=16, num_nodes=2, max=min=8 ranks per node.
         """
         if not group_ranks:
-            raise ValueError("group_ranks is empty; a group needs at least one rank")
+            raise ConfigError("group_ranks is empty; a group needs at least one rank")
         nodes = NodePlacement(gpus_per_node=gpus_per_node)
         per_node: dict[int, int] = {}
         for rank in group_ranks:
-            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-                raise ValueError(f"group rank {rank!r} is not a non-negative integer")
+            int_at_least("group rank", rank, 0, hint="a global rank")
             node = nodes.node_of(rank)
             per_node[node] = per_node.get(node, 0) + 1
         size = len(group_ranks)
         if len(set(group_ranks)) != size:
-            raise ValueError(f"group_ranks lists a rank more than once: {list(group_ranks)[:16]}")
+            raise ConfigError(f"group_ranks lists a rank more than once: {list(group_ranks)[:16]}")
         counts = per_node.values()
         return cls(
             size=size, num_nodes=len(per_node), max_ranks_per_node=max(counts), min_ranks_per_node=min(counts)
@@ -225,7 +225,7 @@ class CostModel:
         """
         size = _size(size_bytes)
         if src < 0 or dst < 0:
-            raise ValueError(f"p2p ranks must be non-negative, got src={src!r}, dst={dst!r}")
+            raise ConfigError(f"p2p ranks must be non-negative, got src={src!r}, dst={dst!r}")
         if src == dst:
             return 0.0
         nodes = NodePlacement(gpus_per_node=self._profile.gpus_per_node)
@@ -274,7 +274,7 @@ class CostModel:
     ) -> tuple[float, float, Algorithm]:
         if pl.size == 1:
             if kind is OpKind.SEND or kind is OpKind.RECV:
-                raise ValueError(f"{kind.name} needs a group of exactly 2 ranks (src, dst), got 1")
+                raise ConfigError(f"{kind.name} needs a group of exactly 2 ranks (src, dst), got 1")
             return (
                 0.0,
                 0.0,
@@ -359,7 +359,7 @@ class CostModel:
         (n-1)/n * S, so the same formula (root assumed on the emptiest node)."""
         if kind is OpKind.SEND or kind is OpKind.RECV:
             if pl.size != 2:
-                raise ValueError(f"{kind.name} needs a group of exactly 2 ranks (src, dst), got {pl.size}")
+                raise ConfigError(f"{kind.name} needs a group of exactly 2 ranks (src, dst), got {pl.size}")
             return self._p2p(size, pl.num_nodes > 1)
         n, m = pl.size, pl.num_nodes
         transfer = (pl.max_ranks_per_node - 1) / n * size / self._bi
@@ -384,7 +384,7 @@ def _algorithm(algorithm: Algorithm, kind: OpKind) -> Algorithm:
     alg = _ALGORITHMS.get(algorithm)
     if alg is None or kind not in _SUPPORTED[alg]:
         names = ", ".join(a.name for a in supported_algorithms(kind))
-        raise ValueError(f"algorithm {algorithm!r} has no formula for {kind.name}; supported: {names}")
+        raise ConfigError(f"algorithm {algorithm!r} has no formula for {kind.name}; supported: {names}")
     return alg
 
 
@@ -404,5 +404,5 @@ def _size(size_bytes: int) -> int:
     except TypeError:
         size = -1
     if size < 0:
-        raise ValueError(f"size_bytes must be a non-negative integer, got {size_bytes!r}")
+        raise ConfigError(f"size_bytes must be a non-negative integer, got {size_bytes!r}")
     return size

@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from prism_plugin.config.errors import ConfigError
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost.calibrate import CalibrationFit, Measurement, fit_profile
 from prism_plugin.cost.model import GroupPlacement
@@ -120,7 +121,7 @@ def parse_nccl_tests(text: str, *, source: str = "<string>") -> list[NcclTestsRu
     """Every nccl-tests table in `text` (one log, possibly several tests); [] if there is none.
 
     `source` names the text in messages and, when a test has no "Collective test starting" line, its
-    file name names the test (``all_gather_perf.node1.log``). Raises ValueError for a table it cannot
+    file name names the test (``all_gather_perf.node1.log``). Raises ConfigError for a table it cannot
     attribute to a test or to ranks, and for tests without a cost-model formula.
     """
     sections: list[_Section] = []
@@ -179,26 +180,26 @@ def _run(sec: _Section, where: str, source: str) -> NcclTestsRun:
     if name is None:
         m = _FILE_TEST.search(Path(source).name)
         if m is None:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: a table without a '# Collective test starting: NAME' line and a file name that names "
                 f"no test; rename the file after the binary (e.g. all_reduce_perf.log); known: {', '.join(TEST_KINDS)}"
             )
         name = m.group(0)
     kind = TEST_KINDS.get(name)
     if kind is None:
-        raise ValueError(
+        raise ConfigError(
             f"{where}: nccl-tests test {name!r} has no cost-model formula; fit from {', '.join(TEST_KINDS)} "
             "(remove or rename this log)"
         )
     if not sec.ranks:
-        raise ValueError(
+        raise ConfigError(
             f"{where}: no '#  Rank N Group G Pid P on HOST device D' lines: cannot tell ranks and nodes; "
             "keep the whole nccl-tests output, header included"
         )
     ranks = [r for r, _, _ in sec.ranks]
     dup = [r for r, n in Counter(ranks).items() if n > 1]
     if dup:
-        raise ValueError(
+        raise ConfigError(
             f"{where}: rank {dup[0]} is listed more than once: each process ran its own job (nccl-tests built "
             "without MPI under mpirun); rebuild nccl-tests with MPI=1 and rerun"
         )
@@ -206,7 +207,7 @@ def _run(sec: _Section, where: str, source: str) -> NcclTestsRun:
     for _, host, _ in sorted(sec.ranks):
         hosts[host] = hosts.get(host, 0) + 1
     if len(ranks) < 2:
-        raise ValueError(f"{where}: a 1-rank run times nothing the cost model has (a 1-rank group costs 0)")
+        raise ConfigError(f"{where}: a 1-rank run times nothing the cost model has (a 1-rank group costs 0)")
     return NcclTestsRun(test=name, kind=kind, source=where, ranks_per_host=tuple(hosts.items()),
                         device=sorted(sec.ranks)[0][2], rows=tuple(sec.rows))
 
@@ -221,12 +222,12 @@ def _float(token: str) -> float | None:
 def load_nccl_tests_dir(directory: str | Path) -> tuple[list[NcclTestsRun], list[Path]]:
     """Parse every ``*.log`` / ``*.txt`` / ``*.out`` file under `directory` (recursively, sorted).
 
-    Returns (runs, files that held no nccl-tests table). Raises ValueError when the directory is
+    Returns (runs, files that held no nccl-tests table). Raises ConfigError when the directory is
     missing or holds no table at all.
     """
     root = Path(directory).expanduser()
     if not root.is_dir():
-        raise ValueError(f"--from-nccl-tests: {str(root)!r} is not a directory of nccl-tests logs")
+        raise ConfigError(f"--from-nccl-tests: {str(root)!r} is not a directory of nccl-tests logs")
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".log", ".txt", ".out"))
     runs: list[NcclTestsRun] = []
     empty: list[Path] = []
@@ -236,7 +237,7 @@ def load_nccl_tests_dir(directory: str | Path) -> tuple[list[NcclTestsRun], list
         if not found:
             empty.append(path)
     if not runs:
-        raise ValueError(
+        raise ConfigError(
             f"--from-nccl-tests: no nccl-tests table in the {len(files)} .log/.txt/.out files under {str(root)!r}; "
             "save each test's full output there (e.g. all_reduce_perf -b 8 -e 8G -f 2 > all_reduce_perf.log)"
         )

@@ -7,7 +7,7 @@ Limitations: a profile describes one homogeneous cluster (every node alike, one 
 there is no PCIe tier, no per-switch oversubscription and no congestion. The built-in figures are
 datasheet values or one-off measurements: calibrate them before trusting absolute times.
 
-Pure: stdlib + pyyaml only.
+Pure: stdlib + pyyaml (and the config layer's error contract).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from prism_plugin.config.errors import ConfigError
 
 __all__ = [
     "HardwareProfile",
@@ -38,8 +40,8 @@ _ALIASES = {"h100": "dgx-h100", "a100": "dgx-a100"}
 _LINK_FIELDS = ("bandwidth_gbytes_per_s", "latency_us")
 
 
-class ProfileError(ValueError):
-    """A hardware profile could not be found, parsed or validated; the message says how to fix it."""
+class ProfileError(ConfigError):
+    """A hardware profile could not be found, parsed or validated; the message names the file and the fix."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

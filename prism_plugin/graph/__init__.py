@@ -1,7 +1,8 @@
 """The pure graph layer: execution-graph schema, builders, symmetric replay, timeline export.
 
-Modules: `schema` (versioned graph format), `layout` (rank grid), `build` (class traces, representatives),
-`rank_trace` (what trace capture writes per real rank), `convert` (rank traces -> class traces -> graph),
+Modules: `errors` (`GraphError`, the layer's user-input error), `schema` (versioned graph format),
+`layout` (rank grid), `build` (class traces, representatives), `rank_trace` (what trace capture writes per
+real rank), `convert` (rank traces -> class traces -> graph),
 `slicing` (classes and profiling runs for K devices), `fold` + `replay` + `result` (discrete-event replay),
 `steady` (chained iterations, step times, live ranks' arrival tables), `export` (Chrome trace),
 `synthetic` (a Megatron-style 1F1B job).
@@ -27,6 +28,7 @@ from prism_plugin.graph.build import (
     representatives,
 )
 from prism_plugin.graph.convert import class_trace, graph_from_rank_traces, group_role, peer_step
+from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.export import chrome_trace, write_chrome_trace
 from prism_plugin.graph.fold import Actor, ActorSpace, ReplayMode, fold
 from prism_plugin.graph.layout import AxisSpec, WorldLayout
@@ -63,6 +65,7 @@ __all__ = [
     "ExecutionGraph",
     "Framework",
     "GradSync",
+    "GraphError",
     "JobLayout",
     "Node",
     "NodeKind",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.result import ReplayResult
 
 __all__ = ["annotate_chrome_trace", "blame_chain", "blame_report", "plot_blame"]
@@ -66,7 +67,7 @@ def blame_chain(result: ReplayResult, rank: int, *, step: int = 0, steps: int = 
     a = actor.index
     n = len(e.programs[a].kinds) // steps
     if not 0 <= step < steps:
-        raise ValueError(f"step={step} must be in 0..{steps - 1}")
+        raise GraphError(f"step={step} must be in 0..{steps - 1}")
     chain: list[dict[str, Any]] = []
     seen = {a}
     before = float("inf")

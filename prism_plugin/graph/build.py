@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prism_plugin.config.kinds import OpKind
+from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.schema import (
     ClassTrace,
     ExecutionGraph,
@@ -104,7 +105,7 @@ class TraceBuilder:
         """Append a WAIT on the async node `index` and link the two."""
         target = self._nodes[index]
         if not target.get("is_async") or "waited_by" in target:
-            raise ValueError(f"node {index} is not an async op awaiting its WAIT")
+            raise GraphError(f"node {index} is not an async op awaiting its WAIT")
         target["waited_by"] = len(self._nodes)
         return self._append(kind=NodeKind.WAIT, waits_on=index, name=name)
 
@@ -143,11 +144,11 @@ def graph_from_traces(
     for rank, trace in traces.items():
         name = rule_class_name(layout, class_axes, rank)
         if name in classes:
-            raise ValueError(f"two traces for class {name!r} (rank {rank} and another): pass one per class")
+            raise GraphError(f"two traces for class {name!r} (rank {rank} and another): pass one per class")
         classes[name] = trace
     missing = {name: rank for name, rank in reps.items() if name not in classes}
     if missing:
-        raise ValueError(
+        raise GraphError(
             f"no trace for classes {sorted(missing)}: profile e.g. ranks {sorted(missing.values())}"
         )
     return ExecutionGraph(

@@ -22,7 +22,7 @@ are used (an iteration with an extra logging collective, say, is left out and co
 is the mean over those iterations.
 
 Limitations: groups must be groups of the dense layout (Megatron's embedding group over first and last
-stages with pp > 2, or any ad-hoc subgroup, raises ValueError naming it); two live groups over the same
+stages with pp > 2, or any ad-hoc subgroup, raises GraphError naming it); two live groups over the same
 ranks (e.g. "dp" and "dp-cp" with cp=1) share one role and one sequence.
 
 Pure: no torch.
@@ -38,6 +38,7 @@ from typing import Any
 
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.graph.build import TraceBuilder
+from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.rank_trace import RankTrace, TracedIteration
 from prism_plugin.graph.schema import ClassTrace, ExecutionGraph, WorldLayout, rule_class_name
 
@@ -58,12 +59,12 @@ def group_role(layout: WorldLayout, rank: int, ranks: Sequence[int] | None) -> s
     """
     members = tuple(range(layout.world_size)) if ranks is None else tuple(sorted(ranks))
     if rank not in members:
-        raise ValueError(f"rank {rank} is not a member of group {list(members)[:16]}")
+        raise GraphError(f"rank {rank} is not a member of group {list(members)[:16]}")
     if len(members) == 1:
         for axis in layout.axes:
             if axis.size == 1:
                 return axis.name
-        raise ValueError(f"rank {rank}'s one-member group has no role: every axis of the layout is > 1")
+        raise GraphError(f"rank {rank}'s one-member group has no role: every axis of the layout is > 1")
     own = layout.coords(rank)
     varying = [False] * len(layout.axes)
     for m in members:
@@ -72,7 +73,7 @@ def group_role(layout: WorldLayout, rank: int, ranks: Sequence[int] | None) -> s
                 varying[i] = True
     role = "-".join(a.name for a, v in zip(layout.axes, varying, strict=True) if v)
     if layout.group_of(rank, role) != members:
-        raise ValueError(
+        raise GraphError(
             f"group {list(members)[:16]}{' ...' if len(members) > 16 else ''} of rank {rank} is not a group of "
             f"the layout {_layout_text(layout)}: execution graphs only know groups along layout axes (e.g. "
             "Megatron's embedding group over the first and last stages with pp > 2 is not one; untie the "
@@ -91,7 +92,7 @@ def peer_step(layout: WorldLayout, rank: int, peer: int) -> tuple[str, int]:
     own, other = layout.coords(rank), layout.coords(peer)
     diff = [i for i, (a, b) in enumerate(zip(own, other, strict=True)) if a != b]
     if len(diff) != 1:
-        raise ValueError(
+        raise GraphError(
             f"rank {rank} exchanges with rank {peer}, which is not along one axis of the layout "
             f"{_layout_text(layout)} (they differ on {[layout.axes[i].name for i in diff]}): check --layout"
         )
@@ -179,18 +180,18 @@ def class_trace(trace: RankTrace, layout: WorldLayout, *, warmup: int = 2,
                 blocking_gap_us: float = DEFAULT_BLOCKING_GAP_US) -> tuple[ClassTrace, ConversionReport]:
     """The class trace of `trace`'s rank (relative roles and peers, mean compute spans) and a report.
 
-    Raises ValueError naming the fix when no steady iteration is left or a group is not a layout group.
+    Raises GraphError naming the fix when no steady iteration is left or a group is not a layout group.
     """
     if trace.world_size != layout.world_size:
-        raise ValueError(
+        raise GraphError(
             f"rank {trace.rank}'s trace is of a {trace.world_size}-rank world but the layout has "
             f"{layout.world_size} ranks: pass the job's own --layout"
         )
     if warmup < 0:
-        raise ValueError(f"warmup={warmup} must be >= 0 (iterations to drop)")
+        raise GraphError(f"warmup={warmup} must be >= 0 (iterations to drop)")
     steady = trace.iterations[warmup:]
     if not steady:
-        raise ValueError(
+        raise GraphError(
             f"rank {trace.rank}'s trace has {len(trace.iterations)} iteration(s), none left after dropping "
             f"{warmup} warm-up iteration(s): run more steps (--steps) or lower warmup"
         )
@@ -279,7 +280,7 @@ def graph_from_rank_traces(
     """The execution graph from the traces of profiling runs: one class trace per class.
 
     When several traces fall in one class (e.g. two data-parallel replicas were profiled), the lowest rank's
-    is used and the others are listed in the metadata. Raises ValueError naming the ranks still to profile.
+    is used and the others are listed in the metadata. Raises GraphError naming the ranks still to profile.
     """
     by_class: dict[str, list[RankTrace]] = {}
     for t in traces:
@@ -296,7 +297,7 @@ def graph_from_rank_traces(
 
     missing = {n: r for n, r in representatives(layout, tuple(class_axes)).items() if n not in classes}
     if missing:
-        raise ValueError(
+        raise GraphError(
             f"no trace for classes {sorted(missing)}: profile e.g. ranks {sorted(missing.values())} "
             "(`prism slice` lists the profiling runs)"
         )

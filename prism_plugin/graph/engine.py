@@ -22,6 +22,7 @@ from typing import Any
 
 from prism_plugin.cost.faults import FaultSet
 from prism_plugin.cost.model import CostModel
+from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.fold import Actor, ActorSpace
 from prism_plugin.graph.schema import Node, NodeKind
 
@@ -36,8 +37,8 @@ class ReplayDeadlock(RuntimeError):
     """Some rank's op can never start: the graph's ranks wait on each other (or on a missing op)."""
 
 
-class ReplayMismatch(ValueError):
-    """Members of one collective (or a send/recv pair) disagree on what the op is."""
+class ReplayMismatch(GraphError):
+    """Members of one collective (or a send/recv pair) disagree on what the op is: a graph that does not match."""
 
 
 @dataclass(slots=True)

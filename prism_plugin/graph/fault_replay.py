@@ -24,6 +24,7 @@ from prism_plugin.config.faults import Crash, FaultSpec, Hang
 from prism_plugin.cost.faults import FaultSet
 from prism_plugin.cost.model import CostModel
 from prism_plugin.graph.engine import WAIT, Engine, ReplayDeadlock, compile_program
+from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.fold import ReplayMode, fold
 from prism_plugin.graph.schema import ExecutionGraph, NodeKind
 from prism_plugin.graph.steady import unroll
@@ -83,7 +84,7 @@ def failure_replay(graph: ExecutionGraph, cost: CostModel, fault: Hang | Crash, 
     """
     world = graph.layout.world_size
     if not 0 <= fault.rank < world:
-        raise ValueError(f"{fault.to_text()}: rank {fault.rank} is outside the graph's 0..{world - 1}")
+        raise GraphError(f"{fault.to_text()}: rank {fault.rank} is outside the graph's 0..{world - 1}")
     iterations = max(iterations, fault.step + 1)
     unrolled = unroll(graph, iterations)
     timing = FaultSet(tuple(others), world, cost.profile.gpus_per_node)

@@ -4,7 +4,7 @@
 adds what the execution graph needs: each axis's size and stride, a rank's coordinates, the group of a
 role (an axis token such as "tp-dp") and the peer at an offset along an axis.
 
-Non-goals: expert-parallel axes and DeepSpeed layouts are not represented yet (they raise ValueError).
+Non-goals: expert-parallel axes and DeepSpeed layouts are not represented yet (they raise GraphError).
 
 Pure: stdlib and prism_plugin.topology only.
 """
@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from prism_plugin.config.errors import rank_in_range
+from prism_plugin.graph.errors import GraphError
 from prism_plugin.topology import MegatronLayout
 
 __all__ = ["AxisSpec", "WorldLayout"]
@@ -49,7 +51,7 @@ class WorldLayout:
 
     def __post_init__(self) -> None:
         if not isinstance(self.megatron, MegatronLayout):
-            raise ValueError(f"WorldLayout needs a MegatronLayout, got {type(self.megatron).__name__}")
+            raise GraphError(f"WorldLayout needs a MegatronLayout, got {type(self.megatron).__name__}")
         m = self.megatron
         sizes = {"tp": m.tp, "cp": m.cp, "dp": m.dp, "pp": m.pp}
         names = list(m.coords(0))  # the dense grid's axes, fastest first
@@ -70,7 +72,7 @@ class WorldLayout:
         try:
             return self.axes[self._index[name]]
         except KeyError:
-            raise ValueError(
+            raise GraphError(
                 f"axis {name!r} is not an axis of the dense grid: use one of {list(self._index)} "
                 "(expert-parallel axes are not modelled in execution graphs)"
             ) from None
@@ -85,13 +87,12 @@ class WorldLayout:
         for name in names:
             self.axis(name)
         if len(set(names)) != len(names):
-            raise ValueError(f"group role {role!r} repeats an axis: name each axis once, e.g. 'tp-dp'")
+            raise GraphError(f"group role {role!r} repeats an axis: name each axis once, e.g. 'tp-dp'")
         return names
 
     def coords(self, rank: int) -> tuple[int, ...]:
         """Coordinates of `rank` on `axes`, in order."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank!r} is out of range: pass 0 <= rank < {self.world_size}")
+        rank_in_range(rank, self.world_size, error=GraphError)
         return tuple((rank // a.stride) % a.size for a in self.axes)
 
     def rank_at(self, coords: Sequence[int]) -> int:
@@ -126,5 +127,5 @@ class WorldLayout:
         data = dict(data)
         kind = data.pop("kind", None)
         if kind != "megatron":
-            raise ValueError(f"layout kind {kind!r} is not supported: only 'megatron' layouts are")
+            raise GraphError(f"layout kind {kind!r} is not supported: only 'megatron' layouts are")
         return cls(MegatronLayout(**data))

@@ -44,7 +44,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from prism_plugin.config.errors import positive_int, rank_in_range
 from prism_plugin.config.kinds import OpKind
+from prism_plugin.graph.errors import GraphError
 
 __all__ = ["RANK_TRACE_FORMAT", "RANK_TRACE_VERSION", "RankTrace", "TracedIteration", "TracedOp", "load_rank_traces"]
 
@@ -87,7 +89,7 @@ class TracedOp:
     @classmethod
     def from_list(cls, row: Sequence[Any]) -> TracedOp:
         if len(row) != 9:
-            raise ValueError(f"traced op {list(row)!r} must have 9 columns (see prism_plugin.graph.rank_trace)")
+            raise GraphError(f"traced op {list(row)!r} must have 9 columns (see prism_plugin.graph.rank_trace)")
         op, group, seq, size, peer, issue, ret, wait, end = row
         return cls(op=OpKind(op), group=int(group), seq=int(seq), size_bytes=int(size), peer=int(peer),
                    issue_us=float(issue), return_us=float(ret), wait_us=float(wait), end_us=float(end))
@@ -108,7 +110,7 @@ class TracedIteration:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
         if not (math.isfinite(self.duration_us) and self.duration_us >= 0):
-            raise ValueError(f"iteration {self.index}: duration_us={self.duration_us!r} must be >= 0")
+            raise GraphError(f"iteration {self.index}: duration_us={self.duration_us!r} must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,12 +128,12 @@ class RankTrace:
         object.__setattr__(self, "groups", tuple(None if g is None else tuple(g) for g in self.groups))
         object.__setattr__(self, "iterations", tuple(self.iterations))
         object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is out of range for world_size {self.world_size}")
+        positive_int("world_size", self.world_size, hint="the traced job's rank count", error=GraphError)
+        rank_in_range(self.rank, self.world_size, error=GraphError)
         for it in self.iterations:
             for op in it.ops:
                 if not 0 <= op.group < len(self.groups):
-                    raise ValueError(f"iteration {it.index}: op {op.op.value} names unknown group {op.group}")
+                    raise GraphError(f"iteration {it.index}: op {op.op.value} names unknown group {op.group}")
 
     def group_ranks(self, group: int) -> tuple[int, ...]:
         """Global ranks of group `group` (the world group expanded)."""
@@ -160,9 +162,9 @@ class RankTrace:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RankTrace:
         if data.get("format") != RANK_TRACE_FORMAT:
-            raise ValueError(f"not a rank trace: 'format' is {data.get('format')!r}, not {RANK_TRACE_FORMAT!r}")
+            raise GraphError(f"not a rank trace: 'format' is {data.get('format')!r}, not {RANK_TRACE_FORMAT!r}")
         if data.get("version") != RANK_TRACE_VERSION:
-            raise ValueError(
+            raise GraphError(
                 f"rank trace version {data.get('version')!r} is not supported (this is {RANK_TRACE_VERSION})"
             )
         try:
@@ -179,7 +181,7 @@ class RankTrace:
                 metadata=data.get("metadata", {}),
             )
         except KeyError as exc:
-            raise ValueError(f"rank trace is missing field {exc}") from None
+            raise GraphError(f"rank trace is missing field {exc}") from None
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -190,17 +192,26 @@ class RankTrace:
 
     @classmethod
     def load(cls, path: str | Path) -> RankTrace:
-        with Path(path).open(encoding="utf-8") as fh:
-            try:
-                return cls.from_dict(json.load(fh))
-            except ValueError as exc:
-                raise ValueError(f"{path}: {exc}") from None
+        """Read a trace file; every refusal is a `GraphError` naming the file ("rank trace file ...: ...")."""
+        where = f"rank trace file {path}"
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise GraphError(f"{where}: cannot be read ({exc.strerror or exc})") from None
+        except ValueError as exc:
+            raise GraphError(f"{where}: not JSON ({exc}); `prism run --trace DIR` writes these files") from None
+        if not isinstance(data, Mapping):
+            raise GraphError(f"{where}: not a rank trace: a JSON object is expected, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise GraphError(f"{where}: {exc}") from None
 
 
 def load_rank_traces(paths: Sequence[str | Path]) -> list[RankTrace]:
     """Every ``*.trace.json`` under `paths` (files or directories, searched recursively), by rank.
 
-    Raises ValueError when nothing is found or two files hold the same rank.
+    Raises GraphError when nothing is found or two files hold the same rank.
     """
     files: list[Path] = []
     for p in map(Path, paths):
@@ -209,13 +220,13 @@ def load_rank_traces(paths: Sequence[str | Path]) -> list[RankTrace]:
         elif p.is_file():
             files.append(p)
         else:
-            raise ValueError(f"trace path {str(p)!r} does not exist")
+            raise GraphError(f"trace path {str(p)!r} does not exist")
     if not files:
-        raise ValueError(f"no *.trace.json under {[str(p) for p in paths]}: run `prism run --trace DIR` first")
+        raise GraphError(f"no *.trace.json under {[str(p) for p in paths]}: run `prism run --trace DIR` first")
     traces: dict[int, tuple[Path, RankTrace]] = {}
     for f in files:
         t = RankTrace.load(f)
         if t.rank in traces:
-            raise ValueError(f"two traces of rank {t.rank}: {traces[t.rank][0]} and {f}; pass one per rank")
+            raise GraphError(f"two traces of rank {t.rank}: {traces[t.rank][0]} and {f}; pass one per rank")
         traces[t.rank] = (f, t)
     return [traces[r][1] for r in sorted(traces)]

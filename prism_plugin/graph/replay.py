@@ -40,6 +40,7 @@ from prism_plugin.config.faults import FaultSpec
 from prism_plugin.cost.faults import FaultSet
 from prism_plugin.cost.model import CostModel
 from prism_plugin.graph.engine import Engine, ReplayDeadlock, ReplayMismatch, compile_program
+from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.fold import ReplayMode, fold
 from prism_plugin.graph.result import OpSpan, RankBreakdown, ReplayResult
 from prism_plugin.graph.schema import ExecutionGraph
@@ -85,9 +86,9 @@ def replay(
     for rank, factor in (stragglers or {}).items():
         graph.layout.coords(rank)
         if isinstance(factor, bool) or not isinstance(factor, int | float) or not math.isfinite(factor):
-            raise ValueError(f"stragglers[{rank}]={factor!r} must be a finite number > 0 (1.5 = 50% slower)")
+            raise GraphError(f"stragglers[{rank}]={factor!r} must be a finite number > 0 (1.5 = 50% slower)")
         if factor <= 0:
-            raise ValueError(f"stragglers[{rank}]={factor!r} must be > 0 (1.5 = 50% slower)")
+            raise GraphError(f"stragglers[{rank}]={factor!r} must be > 0 (1.5 = 50% slower)")
         scales[rank] = float(factor)
     fault_set = None
     if faults:

@@ -58,7 +58,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from prism_plugin.config.errors import coerce_enum
 from prism_plugin.config.kinds import OpKind
+from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.layout import AxisSpec, WorldLayout
 
 __all__ = [
@@ -137,27 +139,27 @@ class Node:
             try:
                 kind = NodeKind(kind)
             except ValueError:
-                raise ValueError(
+                raise GraphError(
                     f"node kind {kind!r} is unknown: use one of {[k.value for k in NodeKind]}"
                 ) from None
             object.__setattr__(self, "kind", kind)
-        if self.op is not None and type(self.op) is not OpKind:
-            object.__setattr__(self, "op", OpKind(self.op))
         where = f"{kind.value} node {self.name!r}"
+        if self.op is not None and type(self.op) is not OpKind:
+            object.__setattr__(self, "op", coerce_enum(OpKind, self.op, f"{where}: op", error=GraphError))
         if kind is NodeKind.COMPUTE:
             d = self.duration_us
             if isinstance(d, bool) or not isinstance(d, int | float) or not math.isfinite(d) or d < 0:
-                raise ValueError(f"{where}: duration_us={d!r} must be a finite number >= 0")
+                raise GraphError(f"{where}: duration_us={d!r} must be a finite number >= 0")
             object.__setattr__(self, "duration_us", float(d))
         elif self.duration_us != 0.0:
-            raise ValueError(f"{where}: only compute nodes have duration_us; drop it")
+            raise GraphError(f"{where}: only compute nodes have duration_us; drop it")
         if self.samples_us:
             if kind is not NodeKind.COMPUTE:
-                raise ValueError(f"{where}: only compute nodes have samples_us; drop it")
+                raise GraphError(f"{where}: only compute nodes have samples_us; drop it")
             samples = tuple(self.samples_us)
             if not all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
                        for x in samples):
-                raise ValueError(f"{where}: samples_us must be finite numbers >= 0")
+                raise GraphError(f"{where}: samples_us must be finite numbers >= 0")
             object.__setattr__(self, "samples_us", tuple(float(x) for x in samples))
         if kind.is_comm:
             if (
@@ -165,36 +167,36 @@ class Node:
                 or not isinstance(self.size_bytes, int)
                 or self.size_bytes < 0
             ):
-                raise ValueError(f"{where}: size_bytes={self.size_bytes!r} must be an int >= 0")
+                raise GraphError(f"{where}: size_bytes={self.size_bytes!r} must be an int >= 0")
             if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 0:
-                raise ValueError(f"{where}: seq={self.seq!r} must be an int >= 0 (index within its group)")
+                raise GraphError(f"{where}: seq={self.seq!r} must be an int >= 0 (index within its group)")
             if self.is_async != (self.waited_by >= 0):
-                raise ValueError(
+                raise GraphError(
                     f"{where}: an async node needs waited_by (the index of its WAIT), a blocking one none; "
                     f"got is_async={self.is_async}, waited_by={self.waited_by}"
                 )
         elif self.is_async or self.waited_by >= 0 or self.seq != -1 or self.size_bytes:
-            raise ValueError(
+            raise GraphError(
                 f"{where}: is_async, waited_by, seq and size_bytes belong to communication nodes"
             )
         if kind is NodeKind.COLLECTIVE:
             if self.op is None or self.op.is_p2p:
-                raise ValueError(f"{where}: op={self.op!r} must be a collective OpKind such as 'all_reduce'")
+                raise GraphError(f"{where}: op={self.op!r} must be a collective OpKind such as 'all_reduce'")
             if not self.group:
-                raise ValueError(f"{where}: group must name a group role, e.g. 'dp'")
+                raise GraphError(f"{where}: group must name a group role, e.g. 'dp'")
         elif self.op is not None or self.group:
-            raise ValueError(f"{where}: op and group belong to collective nodes (send/recv are node kinds)")
+            raise GraphError(f"{where}: op and group belong to collective nodes (send/recv are node kinds)")
         if kind in _P2P:
             if (
                 not self.peer_axis
                 or isinstance(self.peer_offset, bool)
                 or not isinstance(self.peer_offset, int)
             ):
-                raise ValueError(f"{where}: needs peer_axis (e.g. 'pp') and an int peer_offset (e.g. +1)")
+                raise GraphError(f"{where}: needs peer_axis (e.g. 'pp') and an int peer_offset (e.g. +1)")
         elif self.peer_axis or self.peer_offset:
-            raise ValueError(f"{where}: peer_axis and peer_offset belong to send/recv nodes")
+            raise GraphError(f"{where}: peer_axis and peer_offset belong to send/recv nodes")
         if (kind is NodeKind.WAIT) != (self.waits_on >= 0):
-            raise ValueError(f"{where}: waits_on (an earlier node index) is required on WAIT nodes only")
+            raise GraphError(f"{where}: waits_on (an earlier node index) is required on WAIT nodes only")
 
     @property
     def stream(self) -> str:
@@ -231,9 +233,9 @@ class Node:
     def from_dict(cls, data: Mapping[str, Any]) -> Node:
         unknown = set(data) - _NODE_FIELDS
         if unknown:
-            raise ValueError(f"node has unknown field(s) {sorted(unknown)}; known: {sorted(_NODE_FIELDS)}")
+            raise GraphError(f"node has unknown field(s) {sorted(unknown)}; known: {sorted(_NODE_FIELDS)}")
         if "kind" not in data:
-            raise ValueError(f"node {dict(data)!r} has no 'kind'")
+            raise GraphError(f"node {dict(data)!r} has no 'kind'")
         return cls(**data)
 
 
@@ -260,30 +262,30 @@ class ClassTrace:
         object.__setattr__(self, "nodes", tuple(self.nodes))
         counts = {len(n.samples_us) for n in self.nodes if n.samples_us}
         if len(counts) > 1:
-            raise ValueError(f"compute nodes carry samples_us of different lengths {sorted(counts)}: one sample "
+            raise GraphError(f"compute nodes carry samples_us of different lengths {sorted(counts)}: one sample "
                              "per traced iteration, the same iterations for every span")
         next_seq: dict[str, int] = {}
         for i, node in enumerate(self.nodes):
             if not isinstance(node, Node):
-                raise ValueError(f"node {i} is {type(node).__name__}, not a Node")
+                raise GraphError(f"node {i} is {type(node).__name__}, not a Node")
             if node.kind is NodeKind.WAIT:
                 j = node.waits_on
                 if j >= i or not self.nodes[j].is_async or self.nodes[j].waited_by != i:
-                    raise ValueError(
+                    raise GraphError(
                         f"node {i} ({node.label()}) waits on node {j}, which must be an earlier async node "
                         f"with waited_by={i}"
                     )
             elif node.is_async and not (
                 i < node.waited_by < len(self.nodes) and self.nodes[node.waited_by].waits_on == i
             ):
-                raise ValueError(
+                raise GraphError(
                     f"node {i} ({node.label()}) is async with waited_by={node.waited_by}, which is not a "
                     f"later WAIT node with waits_on={i}: every async op must be waited on"
                 )
             if node.kind is NodeKind.COLLECTIVE:
                 expected = next_seq.get(node.group, 0)
                 if node.seq != expected:
-                    raise ValueError(
+                    raise GraphError(
                         f"node {i} ({node.label()}) has seq={node.seq}, expected {expected}: sequence "
                         f"numbers count 0, 1, 2, ... within each group role"
                     )
@@ -314,7 +316,7 @@ class RankOverride:
     def __post_init__(self) -> None:
         s = self.compute_scale
         if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s) or s <= 0:
-            raise ValueError(f"compute_scale={s!r} must be a finite number > 0 (1.5 = 50% slower)")
+            raise GraphError(f"compute_scale={s!r} must be a finite number > 0 (1.5 = 50% slower)")
         object.__setattr__(self, "compute_scale", float(s))
 
 
@@ -356,7 +358,7 @@ class ExecutionGraph:
 
     def __post_init__(self) -> None:
         if self.version != SCHEMA_VERSION:
-            raise ValueError(
+            raise GraphError(
                 f"execution graph version {self.version} is not supported (this is {SCHEMA_VERSION})"
             )
         object.__setattr__(self, "class_axes", tuple(self.class_axes))
@@ -367,25 +369,25 @@ class ExecutionGraph:
         for name in self.class_axes:
             layout.axis(name)
         if len(set(self.class_axes)) != len(self.class_axes):
-            raise ValueError(f"class_axes={self.class_axes} repeats an axis")
+            raise GraphError(f"class_axes={self.class_axes} repeats an axis")
         missing = [n for n in self.rule_class_names() if n not in self.classes]
         if missing:
-            raise ValueError(
+            raise GraphError(
                 f"classes {missing[:8]} have no trace: profile one representative rank of each "
                 "(see build.representatives) or change class_axes"
             )
         for rank, override in self.overrides.items():
             layout.coords(rank)
             if not isinstance(override, RankOverride):
-                raise ValueError(f"override of rank {rank} must be a RankOverride")
+                raise GraphError(f"override of rank {rank} must be a RankOverride")
             if override.class_name and override.class_name not in self.classes:
-                raise ValueError(f"override of rank {rank} names unknown class {override.class_name!r}")
+                raise GraphError(f"override of rank {rank} names unknown class {override.class_name!r}")
         for name, trace in self.classes.items():
             self._check_trace(name, trace)
 
     def _check_trace(self, name: str, trace: ClassTrace) -> None:
         if not isinstance(trace, ClassTrace):
-            raise ValueError(f"class {name!r} maps to {type(trace).__name__}, not a ClassTrace")
+            raise GraphError(f"class {name!r} maps to {type(trace).__name__}, not a ClassTrace")
         next_seq: dict[tuple[NodeKind, str, int], int] = {}
         for i, node in enumerate(trace.nodes):
             if node.kind is NodeKind.COLLECTIVE:
@@ -394,13 +396,13 @@ class ExecutionGraph:
                 size = self.layout.axis(node.peer_axis).size
                 channel = (node.kind, node.peer_axis, node.peer_offset % size)
                 if channel[2] == 0:
-                    raise ValueError(
+                    raise GraphError(
                         f"class {name!r} node {i} ({node.label()}) sends to itself: peer_offset "
                         f"{node.peer_offset} is 0 modulo the {node.peer_axis} size {size}"
                     )
                 expected = next_seq.get(channel, 0)
                 if node.seq != expected:
-                    raise ValueError(
+                    raise GraphError(
                         f"class {name!r} node {i} ({node.label()}) has seq={node.seq}, expected {expected}: "
                         f"send/recv seq counts 0, 1, 2, ... per (kind, axis, offset mod axis size)"
                     )
@@ -458,12 +460,12 @@ class ExecutionGraph:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ExecutionGraph:
         if data.get("format") != FORMAT_NAME:
-            raise ValueError(
+            raise GraphError(
                 f"not an execution graph: 'format' is {data.get('format')!r}, not {FORMAT_NAME!r}"
             )
         version = data.get("version")
         if version != SCHEMA_VERSION:
-            raise ValueError(
+            raise GraphError(
                 f"execution graph version {version!r} is not supported (this is {SCHEMA_VERSION})"
             )
         try:
@@ -480,7 +482,13 @@ class ExecutionGraph:
                 version=version,
             )
         except KeyError as exc:
-            raise ValueError(f"execution graph is missing field {exc}") from None
+            raise GraphError(f"execution graph is missing field {exc}") from None
+        except (TypeError, AttributeError) as exc:  # a field of the wrong JSON type
+            raise GraphError(f"execution graph has a malformed field ({exc})") from None
+        except ValueError as exc:  # the layout's own checks (prism_plugin.topology)
+            if isinstance(exc, GraphError):
+                raise
+            raise GraphError(f"execution graph layout: {exc}") from None
 
     def save(self, path: str | Path) -> Path:
         """Write the graph as compact JSON (see the module docstring); returns the path."""
@@ -491,5 +499,21 @@ class ExecutionGraph:
 
     @classmethod
     def load(cls, path: str | Path) -> ExecutionGraph:
-        with Path(path).open(encoding="utf-8") as fh:
-            return cls.from_dict(json.load(fh))
+        """Read a graph file; every refusal is a `GraphError` naming the file ("graph file job.graph: ...")."""
+        where = f"graph file {path}"
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise GraphError(f"{where}: cannot be read ({exc.strerror or exc}); build one with `prism graph "
+                             "build`") from None
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise GraphError(f"{where}: not JSON ({exc}); write it with `prism graph build`") from None
+        if not isinstance(data, Mapping):
+            raise GraphError(f"{where}: not an execution graph: a JSON object is expected, got "
+                             f"{type(data).__name__}")
+        try:
+            return cls.from_dict(data)
+        except GraphError as exc:
+            raise GraphError(f"{where}: {exc}") from None

@@ -27,7 +27,9 @@ Plan file (``save`` / ``load``), version 1::
 Limitation: a model whose middle stages differ (uneven layer split) is still one class per stage, the
 minimum that captures it; a job with asymmetric data-parallel replicas is not sliced correctly.
 
-Pure: stdlib and prism_plugin.topology only.
+`Framework` is `prism_plugin.config.kinds.Framework` (re-exported); TORCH jobs are refused with a `GraphError`.
+
+Pure: stdlib, prism_plugin.config and prism_plugin.topology only.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from prism_plugin.config.errors import coerce_enum, positive_int
+from prism_plugin.config.kinds import Framework
 from prism_plugin.graph.build import representatives
+from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.layout import WorldLayout
 from prism_plugin.topology import MegatronLayout
 
@@ -51,21 +55,30 @@ PLAN_VERSION = 1
 _ALIASES = {"pipe": "pp", "data": "dp", "model": "tp"}  # DeepSpeed axis names
 
 
-class Framework(StrEnum):
-    """Whose parallel layout the job uses."""
+_SLICEABLE = (Framework.MEGATRON, Framework.DEEPSPEED)
 
-    MEGATRON = "megatron"
-    DEEPSPEED = "deepspeed"
+
+def _sliceable(framework: Framework | str) -> Framework:
+    fw = coerce_enum(Framework, framework, "framework", error=GraphError)
+    if fw not in _SLICEABLE:
+        raise GraphError(f"framework {fw.value!r} cannot be sliced (its classes of ranks are unknown to the "
+                         "slicer): use megatron or deepspeed")
+    return fw
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobLayout:
-    """A job's parallel layout as the slicer sees it."""
+    """A job's parallel layout as the slicer sees it (a Megatron or DeepSpeed job: `Framework.TORCH` is refused)."""
 
     framework: Framework
     world: WorldLayout
     vpp: int = 1
     """Megatron virtual-pipeline chunks per stage (interleaved 1F1B); 1 without interleaving."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "framework", _sliceable(self.framework))
+        positive_int("vpp", self.vpp, hint="virtual pipeline chunks per stage, 1 without interleaving",
+                     error=GraphError)
 
     @property
     def pp(self) -> int:
@@ -84,10 +97,7 @@ def parse_layout(text: str, framework: Framework | str = Framework.MEGATRON,
     >>> parse_layout("pipe=4,data=2", "deepspeed").world.group_of(1, "dp")
     (0, 1)
     """
-    try:
-        fw = Framework(framework)
-    except ValueError:
-        raise ValueError(f"framework {framework!r} is unknown: use megatron or deepspeed") from None
+    fw = _sliceable(framework)
     sizes: dict[str, int] = {}
     for part in (p.strip() for p in str(text).split(",")):
         if not part:
@@ -95,37 +105,39 @@ def parse_layout(text: str, framework: Framework | str = Framework.MEGATRON,
         name, sep, value = part.partition("=")
         name = _ALIASES.get(name.strip(), name.strip())
         if not sep or name not in ("tp", "pp", "dp", "cp", "ep", "vpp"):
-            raise ValueError(
+            raise GraphError(
                 f"--layout entry {part!r} is not NAME=SIZE with NAME in tp, pp, dp, cp, ep, vpp "
                 "(DeepSpeed: pipe, data, model), e.g. --layout tp=8,pp=16,dp=64"
             )
         try:
             size = int(value)
         except ValueError:
-            raise ValueError(f"--layout {name}={value!r} is not an integer") from None
-        if size < 1:
-            raise ValueError(f"--layout {name}={size} must be >= 1")
+            raise GraphError(f"--layout {name}={value!r} is not an integer") from None
+        positive_int(f"--layout {name}", size, hint="every axis size must be >= 1", error=GraphError)
         if name in sizes:
-            raise ValueError(f"--layout names {name} twice")
+            raise GraphError(f"--layout names {name} twice")
         sizes[name] = size
     vpp = sizes.pop("vpp", 1)
     if fw is Framework.DEEPSPEED and (sizes.get("cp", 1) > 1 or sizes.get("ep", 1) > 1 or vpp > 1):
-        raise ValueError("--framework deepspeed layouts have pipe, data and model axes only (no cp, ep, vpp)")
+        raise GraphError("--framework deepspeed layouts have pipe, data and model axes only (no cp, ep, vpp)")
     model = sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("pp", 1)
     if "dp" in sizes:
         n = model * sizes["dp"]
         if world_size is not None and world_size != n:
-            raise ValueError(f"--layout gives {n} ranks but the world size is {world_size}: make them agree")
+            raise GraphError(f"--layout gives {n} ranks but the world size is {world_size}: make them agree")
     elif world_size is not None:
         if world_size % model:
-            raise ValueError(f"world size {world_size} is not divisible by tp*cp*pp={model}")
+            raise GraphError(f"world size {world_size} is not divisible by tp*cp*pp={model}")
         n = world_size
     else:
-        raise ValueError("--layout needs dp (or a world size to derive it), e.g. --layout tp=8,pp=16,dp=64")
+        raise GraphError("--layout needs dp (or a world size to derive it), e.g. --layout tp=8,pp=16,dp=64")
     if vpp > 1 and sizes.get("pp", 1) < 2:
-        raise ValueError(f"vpp={vpp} needs pp >= 2 (virtual chunks interleave pipeline stages)")
-    layout = MegatronLayout(world_size=n, tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), cp=sizes.get("cp", 1),
-                            ep=sizes.get("ep", 1))
+        raise GraphError(f"vpp={vpp} needs pp >= 2 (virtual chunks interleave pipeline stages)")
+    try:
+        layout = MegatronLayout(world_size=n, tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), cp=sizes.get("cp", 1),
+                                ep=sizes.get("ep", 1))
+    except ValueError as exc:  # prism_plugin.topology's own checks (e.g. ep must divide dp x cp)
+        raise GraphError(f"--layout {text!r}: {exc}") from None
     return JobLayout(framework=fw, world=WorldLayout(layout), vpp=vpp)
 
 
@@ -171,8 +183,8 @@ class SlicingPlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SlicingPlan:
         if data.get("format") != PLAN_FORMAT or data.get("version") != PLAN_VERSION:
-            raise ValueError(f"not a version-{PLAN_VERSION} slicing plan (write one with `prism slice --out`)")
-        job = JobLayout(framework=Framework(data["framework"]), world=WorldLayout.from_dict(data["layout"]),
+            raise GraphError(f"not a version-{PLAN_VERSION} slicing plan (write one with `prism slice --out`)")
+        job = JobLayout(framework=data["framework"], world=WorldLayout.from_dict(data["layout"]),
                         vpp=int(data["vpp"]))
         return cls(job=job, devices=int(data["devices"]), class_axes=tuple(data["class_axes"]),
                    classes=tuple(PlanClass(**c) for c in data["classes"]),
@@ -185,10 +197,16 @@ class SlicingPlan:
 
     @classmethod
     def load(cls, path: str | Path) -> SlicingPlan:
+        """Read a plan file; every refusal is a `GraphError` naming the file ("plan file plan.json: ...")."""
         try:
             return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
-        except (KeyError, ValueError, TypeError) as exc:
-            raise ValueError(f"{path}: {exc}") from None
+        except OSError as exc:
+            raise GraphError(f"plan file {path}: cannot be read ({exc.strerror or exc}); write one with "
+                             "`prism slice --out`") from None
+        except KeyError as exc:
+            raise GraphError(f"plan file {path}: missing field {exc}") from None
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise GraphError(f"plan file {path}: {exc}") from None
 
 
 def _role(job: JobLayout, stage: int) -> str:
@@ -216,8 +234,8 @@ def make_plan(job: JobLayout, devices: int) -> SlicingPlan:
     >>> len(plan.classes), len(plan.runs), plan.runs[0]
     (16, 8, (0, 512))
     """
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"--devices {devices!r} must be a positive integer (physical devices per profiling run)")
+    positive_int("--devices", devices, hint="a positive integer, the physical devices per profiling run",
+                 error=GraphError)
     class_axes = ("pp",)
     reps = representatives(job.world, class_axes)
     per_class = job.world.world_size // job.pp

@@ -35,10 +35,12 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prism_plugin.config.errors import positive_int
 from prism_plugin.config.faults import FaultSpec
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost.model import CostModel
 from prism_plugin.graph.build import instantiate_rank
+from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.replay import ReplayResult, replay
 from prism_plugin.graph.result import RankBreakdown
 from prism_plugin.graph.schema import ClassTrace, ExecutionGraph, Node, NodeKind
@@ -71,8 +73,7 @@ def unroll(graph: ExecutionGraph, iterations: int, *, sampled: bool = False) -> 
     warm-in, the last), so copies 1..K replay the traced iterations in order. Spans without samples keep
     their duration.
     """
-    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-        raise ValueError(f"iterations={iterations!r} must be an int >= 1")
+    positive_int("iterations", iterations, hint="an int >= 1 (chained copies of the iteration)", error=GraphError)
     if iterations == 1 and not sampled:
         return graph
     classes: dict[str, ClassTrace] = {}
@@ -192,11 +193,11 @@ def sampled_steps(graph: ExecutionGraph, cost: CostModel, *, stragglers: Mapping
                   faults: Sequence[FaultSpec] | None = None) -> SampledSteps:
     """Replay the K traced iterations of `graph` in order, after a warm-in copy (module docstring).
 
-    Raises ValueError when the graph carries no samples (built without traces: synthetic, or an old file).
+    Raises GraphError when the graph carries no samples (built without traces: synthetic, or an old file).
     """
     k = max((t.sample_count for t in graph.classes.values()), default=0)
     if k < 2:
-        raise ValueError("the graph carries no per-iteration compute samples (samples_us): build it from "
+        raise GraphError("the graph carries no per-iteration compute samples (samples_us): build it from "
                          "traces of at least 2 steady iterations with `prism graph build`")
     result = replay(unroll(graph, k + 1, sampled=True), cost, stragglers=stragglers, faults=faults)
     steps: dict[int, tuple[float, ...]] = {}

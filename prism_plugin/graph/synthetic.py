@@ -25,8 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from prism_plugin.config.errors import int_at_least, positive_int
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.graph.build import TraceBuilder
+from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.schema import ExecutionGraph, WorldLayout
 from prism_plugin.topology import MegatronLayout
 
@@ -43,12 +45,12 @@ class GradSync(StrEnum):
 def _per_stage(name: str, value: float | Sequence[float], pp: int) -> tuple[float, ...]:
     values = (value,) * pp if isinstance(value, int | float) else tuple(value)
     if len(values) != pp:
-        raise ValueError(
+        raise GraphError(
             f"{name} has {len(values)} entries for pp={pp} stages: give one per stage or a number"
         )
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
-            raise ValueError(f"{name} entries must be numbers >= 0 (microseconds), got {v!r}")
+            raise GraphError(f"{name} entries must be numbers >= 0 (microseconds), got {v!r}")
     return tuple(float(v) for v in values)
 
 
@@ -86,21 +88,15 @@ class SyntheticJob:
     """Megatron's rank order, fastest axis first ("tp-cp-ep-pp-dp" = --use-tp-pp-dp-mapping)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "num_microbatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        for name in ("tp", "pp", "dp", "num_microbatches", "tp_collectives_per_pass"):
+            positive_int(name, getattr(self, name), hint="an int >= 1", error=GraphError)
         for name in ("activation_bytes", "grad_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} must be an int >= 0")
-        if self.tp_collectives_per_pass < 1:
-            raise ValueError(f"tp_collectives_per_pass={self.tp_collectives_per_pass} must be >= 1")
+            int_at_least(name, getattr(self, name), 0, hint="bytes", error=GraphError)
         object.__setattr__(self, "fwd_us", _per_stage("fwd_us", self.fwd_us, self.pp))
         object.__setattr__(self, "bwd_us", _per_stage("bwd_us", self.bwd_us, self.pp))
         object.__setattr__(self, "grad_sync", GradSync(self.grad_sync))
         if not (isinstance(self.optimizer_us, int | float) and self.optimizer_us >= 0):
-            raise ValueError(f"optimizer_us={self.optimizer_us!r} must be a number >= 0")
+            raise GraphError(f"optimizer_us={self.optimizer_us!r} must be a number >= 0")
 
     @property
     def world_size(self) -> int:

@@ -48,11 +48,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from prism_plugin.config.emulation import ConfigError
+from prism_plugin.config.errors import ConfigError, coerce_enum, int_at_least
 from prism_plugin.config.faults import check_fault_ranks, parse_faults
-from prism_plugin.config.kinds import DataPolicy
+from prism_plugin.config.kinds import DataPolicy, Framework
 
 __all__ = [
     "Emulation", "Expect", "Framework", "Layout", "ModelSpec", "Noise", "RealLauncher", "RealRun", "Recipe",
@@ -64,10 +64,7 @@ class RecipeError(ConfigError):
     """A recipe that cannot run; the message names the file, the field and the fix."""
 
 
-class Framework(StrEnum):
-    TORCH = "torch"  # prism_plugin.programs.toy_train: TP x DP MLP on plain torch.distributed
-    MEGATRON = "megatron"  # megatron-core GPT through prism_plugin.megatron
-    DEEPSPEED = "deepspeed"  # prism_plugin/programs/deepspeed_mlp.py through prism_plugin.deepspeed
+E = TypeVar("E", bound=StrEnum)
 
 
 class RealLauncher(StrEnum):
@@ -88,10 +85,11 @@ class Tier(StrEnum):
 
 
 def _positive_int(value: Any, where: str, *, zero: bool = False) -> int:
-    low = 0 if zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise RecipeError(f"{where} must be an integer >= {low}, got {value!r}")
-    return value
+    return int_at_least(where, value, 0 if zero else 1, error=RecipeError)
+
+
+def _enum(cls: type[E], value: Any, where: str) -> E:
+    return coerce_enum(cls, value, where, error=RecipeError)
 
 
 def _fraction(value: Any, where: str) -> float:
@@ -563,13 +561,6 @@ class Recipe:
         if _looks_like_path(emu.profile) and self.source is not None and not Path(emu.profile).is_absolute():
             return str((self.source.parent / emu.profile).resolve())
         return emu.profile
-
-
-def _enum(cls: Any, value: Any, where: str) -> Any:
-    try:
-        return cls(value)
-    except ValueError:
-        raise RecipeError(f"{where}={value!r} is not one of {', '.join(m.value for m in cls)}") from None
 
 
 def _rank_list(value: Any, where: str) -> list[int]:

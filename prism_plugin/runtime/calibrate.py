@@ -1,8 +1,6 @@
-"""`prism calibrate`: time real collectives over local processes and fit the cost model's profile.
+"""Calibration by measurement: time real collectives over local processes and fit the cost model's profile.
 
-    prism calibrate --out local.yaml                       # gloo, 2 local processes
-    prism calibrate --backend nccl --processes 8 --out node.yaml
-    prism calibrate --from-nccl-tests logs/ --out cluster.yaml
+The command line is `prism_plugin.cli.calibrate` (``prism calibrate``); this module measures.
 
 Measuring: `num_processes` local processes (spawned, FileStore rendezvous in a temporary folder, one
 thread each) run every (op, size) of the plan `warmup + repeats` times; each repeat is a barrier,
@@ -21,7 +19,6 @@ spread; repeat the run and compare before trusting a figure.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -35,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prism_plugin.config.errors import ConfigError, coerce_enum, int_at_least
 from prism_plugin.config.kinds import OpKind
 
 if TYPE_CHECKING:  # the fit needs numpy: imported when used, so `prism --help` works without it
@@ -42,10 +40,10 @@ if TYPE_CHECKING:  # the fit needs numpy: imported when used, so `prism --help` 
     from prism_plugin.cost.profiles import HardwareProfile
 
 __all__ = [
+    "BACKENDS",
     "CALIBRATION_OPS",
     "DEFAULT_SIZES",
     "CalibrationPlan",
-    "add_calibrate_parser",
     "calibrate",
     "calibrate_fit",
     "default_sizes",
@@ -72,7 +70,8 @@ CALIBRATION_OPS: dict[str, OpKind] = {
     "send": OpKind.SEND,
 }
 """The ops `calibrate` can time (send = a send/recv pair), by their names on the command line."""
-_BACKENDS = ("gloo", "nccl")
+BACKENDS: tuple[str, ...] = ("gloo", "nccl")
+"""The backends `calibrate` can time (``prism calibrate --backend``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,37 +103,33 @@ class CalibrationPlan:
     sums many such ops pays, tail included: the figure step-time predictions need on a noisy machine)."""
 
     def __post_init__(self) -> None:
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"calibrate: backend {self.backend!r} is not one of {', '.join(_BACKENDS)} (--backend)")
-        n = self.num_processes
-        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-            raise ValueError(f"calibrate: num_processes must be an int >= 2 (--processes), got {n!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"calibrate: backend {self.backend!r} is not one of {', '.join(BACKENDS)} (--backend)")
+        n = int_at_least("calibrate: num_processes", self.num_processes, 2, hint="--processes")
         sizes = default_sizes(n) if self.sizes_bytes is None else tuple(self.sizes_bytes)
         object.__setattr__(self, "sizes_bytes", sizes)
-        object.__setattr__(self, "ops", tuple(OpKind(k) for k in self.ops))
+        object.__setattr__(self, "ops", tuple(coerce_enum(OpKind, k, "calibrate: ops") for k in self.ops))
         if len(set(sizes)) < 2:
-            raise ValueError("calibrate: give at least 2 distinct sizes (--sizes): a rate needs two points")
+            raise ConfigError("calibrate: give at least 2 distinct sizes (--sizes): a rate needs two points")
         for s in sizes:
             if isinstance(s, bool) or not isinstance(s, int) or s <= 0 or s % (4 * n):
-                raise ValueError(
+                raise ConfigError(
                     f"calibrate: size {s!r} must be a positive multiple of {4 * n} bytes (float32 elements split "
                     f"over {n} processes) (--sizes)"
                 )
         bad = [k.value for k in self.ops if k not in CALIBRATION_OPS.values()]
         if bad or not self.ops:
-            raise ValueError(f"calibrate: ops {bad or '(none)'} not timeable; choose from {', '.join(CALIBRATION_OPS)}")
-        for field_name in ("repeats", "warmup"):
-            v = getattr(self, field_name)
-            low = 3 if field_name == "repeats" else 0
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"calibrate: {field_name} must be an int >= {low}, got {v!r} (--{field_name})")
+            raise ConfigError(f"calibrate: ops {bad or '(none)'} not timeable; choose from "
+                              f"{', '.join(CALIBRATION_OPS)}")
+        for field_name, low in (("repeats", 3), ("warmup", 0)):
+            int_at_least(f"calibrate: {field_name}", getattr(self, field_name), low, hint=f"--{field_name}")
         if not self.timeout_s > 0:
-            raise ValueError(f"calibrate: timeout_s must be > 0, got {self.timeout_s!r}")
+            raise ConfigError(f"calibrate: timeout_s must be > 0, got {self.timeout_s!r}")
         if not 0 <= self.compute_gap_us <= 1e6:
-            raise ValueError(f"calibrate: compute_gap_us must be in 0..1e6, got {self.compute_gap_us!r} "
+            raise ConfigError(f"calibrate: compute_gap_us must be in 0..1e6, got {self.compute_gap_us!r} "
                              "(--compute-gap-us)")
         if self.statistic not in ("median", "mean"):
-            raise ValueError(f"calibrate: statistic must be median or mean, got {self.statistic!r} (--statistic)")
+            raise ConfigError(f"calibrate: statistic must be median or mean, got {self.statistic!r} (--statistic)")
 
     def steps(self) -> list[tuple[OpKind, int]]:
         """(op, size) in the order the processes run them."""
@@ -145,14 +140,14 @@ def _check_backend_available(plan: CalibrationPlan) -> None:
     import torch.distributed as dist
 
     if plan.backend == "gloo" and not dist.is_gloo_available():
-        raise ValueError("calibrate: this torch build has no gloo backend; use --backend nccl on a GPU machine")
+        raise ConfigError("calibrate: this torch build has no gloo backend; use --backend nccl on a GPU machine")
     if plan.backend == "nccl":
         import torch
 
         if not (dist.is_nccl_available() and torch.cuda.is_available()):
-            raise ValueError("calibrate: --backend nccl needs CUDA and a torch build with NCCL; use --backend gloo")
+            raise ConfigError("calibrate: --backend nccl needs CUDA and a torch build with NCCL; use --backend gloo")
         if torch.cuda.device_count() < plan.num_processes:
-            raise ValueError(
+            raise ConfigError(
                 f"calibrate: --backend nccl needs one GPU per process: {plan.num_processes} processes, "
                 f"{torch.cuda.device_count()} GPUs; lower --processes"
             )
@@ -382,104 +377,6 @@ def calibrate(
     plan = CalibrationPlan(backend=backend, num_processes=num_processes, repeats=repeats,
                            sizes_bytes=None if sizes is None else tuple(sizes), ops=tuple(OpKind(o) for o in ops))
     return calibrate_fit(plan, name=name).profile
-
-
-# -- command line -------------------------------------------------------------------------------------
-
-
-def _parse_size(text: str) -> int:
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    try:
-        return int(t[:-1]) * units[t[-1]] if t and t[-1] in units else int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size {text!r}: write bytes or 4K / 1M / 64M") from None
-
-
-def add_calibrate_parser(subparsers: Any) -> None:
-    """Add ``prism calibrate`` to the `prism` command's subparsers (see the module doc)."""
-    p = subparsers.add_parser("calibrate", help="fit a hardware profile: time local collectives or read nccl-tests")
-    p.add_argument("--out", type=Path, required=True, help="write the fitted profile (YAML) here")
-    p.add_argument("--backend", default="gloo", choices=_BACKENDS, help="backend to time (default gloo)")
-    p.add_argument("--processes", type=int, default=2, help="local processes (default 2)")
-    p.add_argument("--sizes", default=None, help="comma-separated sizes, e.g. 1K,64K,1M,16M (default 1K..64M x4)")
-    p.add_argument("--ops", default=",".join(CALIBRATION_OPS), help=f"ops to time, from {','.join(CALIBRATION_OPS)}")
-    p.add_argument("--repeats", type=int, default=10, help="timed repeats per op and size (median kept)")
-    p.add_argument("--compute-gap-us", type=float, default=0.0,
-                   help="busy compute before each timed op, as in a training step (default 0: back to back)")
-    p.add_argument("--statistic", default="median", choices=["median", "mean"],
-                   help="median (typical op) or mean (what a step of many ops pays, tail included)")
-    p.add_argument("--name", default=None, help="profile name (default local-calibrated / nccl-tests-DIR)")
-    p.add_argument("--from-nccl-tests", type=Path, default=None, metavar="DIR",
-                   help="fit nccl-tests logs (all_reduce_perf ...) in DIR instead of measuring")
-    p.add_argument("--base", default=None,
-                   help="with --from-nccl-tests: profile giving link rates and unmeasured figures "
-                        "(default: from the GPU name in the logs)")
-    # needed by the recipes (issue 6): like-for-like CPU step times need gloo's per-op rates
-    p.add_argument("--per-op", action="store_true",
-                   help="also fit one transfer multiplier per op (op_transfer_factors in the profile)")
-    p.set_defaults(func=_cmd_calibrate)
-
-
-def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from prism_plugin.config.emulation import ConfigError
-
-    try:
-        return _calibrate_command(args)
-    except (ValueError, argparse.ArgumentTypeError) as exc:  # bad input: `prism` prints it and exits 2
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(str(exc)) from None
-
-
-def _calibrate_command(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    from prism_plugin.cost.nccl_tests import nccl_tests_fit
-
-    console = Console(stderr=True)
-    if args.from_nccl_tests is not None:
-        fit = nccl_tests_fit(args.from_nccl_tests, base=args.base, name=args.name)
-    else:
-        if args.base is not None:
-            raise ValueError("calibrate: --base only applies with --from-nccl-tests")
-        sizes = tuple(_parse_size(s) for s in args.sizes.split(",")) if args.sizes else None
-        ops = []
-        for name in filter(None, (o.strip() for o in args.ops.split(","))):
-            if name not in CALIBRATION_OPS:
-                raise ValueError(f"calibrate: unknown op {name!r} in --ops; choose from {', '.join(CALIBRATION_OPS)}")
-            ops.append(CALIBRATION_OPS[name])
-        plan = CalibrationPlan(backend=args.backend, num_processes=args.processes, sizes_bytes=sizes,
-                               ops=tuple(ops), repeats=args.repeats, compute_gap_us=args.compute_gap_us,
-                               statistic=args.statistic)
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console) as bar:
-            rounds = plan.warmup + plan.repeats
-            task = bar.add_task(f"starting {plan.num_processes} {plan.backend} processes", total=rounds)
-            fit = calibrate_fit(plan, name=args.name or "local-calibrated", on_round=lambda done, total: bar.update(
-                task, completed=done, description=f"round {done}/{total} ({len(plan.steps())} op x size each)"),
-                per_op=args.per_op)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(fit.to_yaml(), encoding="utf-8")
-    table = Table(title=f"prism calibrate: {fit.profile.name} -> {args.out}")
-    for col in ("op", "sizes", "max error", "median error", "worst at (B)"):
-        table.add_column(col, justify="right")
-    for r in fit.residuals:
-        table.add_row(r.label, str(r.count), f"{100 * r.max_rel_error:.1f}%", f"{100 * r.median_rel_error:.1f}%",
-                      str(r.worst_size_bytes))
-    p = fit.profile
-    table.caption = (
-        f"intra {p.intra_node.bandwidth_gbytes_per_s:.4g} GB/s, {p.intra_node.latency_us:.3g} us/hop; "
-        f"inter {p.inter_node.bandwidth_gbytes_per_s:.4g} GB/s, {p.inter_node.latency_us:.3g} us/hop; "
-        f"bus_eff {p.bus_efficiency:.3g}, p2p_eff {p.p2p_efficiency:.3g}; overheads "
-        f"{p.collective_overhead_us:.3g} / {p.p2p_overhead_us:.3g} us"
-        + (f"; per-op transfer factors {dict(p.op_transfer_factors)}" if p.op_transfer_factors else "")
-        + (f"; not fitted: {', '.join(fit.not_fitted)}" if fit.not_fitted else "")
-    )
-    Console().print(table)
-    return 0
 
 
 if __name__ == "__main__":  # a worker process of measure_collectives

@@ -229,6 +229,19 @@ def test_cli_calibrate_rejects_bad_input_before_any_process(tmp_path, capsys, ar
     assert not (tmp_path / "p.yaml").exists()
 
 
+def test_the_calibrate_verb_lives_in_the_cli_and_the_measuring_in_the_runtime() -> None:
+    import prism_plugin.runtime.calibrate as measuring
+    from prism_plugin.cli.calibrate import _parse_size, add_calibrate_parser
+    from prism_plugin.config.errors import ConfigError
+
+    assert callable(add_calibrate_parser) and not hasattr(measuring, "add_calibrate_parser")
+    assert (_parse_size("4K"), _parse_size("64MiB"), _parse_size("1000")) == (4096, 2**26, 1000)
+    with pytest.raises(ConfigError, match="size '4X'"):
+        _parse_size("4X")
+    with pytest.raises(ConfigError, match="num_processes must be an integer >= 2, got 1"):
+        measuring.CalibrationPlan(num_processes=1)
+
+
 # -- a real calibration (2 gloo processes) ------------------------------------------------------------
 
 
