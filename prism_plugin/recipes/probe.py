@@ -69,6 +69,7 @@ from typing import Any
 import torch
 
 from prism_plugin.runtime.memory import StorageTracker
+from prism_plugin.runtime.undo import Patches
 
 __all__ = ["METRICS_SCHEMA", "Probe", "TimelineTracker", "main"]
 
@@ -182,23 +183,21 @@ class Probe:
         self._first_optimizer: int | None = None
         self._rank: int | None = None
         self._world: int | None = None
-        self._undo: list[Any] = []
+        self._patches = Patches()
 
     # -- hooks -------------------------------------------------------------------------------------
     def install(self) -> Probe:
         from torch.autograd.variable import Variable
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        self._undo.append(register_optimizer_step_post_hook(self._on_optimizer_step).remove)
-        engine = Variable._execution_engine
-        Variable._execution_engine = _EngineProxy(engine, self)
-        self._undo.append(lambda: setattr(Variable, "_execution_engine", engine))
+        self._patches.callback(register_optimizer_step_post_hook(self._on_optimizer_step).remove)
+        self._patches.setattr(Variable, "_execution_engine", _EngineProxy(Variable._execution_engine, self))
         store = os.environ.get("PRISM_PROBE_STORE")
         if store:
             self._rendezvous_through(store)
         if self.collect_garbage:
             gc.disable()
-            self._undo.append(gc.enable)
+            self._patches.callback(gc.enable)
         if self.tracker is not None:
             self._suspend_in_gloo(self.tracker)
             self.tracker.start()
@@ -232,14 +231,12 @@ class Probe:
                 finally:
                     tracker.suspended -= 1
 
-            setattr(cls, name, call)
-            self._undo.append(functools.partial(setattr, cls, name, original))
+            self._patches.setattr(cls, name, call)
 
     def uninstall(self) -> None:
         if self.tracker is not None and self.tracker in _tracker_stack():
             self.tracker.stop()
-        while self._undo:
-            self._undo.pop()()
+        self._patches.close()
 
     def _rendezvous_through(self, path: str) -> None:
         import torch.distributed as dist
@@ -259,9 +256,8 @@ class Probe:
                 return original(backend, store=store, rank=rank, world_size=world, **kwargs)
             return original(backend, init_method, *args, **kwargs)
 
-        dist.init_process_group = c10d.init_process_group = init_process_group
-        self._undo.append(lambda: (setattr(dist, "init_process_group", original),
-                                   setattr(c10d, "init_process_group", original)))
+        self._patches.setattr(dist, "init_process_group", init_process_group)
+        self._patches.setattr(c10d, "init_process_group", init_process_group)
 
     def _on_backward(self, tensors: Any, grads: Any) -> None:
         if self._pending_loss is not None:

@@ -136,10 +136,10 @@ def install(emulation: DeepSpeedEmulation) -> None:
             check_topology(tuple(topology.axes), tuple(topology.dims), world_size, declared)
         stock_init(self, topology=topology, process_group=process_group)
 
-    emulation.patch(ds_topology.PipelineParallelGrid, "__init__", grid_init)
+    emulation.patches.setattr(ds_topology.PipelineParallelGrid, "__init__", grid_init)
     cls = ds_topology.ProcessTopology
-    emulation.patch(cls, "get_coord", _get_coord)
-    emulation.patch(cls, "get_axis_list", _get_axis_list)
-    emulation.patch(cls, "filter_match", _filter_match)
-    emulation.patch(cls, "get_axis_comm_lists", _get_axis_comm_lists)
-    emulation.patch(ds_topology.PipelineParallelGrid, "_build_p2p_groups", _build_p2p_groups)
+    emulation.patches.setattr(cls, "get_coord", _get_coord)
+    emulation.patches.setattr(cls, "get_axis_list", _get_axis_list)
+    emulation.patches.setattr(cls, "filter_match", _filter_match)
+    emulation.patches.setattr(cls, "get_axis_comm_lists", _get_axis_comm_lists)
+    emulation.patches.setattr(ds_topology.PipelineParallelGrid, "_build_p2p_groups", _build_p2p_groups)

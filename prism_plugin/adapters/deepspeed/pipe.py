@@ -81,4 +81,4 @@ def install(emulation: DeepSpeedEmulation) -> None:
         dist.group.WORLD.vg.pending_root_payloads.append(payload)
         return original(self, send_stage)
 
-    emulation.patch(cls, "_recv_tensor_meta", _recv_tensor_meta)
+    emulation.patches.setattr(cls, "_recv_tensor_meta", _recv_tensor_meta)

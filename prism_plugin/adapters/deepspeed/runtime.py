@@ -11,7 +11,7 @@ With a ``"prism"`` section (see `section`) process i plays virtual rank ``real_r
 one this calls ``deepspeed.init_distributed`` unchanged. Launch with ``torchrun --nproc-per-node k`` or
 ``deepspeed --num_gpus k``: the launcher's RANK is the process index, its WORLD_SIZE must equal k.
 
-Seams (each installed here and undone by `shutdown`):
+Seams (each installed here, held by one `Patches` and undone by `shutdown`):
 - ``deepspeed.comm.comm.cdb``: a `TorchBackend` over the initialised prism world (DeepSpeed keeps a
   pre-set, initialised cdb). Its shared-memory all-reduce op is not built: it would initialise shared
   memory for N local ranks and wait for the absent ones (it only serves ``inference_all_reduce``,
@@ -31,7 +31,6 @@ optimizer step); ``"trace"`` records the real ranks' traces for ``prism graph bu
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import sys
 from collections.abc import Mapping
@@ -45,11 +44,11 @@ import torch.distributed as dist
 import prism_plugin.runtime.session as session_mod
 from prism_plugin.adapters.deepspeed.section import PrismSection, parse_section
 from prism_plugin.config.emulation import ConfigError
+from prism_plugin.runtime.lifecycle import EmulatedRun, real_store
 
 __all__ = ["DeepSpeedEmulation", "init_distributed", "shutdown", "active", "maybe_init_distributed"]
 
 _ACTIVE: DeepSpeedEmulation | None = None
-_MISSING = object()
 _ATEXIT_REGISTERED = False
 
 
@@ -59,29 +58,31 @@ def active() -> DeepSpeedEmulation | None:
 
 
 class DeepSpeedEmulation:
-    """Process-wide owner of the DeepSpeed seams of one emulation (one per process)."""
+    """Process-wide owner of the DeepSpeed seams of one emulation (one per process).
 
-    def __init__(self, section: PrismSection, process_index: int) -> None:
+    Its `run` (`lifecycle.EmulatedRun`) activates and ends the session and writes the summary file (no
+    stdout line: DeepSpeed runs never printed one); `patches` (the run's clean-up) holds every seam.
+    """
+
+    def __init__(self, section: PrismSection, process_index: int, store: dist.Store | None = None) -> None:
         self.section = section
         self.process_index = process_index
-        self.session: session_mod.Session | None = None
+        self.run = EmulatedRun(section.emulation, process_index, store, print_summary=False)
+        self.patches = self.run.cleanup
         self.summary: dict[str, Any] | None = None
-        self._undo: list[tuple[Any, str, Any]] = []
-        self._saved_env: dict[str, str | None] = {}
+
+    @property
+    def session(self) -> session_mod.Session | None:
+        return self.run.session
 
     @property
     def rank(self) -> int:
         return self.section.real_ranks[self.process_index]
 
-    def patch(self, owner: Any, name: str, new: Any) -> None:
-        """Replace ``owner.name`` until `close`."""
-        self._undo.append((owner, name, vars(owner).get(name, _MISSING)))
-        setattr(owner, name, new)
-
     def _set_env(self, key: str, value: str) -> None:
-        if key not in self._saved_env:
-            self._saved_env[key] = os.environ.get(key)
+        old = os.environ.get(key)
         os.environ[key] = value
+        self.patches.callback(_restore_env, key, old)
 
     def install(self, local_world_size: int) -> None:
         from deepspeed import accelerator as ds_accelerator
@@ -89,6 +90,7 @@ class DeepSpeedEmulation:
 
         from prism_plugin.adapters.deepspeed import grid, pipe, zero
 
+        self.patches.callback(_forget_deepspeed_state)  # runs last, after every seam is undone
         world = self.section.emulation.world
         device_index = world.device_of(self.process_index, local_world_size)
         self._set_env("RANK", str(self.rank))
@@ -99,37 +101,29 @@ class DeepSpeedEmulation:
         ds_accelerator.set_accelerator(accel)
         if accel.device_name() != "cpu":
             accel.set_device(int(os.environ["LOCAL_RANK"]))
-        self.patch(ds_comm, "cdb", _torch_backend(self.section.emulation.timeout_s))
+        self.patches.setattr(ds_comm, "cdb", _torch_backend(self.section.emulation.timeout_s))
         grid.install(self)
         pipe.install(self)
         zero.install(self)
 
     def close(self) -> dict[str, Any] | None:
-        """Undo every seam, reset DeepSpeed's cached groups, end the session; returns its summary."""
-        from deepspeed.comm import comm as ds_comm
-
-        try:
-            self.summary = session_mod.deactivate()
-        finally:
-            while self._undo:
-                owner, name, old = self._undo.pop()
-                if old is _MISSING:
-                    delattr(owner, name)
-                else:
-                    setattr(owner, name, old)
-            ds_comm.cdb = None
-            _reset_deepspeed_globals()
-            for key, value in self._saved_env.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-            self._saved_env.clear()
-        output = self.section.emulation.output_dir
-        if self.summary is not None and output is not None:
-            output.mkdir(parents=True, exist_ok=True)
-            (output / f"rank{self.summary['rank']}.summary.json").write_text(json.dumps(self.summary, indent=2))
+        """End the session, undo every seam, reset DeepSpeed's cached groups; returns the session summary."""
+        self.summary = self.run.finish()
         return self.summary
+
+
+def _restore_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
+
+
+def _forget_deepspeed_state() -> None:
+    from deepspeed.comm import comm as ds_comm
+
+    ds_comm.cdb = None
+    _reset_deepspeed_globals()
 
 
 def _torch_backend(timeout_s: float) -> Any:
@@ -179,24 +173,6 @@ def _launcher_process() -> tuple[int, int | None]:
     return index, int(count) if count else None
 
 
-def _real_store(num_real: int, index: int, store: dist.Store | None, init_method: str | None) -> dist.Store | None:
-    if num_real < 2:
-        return None
-    if store is not None:
-        return store
-    if os.environ.get("PRISM_STORE_FILE"):
-        return dist.FileStore(os.environ["PRISM_STORE_FILE"], num_real)
-    if init_method and init_method.startswith("file://"):
-        return dist.FileStore(init_method[len("file://"):], num_real)
-    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        raise ConfigError(
-            f"{num_real} real ranks need a rendezvous among the real processes: launch with torchrun / deepspeed "
-            "(MASTER_ADDR, MASTER_PORT set), or pass store= or init_method='file:///path'"
-        )
-    store, _, _ = next(dist.rendezvous("env://", rank=index, world_size=num_real))
-    return dist.PrefixStore("prism-deepspeed", store)
-
-
 def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, store: dist.Store | None = None,
                      dist_backend: str | None = None, timeout: timedelta | None = None,
                      init_method: str | None = None, rank: int = -1, world_size: int = -1,
@@ -242,9 +218,9 @@ def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, st
         raise ConfigError(f"init_distributed(rank={rank}) but this process plays rank {world.real_ranks[index]}")
     if timeout is not None:
         section = replace(section, emulation=replace(section.emulation, timeout_s=timeout.total_seconds()))
-    real_store = _real_store(world.num_real, index, store, init_method)
-    emulation = DeepSpeedEmulation(section, index)
-    emulation.session = session_mod.activate(section.emulation, index, real_store)
+    emulation = DeepSpeedEmulation(section, index, real_store(world.num_real, index, store=store,
+                                                              init_method=init_method))
+    emulation.run.start()
     try:
         emulation.install(int(os.environ.get("LOCAL_WORLD_SIZE", world.num_real)))
     except BaseException:

@@ -54,5 +54,5 @@ def install(emulation: DeepSpeedEmulation) -> None:
         queue(torch.tensor(lst, dtype=int))
         return original_lst(lst)
 
-    emulation.patch(zero_utils, "assert_lst_len_same_as_other_ranks", assert_lst_len_same_as_other_ranks)
-    emulation.patch(zero_utils, "get_lst_from_rank0", get_lst_from_rank0)
+    emulation.patches.setattr(zero_utils, "assert_lst_len_same_as_other_ranks", assert_lst_len_same_as_other_ranks)
+    emulation.patches.setattr(zero_utils, "get_lst_from_rank0", get_lst_from_rank0)

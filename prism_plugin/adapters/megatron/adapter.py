@@ -33,13 +33,13 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from prism_plugin.adapters.megatron import compat
 from prism_plugin.adapters.megatron.cpu_shim import CpuShim
+from prism_plugin.runtime.undo import Patches
 
 __all__ = ["MegatronAdapter", "rebind_everywhere", "current_adapter"]
 
@@ -57,12 +57,13 @@ def current_adapter() -> MegatronAdapter | None:
     return _CURRENT
 
 
-def rebind_everywhere(original: Any, replacement: Any, undo: list[Callable[[], None]],
+def rebind_everywhere(original: Any, replacement: Any, patches: Patches,
                       prefixes: tuple[str, ...] = ("megatron",)) -> int:
     """Replace `original` by `replacement` in every loaded module under `prefixes` that holds it.
 
     Megatron imports helpers by name (``from megatron.training.utils import is_last_rank``), so a
-    patch of the defining module alone misses them. Returns how many bindings were replaced.
+    patch of the defining module alone misses them. Each replacement is undone when `patches` closes.
+    Returns how many bindings were replaced.
     """
     count = 0
     for name, module in list(sys.modules.items()):
@@ -73,8 +74,7 @@ def rebind_everywhere(original: Any, replacement: Any, undo: list[Callable[[], N
             continue
         for attr, value in list(namespace.items()):
             if value is original:
-                setattr(module, attr, replacement)
-                undo.append(functools.partial(setattr, module, attr, original))
+                patches.setattr(module, attr, replacement)
                 count += 1
     return count
 
@@ -93,7 +93,7 @@ class MegatronAdapter:
         self.log_rank: int | None = None
         """The real rank that writes rank N-1's logs (None when N-1 is real)."""
         self.device: torch.device = torch.device("cpu")
-        self._undo: list[Callable[[], None]] = []
+        self._patches = Patches()
         self._p2p_fills = [0]
 
     # -- install / uninstall -------------------------------------------------------------------------
@@ -114,15 +114,15 @@ class MegatronAdapter:
             self._hook_schedules()
             from prism_plugin.adapters.megatron import pipeline
 
-            self._p2p_fills = pipeline.install(self.session, self._undo)
+            self._p2p_fills = pipeline.install(self.session, self._patches)
             if self.fix_tp_data:
                 from prism_plugin.adapters.megatron import data
 
-                data.install(self.session, self._undo)
+                data.install(self.session, self._patches)
             if self.redirect_logs:
                 from prism_plugin.adapters.megatron import logs
 
-                self.log_rank = logs.install(self.session, self._undo)
+                self.log_rank = logs.install(self.session, self._patches)
         except BaseException:
             self._teardown()
             raise
@@ -136,8 +136,7 @@ class MegatronAdapter:
             _CURRENT = None
 
     def _teardown(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+        self._patches.close()
         if self.shim is not None:
             self.shim.uninstall()
             self.shim = None
@@ -173,7 +172,7 @@ class MegatronAdapter:
                 return _original(*args, **kwargs)
 
             functools.update_wrapper(marked, original)
-            rebind_everywhere(original, marked, self._undo)
+            rebind_everywhere(original, marked, self._patches)
 
     def summary(self) -> dict[str, Any]:
         return {

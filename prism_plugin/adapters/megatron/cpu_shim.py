@@ -73,12 +73,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.overrides
+
+from prism_plugin.runtime.undo import Patches
 
 __all__ = ["CpuPatch", "CpuShim", "PATCHES", "active_shim"]
 
@@ -240,22 +242,12 @@ class CpuShim:
         if unknown:
             raise ValueError(f"CpuShim(skip={sorted(unknown)}): no such patch; patches are 1..{len(PATCHES)}")
         self.applied: list[int] = []
-        self._undo: list[Callable[[], None]] = []
+        self._patches = Patches()
         self._mode: _CudaToCpuMode | None = None
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _set(self, number: int, owner: Any, name: str, value: Any) -> None:
-        missing = object()
-        old = owner.__dict__.get(name, missing) if isinstance(owner, type) else getattr(owner, name, missing)
-
-        def undo() -> None:
-            if old is missing:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, old)
-
-        setattr(owner, name, value)
-        self._undo.append(undo)
+        self._patches.setattr(owner, name, value)
         if number not in self.applied:
             self.applied.append(number)
 
@@ -295,7 +287,7 @@ class CpuShim:
             mode = _CudaToCpuMode(cuda_type_strings=self._on(5))
             mode.__enter__()
             self._mode = mode
-            self._undo.append(self._exit_mode)
+            self._patches.callback(self._exit_mode)
             self.applied.append(3)
             if self._on(5):
                 self.applied.append(5)
@@ -384,8 +376,7 @@ class CpuShim:
     def uninstall(self) -> None:
         global _ACTIVE
         with _LOCK:
-            while self._undo:
-                self._undo.pop()()
+            self._patches.close()
             self.applied = []
             if _ACTIVE is self:
                 _ACTIVE = None

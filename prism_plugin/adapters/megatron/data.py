@@ -30,12 +30,12 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from prism_plugin.config.kinds import DataPolicy
+from prism_plugin.runtime.undo import Patches
 
 __all__ = ["install", "fill_valid_batch"]
 
@@ -72,7 +72,7 @@ def fill_valid_batch(batch: dict[str, Any], vocab_size: int) -> None:
         mask.triu_(1)
 
 
-def install(session: Any, undo: list[Callable[[], None]]) -> None:
+def install(session: Any, patches: Patches) -> None:
     """Wrap ``get_batch_on_this_tp_rank`` wherever Megatron bound it."""
     import megatron.core.utils as mutils
 
@@ -93,12 +93,12 @@ def install(session: Any, undo: list[Callable[[], None]]) -> None:
             fill_valid_batch(result, _vocab_size(int(bound.get("seq_length") or 1)))
         return result
 
-    rebind_everywhere(original, get_batch_on_this_tp_rank, undo)
+    rebind_everywhere(original, get_batch_on_this_tp_rank, patches)
     if not world.is_real(0) and "megatron.training.training" in sys.modules:
-        _install_run_flags(undo)
+        _install_run_flags(patches)
 
 
-def _install_run_flags(undo: list[Callable[[], None]]) -> None:
+def _install_run_flags(patches: Patches) -> None:
     import megatron.training.training as training
 
     from prism_plugin.adapters.megatron.adapter import rebind_everywhere
@@ -115,4 +115,4 @@ def _install_run_flags(undo: list[Callable[[], None]]) -> None:
         margs.do_test = bool(margs.do_test) or evaluates
         return loaders
 
-    rebind_everywhere(original, build_train_valid_test_data_loaders, undo)
+    rebind_everywhere(original, build_train_valid_test_data_loaders, patches)

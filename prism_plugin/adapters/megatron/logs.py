@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from prism_plugin.runtime.undo import Patches
+
 __all__ = ["install", "log_rank_for"]
 
 
@@ -33,7 +35,7 @@ def log_rank_for(world_size: int, real_ranks: tuple[int, ...], target: int) -> i
     return None if target in real_ranks else min(real_ranks)
 
 
-def install(session: Any, undo: list[Callable[[], None]]) -> int | None:
+def install(session: Any, patches: Patches) -> int | None:
     """Install the redirections for `session`; returns the stand-in for rank N-1 (or None)."""
     from prism_plugin.adapters.megatron.adapter import rebind_everywhere
 
@@ -48,13 +50,13 @@ def install(session: Any, undo: list[Callable[[], None]]) -> int | None:
     if first_by is not None and me == first_by:
         print(f"prism: rank 0 is virtual; print_rank_0 output is printed by rank {me}, the lowest real rank",
               flush=True)
-    _redirect_core_timers(n, last_by, me, undo)
+    _redirect_core_timers(n, last_by, me, patches)
     if "megatron.training.utils.common_utils" in sys.modules:
-        _redirect_training(n, last_by, first_by, me, undo, rebind_everywhere)
+        _redirect_training(n, last_by, first_by, me, patches, rebind_everywhere)
     return last_by
 
 
-def _redirect_core_timers(n: int, last_by: int | None, me: int, undo: list[Callable[[], None]]) -> None:
+def _redirect_core_timers(n: int, last_by: int | None, me: int, patches: Patches) -> None:
     if last_by is None:
         return
     from megatron.core.timers import Timers
@@ -65,12 +67,11 @@ def _redirect_core_timers(n: int, last_by: int | None, me: int, undo: list[Calla
     def log(self: Any, names: Any, rank: int | None = None, *args: Any, **kwargs: Any) -> Any:
         return original(self, names, last_by if rank is None else rank, *args, **kwargs)
 
-    Timers.log = log
-    undo.append(functools.partial(setattr, Timers, "log", original))
+    patches.setattr(Timers, "log", log)
 
 
 def _redirect_training(n: int, last_by: int | None, first_by: int | None, me: int,
-                       undo: list[Callable[[], None]], rebind: Callable[..., int]) -> None:
+                       patches: Patches, rebind: Callable[..., int]) -> None:
     import megatron.training.global_vars as global_vars
     import megatron.training.utils.common_utils as common
 
@@ -82,7 +83,7 @@ def _redirect_training(n: int, last_by: int | None, first_by: int | None, me: in
         def is_last_rank() -> bool:
             return is_stand_in
 
-        rebind(original_is_last, is_last_rank, undo)  # also common's own global, read by print_rank_last
+        rebind(original_is_last, is_last_rank, patches)  # also common's own global, read by print_rank_last
         for name in ("_set_tensorboard_writer", "_set_wandb_writer", "_set_one_logger"):
             original = getattr(global_vars, name)
 
@@ -93,8 +94,7 @@ def _redirect_training(n: int, last_by: int | None, first_by: int | None, me: in
                 return _original(args)
 
             functools.update_wrapper(as_last, original)
-            setattr(global_vars, name, as_last)
-            undo.append(functools.partial(setattr, global_vars, name, original))
+            patches.setattr(global_vars, name, as_last)
     if first_by is not None and me == first_by:
         original_print0 = common.print_rank_0
 
@@ -103,4 +103,4 @@ def _redirect_training(n: int, last_by: int | None, first_by: int | None, me: in
             if rank is None or rank == 0:
                 print(message, flush=True)
 
-        rebind(original_print0, print_rank_0, undo)
+        rebind(original_print0, print_rank_0, patches)

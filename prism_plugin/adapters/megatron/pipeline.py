@@ -28,12 +28,12 @@ rank's own last shape message; before any was sent, Megatron would allocate an e
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from prism_plugin.config.kinds import DataPolicy
+from prism_plugin.runtime.undo import Patches
 
 __all__ = ["install", "fill_if_degenerate", "DeviceGenerators"]
 
@@ -64,7 +64,7 @@ def fill_if_degenerate(t: torch.Tensor, generator: torch.Generator | DeviceGener
     return True
 
 
-def install(session: Any, undo: list[Callable[[], None]]) -> list[int]:
+def install(session: Any, patches: Patches) -> list[int]:
     """Wrap ``P2PCommunicator._communicate`` (mirror policy only); returns a live [fills] counter."""
     stats = [0]
     if session.config.data_policy is not DataPolicy.MIRROR:
@@ -84,14 +84,12 @@ def install(session: Any, undo: list[Callable[[], None]]) -> list[int]:
             stats[0] += fill_if_degenerate(recv_next, generator, gradient=True)
         return recv_prev, recv_next, reqs
 
-    P2PCommunicator._communicate = _communicate
-    undo.append(functools.partial(setattr, P2PCommunicator, "_communicate", original))
-    _install_tied_output(world, generator, stats, undo)
+    patches.setattr(P2PCommunicator, "_communicate", _communicate)
+    _install_tied_output(world, generator, stats, patches)
     return stats
 
 
-def _install_tied_output(world: Any, generator: DeviceGenerators, stats: list[int],
-                         undo: list[Callable[[], None]]) -> None:
+def _install_tied_output(world: Any, generator: DeviceGenerators, stats: list[int], patches: Patches) -> None:
     import torch.distributed as dist
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
@@ -110,5 +108,4 @@ def _install_tied_output(world: Any, generator: DeviceGenerators, stats: list[in
                 weight.normal_(0.0, float(self.config.init_method_std), generator=generator.for_tensor(weight))
                 stats[0] += 1
 
-    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
-    undo.append(functools.partial(setattr, LanguageModule, "setup_embeddings_and_output_layer", original))
+    patches.setattr(LanguageModule, "setup_embeddings_and_output_layer", setup_embeddings_and_output_layer)
