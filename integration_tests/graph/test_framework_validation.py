@@ -25,6 +25,11 @@ replay -5%, hybrids -3% / -2% (noise 13%); DeepSpeed replay -10%, hybrids -10% (
 rank's step against the replay is bounded by how far its own compute moved from the real run's (compute
 coupling, see validation.framework); its ops' completions against the replay's
 arrivals are checked to the microsecond scale.
+
+Caps (graph_checks.Bound): each bound is capped at its value for a noise of NOISE_CAP_PCT = 15%, the 12-13%
+measured under a load of ~2.5 above plus 2 points; the hybrid-follows-the-replay bound also at the largest
+compute coupling seen (18% of the step). Noisier runs skip their timing checks with the figures instead of
+passing.
 """
 
 from __future__ import annotations
@@ -32,8 +37,16 @@ from __future__ import annotations
 import json
 
 import pytest
+from graph_checks import (
+    Bound,
+    Tolerances,
+    check_arrivals,
+    check_graph_classes,
+    check_hybrid_errors,
+    check_replay,
+    noise_checks,
+)
 
-from prism_plugin.graph.schema import ExecutionGraph
 from validation.framework import FrameworkJob, validate_framework
 
 pytestmark = pytest.mark.slow
@@ -41,6 +54,15 @@ pytestmark = pytest.mark.slow
 FLOOR_PCT = 10.0  # real compute on 2 shared cores: wider than the slept pipeline example's 5%
 MAX_FLOOR_PCT = 25.0  # the worst of 20 steps
 WAIT_FLOOR_PCT = 5.0  # mean per-op wait error, as a share of the step time
+NOISE_CAP_PCT = 15.0  # the 12-13% noise measured under a load of ~2.5 (module docstring) + 2 points
+TOL = Tolerances(
+    mean=Bound(floor_pct=FLOOR_PCT, k=2.0, cap_pct=40.0),  # 10 + 2 x 15 = 40
+    worst_step=Bound(floor_pct=MAX_FLOOR_PCT, k=4.0, cap_pct=85.0),  # 25 + 4 x 15 = 85
+    wait=Bound(floor_pct=WAIT_FLOOR_PCT, k=2.0, cap_pct=35.0),  # 5 + 2 x 15 = 35
+)
+# a hybrid rank's step against the replay: 5% + 2 x its run's noise + |its compute coupling|;
+# cap 5 + 2 x 15 + 18 (the largest coupling seen: DeepSpeed hybrid ranks 18% of the step faster) = 53
+FOLLOW = Bound(floor_pct=5.0, k=2.0, cap_pct=53.0)
 # p2p ops per stage and step: 4 micro-batches, each stage sends 4 and receives 4 (activations or gradients)
 P2P_PER_STEP = 4
 ARRIVAL_EARLY_US = 10.0  # an op completing before the replay says would be a bug: only clock rounding
@@ -57,18 +79,9 @@ def figures(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return out
 
 
-def _tol(figures: dict, floor: float, k: float = 2.0, hybrid: dict | None = None) -> float:
-    noise = max(figures.get("real_run_to_run_pct", 0.0), figures["real_step_cv_pct"])
-    return floor + k * max(noise, 0.0 if hybrid is None else hybrid["step_cv_pct"])
-
-
 def test_structure_of_graph_and_hybrid_runs(figures: dict) -> None:
     assert figures["job"]["steps_compared"] == 20  # 24 steps: 23 traced iterations, 3 dropped
-    graph = ExecutionGraph.load(figures["graph"])
-    assert sorted(graph.classes) == ["pp=0", "pp=1"]
-    for name, trace in graph.classes.items():
-        kinds = [n.kind.value for n in trace.nodes]
-        assert (kinds.count("send"), kinds.count("recv")) == (P2P_PER_STEP, P2P_PER_STEP), name
+    check_graph_classes(figures, P2P_PER_STEP)
     for r, h in figures["hybrid"].items():
         assert h["arrivals"] == "replayed", r
         g = h["graph_ops"]
@@ -84,11 +97,8 @@ def test_hybrid_ops_complete_when_the_replay_says(figures: dict) -> None:
     late only by the wake-up of a sleeping thread (measured on an idle machine: median 2-6 us, 90th
     percentile <= 110 us; with a third busy process on the 2 cores the 90th percentile reached 3.5 ms, the
     scheduler's time slice, while the median stayed at 6 us: the median is what is bounded)."""
-    for r, h in figures["hybrid"].items():
-        c = h["arrivals_check"]
-        assert c["ops_checked"] >= 20 * 2 * P2P_PER_STEP and c["ops_waiting_on_virtual"] >= 20, (r, c)
-        assert c["min_us"] >= -ARRIVAL_EARLY_US, (r, c)
-        assert c["median_us"] <= ARRIVAL_MEDIAN_US, (r, c)
+    check_arrivals(figures, min_ops=20 * 2 * P2P_PER_STEP, min_waiting=20, early_us=ARRIVAL_EARLY_US,
+                   median_us=ARRIVAL_MEDIAN_US)
 
 
 def test_hybrid_ranks_follow_the_replay(figures: dict) -> None:
@@ -96,26 +106,15 @@ def test_hybrid_ranks_follow_the_replay(figures: dict) -> None:
     faster or slower its own compute ran than the real run's that the graph carries (module docstring of
     validation.framework: compute coupling; DeepSpeed hybrid ranks ran up to 18% of
     the step faster) and its run's own noise."""
-    for r, h in figures["hybrid"].items():
-        predicted = figures["predicted_rank_step_ms"][r]
-        rel = 0.05 + 2 * h["step_cv_pct"] / 100 + abs(h["compute_delta_pct_of_step"]) / 100
-        assert h["step_ms"] == pytest.approx(predicted, rel=rel), (r, h, predicted)
+    with noise_checks() as nc:
+        for r, h in figures["hybrid"].items():
+            nc.approx(f"hybrid {r} step vs replay", h["step_ms"], figures["predicted_rank_step_ms"][r], FOLLOW,
+                      h["step_cv_pct"], extra_pct=abs(h["compute_delta_pct_of_step"]), detail=h)
 
 
 def test_replay_predicts_the_real_step_time(figures: dict) -> None:
-    replay = figures["replay"]
-    assert abs(replay["mean_error_pct"]) <= _tol(figures, FLOOR_PCT), replay
-    assert replay["per_step_mean_error_pct"] <= _tol(figures, FLOOR_PCT), replay
-    # the sampled replay (traced iterations in order, each with its own spans): the same bound
-    assert abs(replay["sampled_mean_error_pct"]) <= _tol(figures, FLOOR_PCT), replay
-    assert replay["per_step_max_error_pct"] <= _tol(figures, MAX_FLOOR_PCT, k=4.0), replay
+    check_replay(figures, TOL)
 
 
 def test_hybrid_ranks_reproduce_real_step_time_and_waits(figures: dict) -> None:
-    for r, h in figures["hybrid"].items():
-        tol = _tol(figures, FLOOR_PCT, hybrid=h)
-        assert abs(h["mean_error_pct"]) <= tol, (r, h["mean_error_pct"], tol)
-        assert h["per_step_mean_error_pct"] <= tol, (r, h)
-        assert h["per_step_max_error_pct"] <= _tol(figures, MAX_FLOOR_PCT, k=4.0, hybrid=h), (r, h)
-        assert h["wait_mean_abs_error_pct_of_step"] <= _tol(figures, WAIT_FLOOR_PCT, hybrid=h), (r, h)
-        assert h["wait_total_error_pct_of_step"] <= tol, (r, h)
+    check_hybrid_errors(figures, TOL)

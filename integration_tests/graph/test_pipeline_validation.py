@@ -20,6 +20,12 @@ run whose real runs scattered by 1%, is the machine's, not the emulator's). Mean
 FLOOR + 2 x noise (the prediction and the real run each off by up to one noise), the worst single step
 within MAX_FLOOR + 4 x noise. The mechanism check (hybrid rank 0 follows the replay, the bubble is
 emulated) does not depend on the real run: 3% plus the hybrid run's own coefficient of variation.
+
+Caps (graph_checks.Bound): each bound is capped at its value for a noise of NOISE_CAP_PCT = 10%, the top of
+the 5-10% step scatter of a loaded machine above. That keeps the mean bound (5 + 2 x 10 = 25%) and the
+mechanism check's (3 + 10 = 13%) under the ~35% a lost replay would show (stage 0 alone at its own compute
+time, see test_hybrid_rank_follows_the_replayed_virtual_stage). Noisier runs (runs ~15% apart, as under
+heavy load) skip their timing checks with the figures instead of passing.
 """
 
 from __future__ import annotations
@@ -31,6 +37,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from graph_checks import (
+    Bound,
+    Tolerances,
+    check_arrivals,
+    check_graph_classes,
+    check_hybrid_errors,
+    check_replay,
+    noise_checks,
+    run_noise_pct,
+)
 
 from prism_plugin.graph.rank_trace import load_rank_traces
 from prism_plugin.graph.schema import ExecutionGraph
@@ -42,6 +58,14 @@ JOB = PipelineJob(pp=2, microbatches=8, fwd_ms="3,4", bwd_ms="6,8", steps=24, wa
 FLOOR_PCT = 5.0  # quiet-machine errors of the mean are within ~3%; 2 points of margin
 MAX_FLOOR_PCT = 10.0  # the worst of 20 steps
 WAIT_FLOOR_PCT = 3.0  # per-op wait errors, as a share of the step time (quiet: within ~1.5%)
+NOISE_CAP_PCT = 10.0  # the top of the 5-10% step scatter of a loaded machine (module docstring)
+TOL = Tolerances(
+    mean=Bound(floor_pct=FLOOR_PCT, k=2.0, cap_pct=25.0),  # 5 + 2 x 10 = 25 (a lost replay: ~35%)
+    worst_step=Bound(floor_pct=MAX_FLOOR_PCT, k=4.0, cap_pct=50.0),  # 10 + 4 x 10 = 50
+    wait=Bound(floor_pct=WAIT_FLOOR_PCT, k=2.0, cap_pct=23.0),  # 3 + 2 x 10 = 23
+)
+FOLLOW = Bound(floor_pct=3.0, k=1.0, cap_pct=13.0)  # 3 + 1 x 10 = 13 (without the replay: ~35% off)
+P2P_PER_STEP = 8  # 8 micro-batches: each stage sends 8 and receives 8 (activations or gradients)
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +77,11 @@ def figures(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return out
 
 
-def _tol(figures: dict, floor: float, k: float = 2.0, hybrid: dict | None = None) -> float:
-    noise = max(figures["real_run_to_run_pct"], figures["real_step_cv_pct"])
-    return floor + k * max(noise, 0.0 if hybrid is None else hybrid["step_cv_pct"])
-
-
 def test_structure_of_traces_graph_and_hybrid_runs(figures: dict) -> None:
     assert figures["job"]["steps_compared"] == 20  # 24 steps: 23 traced iterations, 3 dropped
-    graph = ExecutionGraph.load(figures["graph"])
-    assert sorted(graph.classes) == ["pp=0", "pp=1"]
+    graph = check_graph_classes(figures, P2P_PER_STEP)
     for trace in graph.classes.values():
-        kinds = [n.kind.value for n in trace.nodes]
-        assert (kinds.count("send"), kinds.count("recv"), kinds.count("collective")) == (8, 8, 0)
+        assert [n.kind.value for n in trace.nodes].count("collective") == 0
         assert sum(n.is_async for n in trace.nodes) == 14  # 7 steady-state exchanges of isend + irecv
     for r, h in figures["hybrid"].items():
         s = h["summary"]
@@ -77,23 +94,11 @@ def test_structure_of_traces_graph_and_hybrid_runs(figures: dict) -> None:
 
 
 def test_replay_predicts_the_real_step_time(figures: dict) -> None:
-    replay = figures["replay"]
-    assert abs(replay["mean_error_pct"]) <= _tol(figures, FLOOR_PCT), replay
-    assert replay["per_step_mean_error_pct"] <= _tol(figures, FLOOR_PCT), replay
-    # the sampled replay (traced iterations in order, each with its own spans): the same bound
-    assert abs(replay["sampled_mean_error_pct"]) <= _tol(figures, FLOOR_PCT), replay
-    assert replay["per_step_max_error_pct"] <= _tol(figures, MAX_FLOOR_PCT, k=4.0), replay
+    check_replay(figures, TOL)
 
 
 def test_hybrid_ranks_reproduce_real_step_time_and_waits(figures: dict) -> None:
-    for r, h in figures["hybrid"].items():
-        tol = _tol(figures, FLOOR_PCT, hybrid=h)
-        wait_tol = _tol(figures, WAIT_FLOOR_PCT, hybrid=h)
-        assert abs(h["mean_error_pct"]) <= tol, (r, h["mean_error_pct"], tol)
-        assert h["per_step_mean_error_pct"] <= tol, (r, h)
-        assert h["per_step_max_error_pct"] <= _tol(figures, MAX_FLOOR_PCT, k=4.0, hybrid=h), (r, h)
-        assert h["wait_mean_abs_error_pct_of_step"] <= wait_tol, (r, h)
-        assert h["wait_total_error_pct_of_step"] <= tol, (r, h)
+    check_hybrid_errors(figures, TOL)
 
 
 def test_hybrid_rank_follows_the_replayed_virtual_stage(figures: dict) -> None:
@@ -103,19 +108,16 @@ def test_hybrid_rank_follows_the_replayed_virtual_stage(figures: dict) -> None:
     """
     h0 = figures["hybrid"]["0"]
     predicted = figures["predicted_rank_step_ms"]["0"]
-    assert h0["step_ms"] == pytest.approx(predicted, rel=0.03 + h0["step_cv_pct"] / 100)
     assert h0["wait_total_ms_hybrid"] > 0.2 * h0["step_ms"]  # the bubble is there: stage 0 waits for stage 1
+    with noise_checks() as nc:
+        nc.approx("hybrid 0 step vs replay", h0["step_ms"], predicted, FOLLOW, h0["step_cv_pct"], detail=h0)
 
 
 def test_hybrid_ops_complete_when_the_replay_says(figures: dict) -> None:
     """Each replayed op completes at max(own arrival, replayed virtual arrival) + modelled cost, never
     before, late only by a thread's wake-up (measured: median 2-7 us, 90th percentile <= 21 us; the 90th
     percentile follows the machine's load, see test_framework_validation.py, so the median is bounded)."""
-    for r, h in figures["hybrid"].items():
-        c = h["arrivals_check"]
-        assert c["ops_checked"] >= 20 * 16 and c["ops_waiting_on_virtual"] >= 10, (r, c)
-        assert c["min_us"] >= -10.0, (r, c)  # completing before the replay says would be a bug
-        assert c["median_us"] <= 200.0, (r, c)
+    check_arrivals(figures, min_ops=20 * 2 * P2P_PER_STEP, min_waiting=10, early_us=10.0, median_us=200.0)
 
 
 def test_hybrid_straggler_slows_the_virtual_stage_from_its_from_step(figures: dict, tmp_path: Path) -> None:
@@ -130,8 +132,10 @@ def test_hybrid_straggler_slows_the_virtual_stage_from_its_from_step(figures: di
     by_step = {it.index: it.duration_us / 1e3 for it in traces[0].iterations}
     before = statistics.median(t for i, t in by_step.items() if 2 <= i < 8)
     after = statistics.median(t for i, t in by_step.items() if i >= 8)
-    rel = _tol(figures, FLOOR_PCT) / 100  # 5% + 2 x this machine's measured noise, as the other step checks
-    assert before == pytest.approx(clean, rel=rel) and after == pytest.approx(slow, rel=rel), (by_step, clean, slow)
+    noise = run_noise_pct(figures)  # 5% + 2 x this machine's measured noise, as the other step checks
+    with noise_checks() as nc:
+        nc.approx("steps before the straggler", before, clean, TOL.mean, noise, detail=(by_step, clean, slow))
+        nc.approx("steps from the straggler on", after, slow, TOL.mean, noise, detail=(by_step, clean, slow))
 
 
 def test_cli_slice_profile_build_replay(figures: dict, tmp_path: Path) -> None:
