@@ -10,8 +10,9 @@ and the first loss (exact) are compared with the real run too.
 
 Timing: the straggler's wait is a measured duration. When the machine is shared (other processes used
 more than `MAX_FOREIGN_CORES` of CPU while the recipe ran, or the load average exceeded `MAX_LOAD`; the
-same rule and environment variables as test_recipes_ci.py), a missed wait bound is reported as a
-warning instead of failing; every other expectation is still checked.
+same rule and environment variables as test_recipes_ci.py), a missed wait bound skips the test naming
+the figures instead of failing it (a visible skip, never a pass); every other expectation is still checked
+first.
 
 Two more runs show the harness's verdicts: an expected failure that does not happen fails the recipe
 (``prism recipe run`` exits 1), and a fault that fails an emulation with no `expect` is still an error.
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 
 import pytest
@@ -79,9 +79,8 @@ def test_fault_recipe_demonstrates_its_fault(name: str, tmp_path: Path) -> None:
     busy = (MAX_LOAD > 0 and loads[0] > MAX_LOAD) or (MAX_FOREIGN_CORES > 0 and (foreign or 0.0) > MAX_FOREIGN_CORES)
     missed = [e for e in result.expectations if not e.passed]
     if missed and busy and all(e.check in TIMED for e in missed):
-        warnings.warn(f"{name}: timing expectation missed on a shared machine (load {loads}, foreign CPU {foreign} "
-                      f"cores): {[e.measured for e in missed]}", stacklevel=1)
-        return
+        pytest.skip(f"{name}: timing expectation missed on a shared machine (load {loads}, max {MAX_LOAD}; foreign "
+                    f"CPU {foreign} cores, max {MAX_FOREIGN_CORES}): not checkable; {[e.measured for e in missed]}")
     assert not missed, detail
     assert result.passed
 

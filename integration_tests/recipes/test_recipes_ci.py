@@ -12,8 +12,11 @@ recipes run at most one rank per core (2 processes here). The runner measures th
 outside the recipe used while it ran (``machine["foreign_cpu_cores"]``, from /proc/stat and rusage). When
 that exceeds `MAX_FOREIGN_CORES` (0.25 of a core: an idle machine measures 0.00-0.05; a real 2-process run
 beside one other busy process lost 20-50% of its speed in the session-2 runs) or the 1-minute load average
-before the recipe exceeds `MAX_LOAD` (cores + 1), the machine is shared, and the step-time verdict is
-reported as a warning instead of failing the test; memory and loss are still checked exactly.
+before the recipe exceeds `MAX_LOAD` (cores + 1), the machine is shared, and a step time beyond its
+tolerance skips the test naming the figures (errors, tolerance, load, foreign CPU) instead of failing it:
+a visible skip, never a pass, so load cannot hide a regression; memory and loss are still checked exactly
+first. (The recipes' step tolerances are fixed numbers, justified by noise measured beforehand with
+`prism recipe noise`; they do not grow with this run's noise, so they need no cap.)
 PRISM_RECIPES_MAX_LOAD / PRISM_RECIPES_MAX_FOREIGN_CORES change the thresholds (0: always strict).
 The 4-process recipes (tier small) are not in CI: with 2 ranks per core a real rank waits at every
 collective for a descheduled peer, which an emulated rank (virtual peers arrive
@@ -30,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 
 import pytest
@@ -90,11 +92,11 @@ def test_ci_recipe_within_tolerances(name: str, tmp_path: Path) -> None:
     assert all(c.loss_ok is not False for c in result.comparisons)
     slow = [c.to_dict() for c in result.comparisons if c.step_ok is False]
     if slow and busy:
-        warnings.warn(f"{name}: step time beyond tolerance on a shared machine (load average {loads}, max "
-                      f"{MAX_LOAD}; foreign CPU {foreign} cores, max {MAX_FOREIGN_CORES}): not failing; errors "
-                      f"{[round(c['step_error_median'], 3) for c in slow]}",
-                      stacklevel=1)
-        return
+        figures = [f"{c['emulation']} rank {c['emulated_rank']}: median / mean errors {c['step_error_median']:.3f} / "
+                   f"{c['step_error_mean']:.3f}, tolerance "
+                   f"{recipe.tolerances_for(recipe.emulation(c['emulation'])).step_time_rel}" for c in slow]
+        pytest.skip(f"{name}: step time beyond tolerance on a shared machine (load average {loads}, max {MAX_LOAD}; "
+                    f"foreign CPU {foreign} cores, max {MAX_FOREIGN_CORES}): not checkable; {figures}")
     assert not slow, (f"{name}: step time beyond tolerance (load average {loads}, foreign CPU {foreign} cores):\n"
                       f"{json.dumps(slow, indent=1)}")
 
