@@ -209,13 +209,11 @@ class _Worker:
 
         summary = None
         if self.ctx is not None:
-            if self.ctx.setup.mode is Mode.BARE:
-                pass
-            elif self.ctx.setup.mode is Mode.PRISM:
+            if self.ctx.setup.mode is Mode.PRISM:
                 import prism_plugin as P
 
                 summary = P.deactivate()
-            elif dist.is_initialized():
+            elif self.ctx.setup.mode is Mode.GLOO and dist.is_initialized():  # BARE: the jobs tore theirs down
                 dist.destroy_process_group()
         self.ctx = None
         for key, value in self.saved_env.items():
@@ -299,7 +297,7 @@ class Cluster:
         self.kills = 0
         """Kills of the workers (after an error or a hang); each may cost up to `max_workers` respawns."""
         self.setups = 0
-        """World initialisations over the cluster's life."""
+        """Setups entered over the cluster's life (world initialisations, and BARE setups)."""
         self.exit_codes: list[int | None] = []
         """Exit codes of the workers of the last `close()`."""
 
