@@ -90,6 +90,7 @@ class StorageTracker(TorchDispatchMode):
         if nbytes == 0:
             return
         self._live[key] = (weakref.ref(storage, lambda _ref, k=key: self._free(k)), nbytes)
+        self._allocated(key, nbytes, t)
         self.allocations += 1
         self.current_bytes += nbytes
         if self.current_bytes > self.peak_bytes:
@@ -99,6 +100,13 @@ class StorageTracker(TorchDispatchMode):
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current_bytes -= entry[1]
+            self._released(key)
+
+    def _allocated(self, key: int, nbytes: int, tensor: torch.Tensor) -> None:
+        """Called once per new storage (a subclass's hook: the virtual GPU feeds its allocator model)."""
+
+    def _released(self, key: int) -> None:
+        """Called when a tracked storage is freed."""
 
     def reset_peak(self) -> None:
         """Restart the peak from the bytes alive now (like ``torch.cuda.reset_peak_memory_stats``)."""

@@ -1,0 +1,205 @@
+"""Device mode ``virtual-gpu``: the unmodified program on fake CUDA tensors, with exact per-rank memory.
+
+`VirtualGpu.start()` installs, for this process and thread, until `stop()`:
+
+1. the CUDA runtime shim (`shim.CudaShim`) for `num_devices` GPUs of the profile's model;
+2. ``FakeTensorMode``: every tensor made from then on has shape, dtype, device and strides but no storage
+   and no compute; ``cuda`` tensors work on the CPU-only torch wheel;
+3. a dispatch mode above it that feeds each new ``cuda`` storage to the device's caching-allocator model
+   (malloc on the current stream when made, free when its storage dies: allocated bytes are exactly the
+   program's tensors) and answers data-dependent reads through the value policy (`values.ValuePolicy`);
+4. a function mode that resolves an integer device (``device=torch.cuda.current_device()``,
+   ``t.to(0)``, ``t.cuda(1)``), which the CPU wheel would send to its accelerator API and refuse.
+
+Limitations: ``torch.device(<int>)`` itself still needs an accelerator (write ``"cuda:<i>"``); tensors made
+before `start()` are real CPU tensors (allowed as inputs); storages resized in place are not followed; no
+step time is modelled (virtual time is a separate layer) and nothing here sleeps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+
+from prism_plugin.cost.allocator import Block, CachingAllocatorModel, DeviceOutOfMemory
+from prism_plugin.cost.allocator_config import AllocatorConfig
+from prism_plugin.cost.gpu import GpuSpec
+from prism_plugin.runtime.memory import StorageTracker
+from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.runtime.virtual_gpu.shim import CudaShim
+from prism_plugin.runtime.virtual_gpu.values import ValuePolicy
+
+__all__ = ["VirtualGpu"]
+
+aten = torch.ops.aten
+_DEVICE_ARG = {torch.Tensor.to: 1, torch.Tensor.cuda: 1, torch._C._nn._parse_to: 0}
+"""Calls whose positional argument at this index may be a device (Module.to(i) parses through _parse_to)."""
+
+
+class _DeviceCalls(TorchFunctionMode):
+    """Resolve an integer device into ``cuda:<i>`` and move tensors to a virtual GPU without the CUDA runtime.
+
+    The CPU wheel refuses both before any dispatch: an int device goes to its accelerator API, and
+    ``Tensor.to(cuda)`` / ``.cuda()`` initialise CUDA. A move to another device becomes a new fake tensor of
+    the same shape, dtype and layout there (fake tensors hold no values to copy); limitation: it is a leaf, so
+    no gradient flows back through the move (parameter moves run under no_grad, batches need none).
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if isinstance(device, int) and not isinstance(device, bool):
+            kwargs = {**kwargs, "device": torch.device("cuda", device)}
+        i = _DEVICE_ARG.get(func)
+        if i is not None and len(args) > i and isinstance(args[i], int) and not isinstance(args[i], bool):
+            args = (*args[:i], torch.device("cuda", args[i]), *args[i + 1:])
+        if func is torch.Tensor.cuda:
+            target = args[1] if len(args) > 1 else kwargs.get("device")
+            args, kwargs = (args[0], torch.device("cuda") if target is None else torch.device(target)), {}
+            func = torch.Tensor.to
+        if func is torch.Tensor.to and isinstance(args[0], torch.Tensor):
+            moved = _move(args[0], args[1:], kwargs)
+            if moved is not None:
+                return moved
+        return func(*args, **kwargs)
+
+
+def _move(t: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    if args and isinstance(args[0], torch.Tensor):
+        device, dtype = args[0].device, args[0].dtype
+        memory_format = torch.preserve_format
+    else:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if device is None or torch.device(device).type == t.device.type:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    out = torch.empty_like(t, dtype=dtype or t.dtype, device=device,
+                           memory_format=memory_format or torch.preserve_format)
+    return out.requires_grad_(t.requires_grad) if out.is_floating_point() else out
+
+
+class _AllocatorTracker(StorageTracker):
+    """Each new cuda storage is a malloc of the device's allocator model, its death a free."""
+
+    def __init__(self, gpu: VirtualGpu) -> None:
+        super().__init__(devices=("cuda",))
+        self.gpu = gpu
+        self._blocks: dict[int, Block] = {}
+
+    def _allocated(self, key: int, nbytes: int, tensor: torch.Tensor) -> None:
+        shim = self.gpu.shim
+        index = tensor.device.index or 0
+        stream = shim.current_stream(index).stream_id
+        try:
+            self._blocks[key] = shim.allocators[index].malloc(nbytes, stream)
+        except DeviceOutOfMemory as exc:
+            self._live.pop(key, None)
+            raise torch.OutOfMemoryError(str(exc)) from None
+
+    def _released(self, key: int) -> None:
+        block = self._blocks.pop(key, None)
+        if block is not None:
+            self.gpu.shim.allocators[0 if block is None else self._device_of(block)].free(block)
+
+    def _device_of(self, block: Block) -> int:
+        for i, allocator in enumerate(self.gpu.shim.allocators):
+            if allocator.active.get(block.ptr) is block:
+                return i
+        raise AssertionError("a tracked block belongs to no virtual device")
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is aten._local_scalar_dense.default:
+            return self.gpu.values.read(args[0])
+        if func is aten._to_copy.default:
+            kwargs = kwargs or {}
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type != args[0].device.type:
+                # a cross-device copy: FakeTensorMode on the CPU wheel refuses cpu <-> cuda; no values move anyway
+                func, args, kwargs = aten.empty_like.default, (args[0],), {
+                    "dtype": kwargs.get("dtype") or args[0].dtype, "device": device,
+                    "memory_format": kwargs.get("memory_format") or torch.preserve_format}
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.gpu.values.observe(func, args, kwargs or {}, out)
+        return out
+
+
+class VirtualGpu:
+    """`num_devices` virtual GPUs of model `gpu` in this process; this process uses device `device`."""
+
+    def __init__(self, gpu: GpuSpec, *, num_devices: int = 1, device: int = 0,
+                 allocator: AllocatorConfig | None = None, values: ValuePolicy | None = None,
+                 raise_oom: bool = True) -> None:
+        self.gpu = gpu
+        config = allocator or AllocatorConfig()
+        self.allocators = [CachingAllocatorModel(gpu.total_memory_bytes, config, other_bytes=gpu.context_bytes,
+                                                 device=i, raise_oom=raise_oom) for i in range(num_devices)]
+        self.shim = CudaShim(gpu, self.allocators, current=device)
+        self.values = values or ValuePolicy()
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.tracker = _AllocatorTracker(self)
+        self._int_devices = _DeviceCalls()
+        self._started = False
+
+    def _swap_tensors(self, t1: torch.Tensor, t2: torch.Tensor) -> None:
+        """``torch.utils.swap_tensors`` (Module.to/cuda swaps fake parameters) once the fake mode's converter memo
+        forgets both tensors: its weak references would make the swap refuse them."""
+        memo = self.fake.fake_tensor_converter.meta_converter.tensor_memo
+        for key in [k for k, v in list(memo.items()) if v is t1 or v is t2]:
+            del memo[key]
+        self._original_swap(t1, t2)
+
+    def start(self) -> VirtualGpu:
+        assert not self._started, "virtual GPU already started"
+        if not cuda_runtime.preloaded():
+            raise RuntimeError("prism virtual GPU: this process's torch has no virtual CUDA device; start it with "
+                               "`prism run --device virtual-gpu` (the device library loads before torch)")
+        self.shim.install()
+        self.shim.set_device(self.shim.current)
+        self._original_swap = torch.utils.swap_tensors
+        self.shim._patches.setattr(torch.utils, "swap_tensors", self._swap_tensors)
+        self.fake.__enter__()
+        self.tracker.start()
+        self._int_devices.__enter__()
+        self._started = True
+        return self
+
+    def stop(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        self._int_devices.__exit__(None, None, None)
+        self.tracker.stop()
+        self.fake.__exit__(None, None, None)
+        self.shim.uninstall()
+
+    def __enter__(self) -> VirtualGpu:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def summary(self) -> dict[str, Any]:
+        """Per device: allocated / reserved (current, peak), fragmentation at the peak, the device total the job
+        needs (peak reserved + CUDA context), OOMs; and the value policy's answers."""
+        devices = []
+        for model in self.allocators:
+            peak_reserved = model.stat("reserved_bytes", "all", "peak")
+            devices.append({
+                "device": model.device, "allocated_bytes": model.stat("allocated_bytes"),
+                "peak_allocated_bytes": model.stat("allocated_bytes", "all", "peak"),
+                "peak_requested_bytes": model.stat("requested_bytes", "all", "peak"),
+                "reserved_bytes": model.stat("reserved_bytes"), "peak_reserved_bytes": peak_reserved,
+                "fragmentation_at_peak": round(model.peak_fragmentation, 6),
+                "device_total_bytes": peak_reserved + self.gpu.context_bytes,
+                "fits": peak_reserved + self.gpu.context_bytes <= self.gpu.total_memory_bytes and not model.ooms,
+                "ooms": list(model.ooms),
+            })
+        return {"device_mode": "virtual-gpu", "gpu": self.gpu.name,
+                "gpu_memory_bytes": self.gpu.total_memory_bytes, "context_bytes": self.gpu.context_bytes,
+                "step_time": "not modelled (virtual GPU without virtual time: compute takes no time)",
+                "devices": devices, "values": self.values.summary()}

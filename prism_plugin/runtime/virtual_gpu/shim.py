@@ -1,0 +1,298 @@
+"""The CUDA runtime a virtual-GPU process sees: ``torch.cuda`` answered by the GPU model and the allocator model.
+
+`CudaShim.install()` replaces, until `uninstall()`, what the unmodified program asks of ``torch.cuda`` on a
+host without a GPU (DESIGN.md section 10): availability, device count and current device (`set_device`,
+the ``torch.cuda.device`` context), properties, capability and name of the profile's GPU, streams and
+events, CUDA RNG states and ``default_generators`` (Megatron's RNG tracker), NVTX ranges (no-ops), and the
+memory API (``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``, ``memory_stats``,
+``reset_peak_memory_stats``, ``mem_get_info``, ``empty_cache``, ``memory_snapshot``) answered by
+`prism_plugin.cost.allocator.CachingAllocatorModel`.
+
+Streams and events keep their order relations only: nothing runs on them yet, so ``synchronize`` returns
+at once and ``Event.elapsed_time`` is 0.0 (virtual time gives them durations; the summary says step time is
+not modelled). Non-goals: CUDA graphs, IPC, peer access, ``torch.cuda.jiterator``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from prism_plugin.cost.allocator import CachingAllocatorModel
+from prism_plugin.cost.gpu import GpuSpec
+from prism_plugin.runtime.undo import Patches
+from prism_plugin.runtime.virtual_gpu import cuda_runtime
+
+__all__ = ["CudaShim", "VirtualEvent", "VirtualStream", "device_index"]
+
+_STREAM_IDS = itertools.count(1)
+
+
+def device_index(device: Any, current: int) -> int:
+    """The CUDA device index of `device` (None, an int, ``"cuda:1"``, a ``torch.device``)."""
+    if device is None:
+        return current
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"Expected a cuda device, but got: {device}")
+    return current if device.index is None else device.index
+
+
+class VirtualStream:
+    """A CUDA stream of a virtual GPU: an id and a device (stream 0 is the default stream)."""
+
+    def __init__(self, device: Any = None, priority: int = 0, *, stream_id: int | None = None,
+                 shim: CudaShim | None = None) -> None:
+        self._shim = shim or CudaShim.active()
+        self.device_index = device_index(device, self._shim.current)
+        self.device = torch.device("cuda", self.device_index)
+        self.priority = priority
+        self.stream_id = next(_STREAM_IDS) if stream_id is None else stream_id
+        self._context: list[VirtualStream] = []
+
+    def wait_stream(self, stream: VirtualStream) -> None:
+        pass
+
+    def wait_event(self, event: VirtualEvent) -> None:
+        pass
+
+    def record_event(self, event: VirtualEvent | None = None) -> VirtualEvent:
+        event = event or VirtualEvent()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    @property
+    def cuda_stream(self) -> int:
+        return self.stream_id
+
+    def __enter__(self) -> VirtualStream:
+        self._context.append(self._shim.current_stream())
+        self._shim.set_stream(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._shim.set_stream(self._context.pop())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, VirtualStream) and other.stream_id == self.stream_id
+
+    def __hash__(self) -> int:
+        return hash(("virtual-stream", self.stream_id))
+
+    def __repr__(self) -> str:
+        return f"<torch.cuda.Stream device=cuda:{self.device_index} cuda_stream={self.stream_id:#x} (virtual)>"
+
+
+class VirtualEvent:
+    """A CUDA event of a virtual GPU: recorded on a stream; waiting and timing are instantaneous for now."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                 external: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.stream: VirtualStream | None = None
+
+    def record(self, stream: VirtualStream | None = None) -> None:
+        self.stream = stream or CudaShim.active().current_stream()
+
+    def wait(self, stream: VirtualStream | None = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end_event: VirtualEvent) -> float:
+        return 0.0  # no modelled time yet: virtual time (issue 13) gives events their times
+
+
+class _Properties:
+    """What ``torch.cuda.get_device_properties`` returns, for the profile's GPU."""
+
+    def __init__(self, gpu: GpuSpec) -> None:
+        self.name = gpu.name
+        self.major, self.minor = gpu.capability
+        self.total_memory = gpu.total_memory_bytes
+        self.multi_processor_count = gpu.multi_processor_count
+        self.is_integrated = False
+        self.is_multi_gpu_board = False
+        self.L2_cache_size = 50 * 2**20
+        self.warp_size = 32
+        self.gcnArchName = "NVIDIA"
+        self.uuid = "00000000-0000-0000-0000-virtual-gpu"
+
+    def __repr__(self) -> str:
+        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+                f"total_memory={self.total_memory // 2**20}MB, multi_processor_count={self.multi_processor_count}, "
+                "virtual=True)")
+
+
+class CudaShim:
+    """``torch.cuda`` of `num_devices` virtual GPUs of model `gpu`; `allocators[i]` models device i's memory."""
+
+    _ACTIVE: CudaShim | None = None
+
+    def __init__(self, gpu: GpuSpec, allocators: list[CachingAllocatorModel], *, current: int = 0) -> None:
+        self.gpu = gpu
+        self.allocators = allocators
+        self.current = current
+        self.properties = _Properties(gpu)
+        self.generators = tuple(torch.Generator() for _ in allocators)
+        self._default = [VirtualStream(i, stream_id=0, shim=self) for i in range(len(allocators))]
+        self._streams = list(self._default)
+        self._patches = Patches()
+
+    @classmethod
+    def active(cls) -> CudaShim:
+        if cls._ACTIVE is None:
+            raise RuntimeError("prism: torch.cuda.Stream/Event need an active virtual GPU (device mode virtual-gpu)")
+        return cls._ACTIVE
+
+    # -- devices and streams ------------------------------------------------------------------------
+    def _index(self, device: Any = None) -> int:
+        index = device_index(device, self.current)
+        if not 0 <= index < len(self.allocators):
+            raise RuntimeError(f"CUDA error: invalid device ordinal (device {index} of {len(self.allocators)})")
+        return index
+
+    def set_device(self, device: Any) -> None:
+        self.current = self._index(device)
+        cuda_runtime.set_device(self.current)  # the device guard: autograd and torch.device(int) agree
+
+    def current_stream(self, device: Any = None) -> VirtualStream:
+        return self._streams[self._index(device)]
+
+    def default_stream(self, device: Any = None) -> VirtualStream:
+        return self._default[self._index(device)]
+
+    def set_stream(self, stream: VirtualStream) -> None:
+        self._streams[stream.device_index] = stream
+
+    @contextlib.contextmanager
+    def stream(self, stream: VirtualStream | None) -> Iterator[VirtualStream | None]:
+        if stream is None:
+            yield None
+            return
+        with stream:
+            yield stream
+
+    @contextlib.contextmanager
+    def device(self, device: Any) -> Iterator[None]:
+        previous = self.current
+        if device is not None and not (isinstance(device, int) and device < 0):
+            self.set_device(device)
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def allocator(self, device: Any = None) -> CachingAllocatorModel:
+        return self.allocators[self._index(device)]
+
+    # -- RNG ----------------------------------------------------------------------------------------------
+    def get_rng_state(self, device: Any = "cuda") -> torch.Tensor:
+        return self.generators[self._index(device)].get_state()
+
+    def set_rng_state(self, state: torch.Tensor, device: Any = "cuda") -> None:
+        self.generators[self._index(device)].set_state(state)
+
+    def manual_seed(self, seed: int) -> None:
+        self.generators[self.current].manual_seed(int(seed))
+
+    def manual_seed_all(self, seed: int) -> None:
+        for g in self.generators:
+            g.manual_seed(int(seed))
+
+    # -- memory ---------------------------------------------------------------------------------------------
+    def _memory_api(self) -> dict[str, Any]:
+        a = self.allocator
+
+        def stats(device: Any = None) -> dict[str, int]:
+            return a(device).memory_stats()
+
+        def nested(device: Any = None) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for key, value in stats(device).items():
+                node = out
+                *path, last = key.split(".")
+                for part in path:
+                    node = node.setdefault(part, {})
+                node[last] = value
+            return out
+
+        def mem_get_info(device: Any = None) -> tuple[int, int]:
+            model = a(device)
+            return max(0, model.capacity - model.reserved), model.device_total
+
+        def reset_peak(device: Any = None) -> None:
+            a(device).reset_peak_stats()
+
+        return {
+            "memory_allocated": lambda device=None: a(device).stat("allocated_bytes"),
+            "max_memory_allocated": lambda device=None: a(device).stat("allocated_bytes", "all", "peak"),
+            "memory_reserved": lambda device=None: a(device).stat("reserved_bytes"),
+            "max_memory_reserved": lambda device=None: a(device).stat("reserved_bytes", "all", "peak"),
+            "memory_cached": lambda device=None: a(device).stat("reserved_bytes"),
+            "max_memory_cached": lambda device=None: a(device).stat("reserved_bytes", "all", "peak"),
+            "memory_stats": stats, "memory_stats_as_nested_dict": nested, "mem_get_info": mem_get_info,
+            "reset_peak_memory_stats": reset_peak, "reset_max_memory_allocated": reset_peak,
+            "reset_max_memory_cached": reset_peak, "reset_accumulated_memory_stats": lambda device=None: None,
+            "empty_cache": lambda: a().empty_cache(), "memory_snapshot": lambda *_, **__: a().segments(),
+            "is_initialized": lambda: True,
+        }
+
+    # -- install ------------------------------------------------------------------------------------------
+    def install(self) -> CudaShim:
+        """Patch ``torch.cuda`` (and its submodules' copies) for this process; `uninstall` restores it."""
+        if CudaShim._ACTIVE is not None:
+            raise RuntimeError("prism: a virtual GPU is already installed in this process")
+        if len(self.allocators) > cuda_runtime.MAX_DEVICES:
+            raise RuntimeError(f"prism: a virtual-GPU process has at most {cuda_runtime.MAX_DEVICES} devices")
+        cuda, p = torch.cuda, self._patches
+        api: dict[str, Any] = {
+            "is_available": lambda: True, "device_count": lambda: len(self.allocators),
+            "current_device": lambda: self.current, "set_device": self.set_device,
+            "get_device_properties": lambda device=None: self.properties,
+            "get_device_capability": lambda device=None: self.gpu.capability,
+            "get_device_name": lambda device=None: self.gpu.name,
+            "is_initialized": lambda: True, "init": lambda: None, "_lazy_init": lambda: None,
+            "_lazy_call": lambda callable, **kwargs: callable(),
+            "synchronize": lambda device=None: None, "is_bf16_supported": lambda including_emulation=True: True,
+            "current_stream": self.current_stream, "default_stream": self.default_stream,
+            "set_stream": self.set_stream, "stream": self.stream, "device": self.device,
+            "Stream": VirtualStream, "Event": VirtualEvent, "default_generators": self.generators,
+            "get_rng_state": self.get_rng_state, "set_rng_state": self.set_rng_state,
+            "get_rng_state_all": lambda: [g.get_state() for g in self.generators],
+            "set_rng_state_all": lambda states: [g.set_state(s) for g, s in zip(self.generators, states, strict=True)],
+            "manual_seed": self.manual_seed, "manual_seed_all": self.manual_seed_all,
+            "seed": lambda: self.generators[self.current].seed(),
+            "initial_seed": lambda: self.generators[self.current].initial_seed(),
+            **self._memory_api(),
+        }
+        for name, value in api.items():
+            p.setattr(cuda, name, value)
+        for name in ("range_push", "range_pop", "mark"):
+            p.setattr(cuda.nvtx, name, lambda *_, **__: None)
+        p.setattr(cuda.nvtx, "range", contextlib.nullcontext)
+        for name, value in self._memory_api().items():  # torch.cuda.memory's own functions call these names
+            p.setattr(cuda.memory, name, value)
+        p.setattr(cuda.random, "default_generators", self.generators)
+        CudaShim._ACTIVE = self
+        p.callback(setattr, CudaShim, "_ACTIVE", None)
+        return self
+
+    def uninstall(self) -> None:
+        self._patches.close()

@@ -1,0 +1,136 @@
+"""The value policy of fake execution: what a data-dependent read returns when no tensor holds values.
+
+Under fake tensors nothing is computed, so a read of a tensor's value (``aten._local_scalar_dense``: ``.item()``,
+``float(t)``, ``bool(t)``, ``if t:``) has no answer of its own. The policy answers it from what produced the
+tensor, and counts every answer per call site (the first frame outside torch and prism_plugin) for the summary:
+
+- checks for bad values answer "none found": ``isnan`` / ``isinf`` / ``isneginf`` / ``isposinf`` give False,
+  ``isfinite`` True, ``x != inf`` True, and reductions (``any``, ``all``, ``sum``, ``amax``, ...), products
+  or ``logical_not`` of them keep or flip that answer; ``eq`` gives True and ``ne`` False (Megatron's RNG-tracker check
+  ``torch.all(a == b).item()`` passes); a found-inf buffer after ``_amp_foreach_non_finite_check_and_unscale_``
+  reads 0.0 (no inf: the optimizer steps);
+- any other floating-point read returns `float_value` (1.0: a finite loss, a finite grad norm);
+- any other integer or boolean read has no stated answer and raises `NoValueError` naming the op and the call
+  site: never a silently wrong control path.
+
+Non-goals: data-dependent output shapes (``nonzero``, ``masked_select``, ``unique``) raise as FakeTensorMode
+does; MoE routing counts are answered by the adapters' routing policy, not here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import weakref
+from collections import Counter
+from typing import Any
+
+import torch
+
+__all__ = ["NoValueError", "ValuePolicy"]
+
+aten = torch.ops.aten
+_FALSE_CHECKS = {aten.isnan.default, aten.isinf.default, aten.isneginf.default, aten.isposinf.default, aten.ne.Tensor}
+_TRUE_CHECKS = {aten.isfinite.default, aten.eq.Tensor}
+_SCALAR_CHECKS = {aten.eq.Scalar: False, aten.ne.Scalar: True}
+"""Comparisons with a non-finite scalar (``x != inf``, ``x == nan``): what they answer for finite values."""
+_KEEP = {aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims,
+         aten.sum.default, aten.sum.dim_IntList, aten.amax.default, aten.max.default, aten.logical_or.default,
+         aten.logical_and.default, aten._to_copy.default, aten.clone.default, aten.view.default,
+         aten.reshape.default, aten.squeeze.default, aten.unsqueeze.default, aten.detach.default,
+         aten.alias.default, aten.stack.default, aten.cat.default, aten.copy_.default, aten.bitwise_and.Tensor,
+         aten.bitwise_or.Tensor, aten.mul.Tensor}
+_FLIP = {aten.logical_not.default, aten.bitwise_not.default}
+_SKIP_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,) if m.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+
+
+class NoValueError(RuntimeError):
+    """A data-dependent read the value policy has no stated answer for."""
+
+
+def _call_site() -> str:
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_SKIP_DIRS) and not path.startswith(_OWN_DIR) and "<frozen" not in path:
+            return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+class ValuePolicy:
+    """Tags tensors that carry a known answer and answers their reads; counts every answer by call site."""
+
+    def __init__(self, float_value: float = 1.0) -> None:
+        self.float_value = float_value
+        self.answers: Counter[tuple[str, str]] = Counter()  # (call site, answer) -> reads
+        # id(tensor) -> answer, dropped when the tensor dies (a WeakKeyDictionary would compare tensors with ==)
+        self._answers_of: dict[int, tuple[bool, weakref.ref]] = {}
+
+    def _tag(self, tensor: torch.Tensor, answer: bool) -> None:
+        key = id(tensor)
+        self._answers_of[key] = (answer, weakref.ref(tensor, lambda _ref, k=key: self._answers_of.pop(k, None)))
+
+    def _known(self, tensor: torch.Tensor) -> bool | None:
+        entry = self._answers_of.get(id(tensor))
+        return None if entry is None or entry[1]() is not tensor else entry[0]
+
+    def observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Record what `func` tells of its outputs' values (called for every op under fake execution)."""
+        answer: bool | None = None
+        if func in _FALSE_CHECKS:
+            answer = False
+        elif func in _TRUE_CHECKS:
+            answer = True
+        elif func in _SCALAR_CHECKS and len(args) > 1 and isinstance(args[1], float) and not math.isfinite(args[1]):
+            answer = _SCALAR_CHECKS[func]
+        elif func in _KEEP or func in _FLIP:
+            known = [self._known(a) for a in _tensors(args)]
+            if known and all(k is not None for k in known) and len(set(known)) == 1:
+                answer = known[0] if func in _KEEP else not known[0]
+        elif func is aten._amp_foreach_non_finite_check_and_unscale_.default:
+            self._tag(args[1], False)  # found_inf: no inf found
+            return
+        if answer is not None:
+            for t in _tensors((out,)):
+                self._tag(t, answer)
+
+    def read(self, tensor: torch.Tensor) -> bool | int | float:
+        """The value of a one-element tensor read on the host (``aten._local_scalar_dense``)."""
+        site = _call_site()
+        known = self._known(tensor)
+        dtype = tensor.dtype
+        if known is not None:
+            value: bool | int | float = known if dtype == torch.bool else (
+                float(known) if dtype.is_floating_point else int(known))
+        elif dtype.is_floating_point or dtype.is_complex:
+            value = self.float_value
+        else:
+            raise NoValueError(
+                f"prism virtual GPU: {site} reads the value of a {dtype} tensor (aten._local_scalar_dense: .item(), "
+                "bool(), int()); fake execution has no values and the value policy states no answer for this read. "
+                "Compute it from shapes, or run this part on the CPU device (--device cpu)")
+        self.answers[(site, repr(value))] += 1
+        return value
+
+    def summary(self) -> dict[str, Any]:
+        """Per call site, each answer given and how often (what the run's control flow assumed)."""
+        return {"float_value": self.float_value, "reads": sum(self.answers.values()),
+                "by_site": [{"site": site, "value": value, "count": n}
+                            for (site, value), n in sorted(self.answers.items())]}
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, list | tuple):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return out

@@ -1,0 +1,174 @@
+"""Virtual GPUs: an unmodified torch training step on fake ``cuda`` tensors in a CPU-only process.
+
+Each case runs in a fresh process (the virtual CUDA device library must load before torch is imported) and
+prints one JSON line; the figures asserted are exact: bytes follow from the tensors' sizes and the caching
+allocator's rounding (`prism_plugin.cost.allocator_config.round_size`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from prism_plugin.cost.allocator_config import round_size
+
+MiB = 1 << 20
+
+PRELUDE = """
+import json, sys
+from prism_plugin.runtime.virtual_gpu import cuda_runtime
+cuda_runtime.preload()
+import torch
+from prism_plugin.cost.gpu import gpu_spec
+from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+out = {}
+code = 0
+try:
+"""
+EPILOGUE = """
+except BaseException as exc:
+    out["error"] = f"{type(exc).__name__}: {exc}"
+    code = 1
+print("RESULT " + json.dumps(out))
+cuda_runtime.exit_now(code)
+"""
+
+
+@pytest.fixture(scope="module")
+def library() -> None:
+    subprocess.run([sys.executable, "-m", "prism_plugin.runtime.virtual_gpu.cuda_runtime"], check=True,
+                   capture_output=True, timeout=600)
+
+
+def run(body: str) -> dict:
+    program = PRELUDE + textwrap.indent(textwrap.dedent(body), "    ") + EPILOGUE
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"no result (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_a_training_step_runs_on_fake_cuda_with_exact_allocated_bytes(library: None) -> None:
+    out = run("""
+        with VirtualGpu(gpu_spec("h100-sxm"), num_devices=8) as vg:
+            dev = torch.cuda.current_device()
+            model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+            model = model.to(dev)  # Module.to with an int device: fake parameters swapped onto cuda:0
+            out["param_device"] = str(next(model.parameters()).device)
+            out["after_params"] = [torch.cuda.memory_allocated(), torch.cuda.memory_reserved()]
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            x = torch.randn(64, 1024, device=dev)
+            losses = []
+            for _ in range(2):
+                loss = model(x).float().pow(2).mean()
+                loss.backward()  # autograd runs the backward of cuda tensors: the virtual device guard
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            out["losses"] = losses
+            out["finite"] = bool(torch.isfinite(loss).all())
+            out["after_step"] = torch.cuda.memory_allocated()
+            out["peak"] = torch.cuda.max_memory_allocated()
+            out["stats_key"] = torch.cuda.memory_stats()["allocated_bytes.all.current"]
+            out["summary"] = vg.summary()
+        out["restored"] = torch.cuda.is_available()
+    """)
+    assert "error" not in out, out["error"]
+    assert out["param_device"] == "cuda:0"
+    params = [4096 * 1024 * 4, 4096 * 4, 1024 * 4096 * 4, 1024 * 4]
+    param_bytes = sum(round_size(b) for b in params)  # 16 MiB + 16 KiB + 16 MiB + 4 KiB
+    # reserved: one 16 MiB segment per weight (>= 10 MiB: its own size), one 2 MiB small segment for both biases
+    assert out["after_params"] == [param_bytes, 2 * 16 * MiB + 2 * MiB]
+    # after the step: parameters + AdamW's exp_avg and exp_avg_sq (cuda, like the params) + x + the 0-dim loss;
+    # gradients are gone (zero_grad sets them to None); AdamW's step counters stay on the CPU
+    assert out["after_step"] == 3 * param_bytes + round_size(64 * 1024 * 4) + round_size(4)
+    assert out["stats_key"] == out["after_step"]
+    assert out["peak"] > out["after_step"]
+    assert out["losses"] == [1.0, 1.0] and out["finite"] is True  # the value policy's finite answers
+    device0 = out["summary"]["devices"][0]
+    assert device0["peak_allocated_bytes"] == out["peak"]
+    assert device0["device_total_bytes"] == device0["peak_reserved_bytes"] + 512 * MiB
+    assert device0["fits"] is True and out["summary"]["devices"][1]["peak_allocated_bytes"] == 0
+    sites = {(s["value"], s["count"]) for s in out["summary"]["values"]["by_site"]}
+    assert ("1.0", 2) in sites and ("True", 1) in sites  # loss.item() twice, the isfinite check once
+    assert out["restored"] is False  # torch.cuda is the CPU wheel's again after stop()
+
+
+def test_device_api_answers_from_the_profile_gpu(library: None) -> None:
+    out = run("""
+        with VirtualGpu(gpu_spec("h100-sxm"), num_devices=8):
+            props = torch.cuda.get_device_properties(0)
+            out["props"] = [props.name, props.total_memory, props.major, props.minor, props.multi_processor_count]
+            out["count"] = torch.cuda.device_count()
+            out["int_device"] = str(torch.empty(4, device=0).device)
+            out["torch_device"] = str(torch.device(0))
+            torch.cuda.set_device(3)
+            t = torch.empty(1024, 1024, device=torch.cuda.current_device())
+            out["on3"] = [str(t.device), torch.cuda.memory_allocated(3), torch.cuda.memory_allocated(0)]
+            with torch.cuda.device(5):
+                out["inside"] = torch.cuda.current_device()
+            out["after"] = torch.cuda.current_device()
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                out["stream"] = torch.cuda.current_stream() == s
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            out["event"] = [e.query(), e.elapsed_time(e)]
+            out["generators"] = len(torch.cuda.default_generators)
+            torch.cuda.manual_seed(7)
+            state = torch.cuda.get_rng_state()
+            torch.cuda._lazy_call(lambda: torch.cuda.default_generators[3].set_state(state))
+            out["free_total"] = list(torch.cuda.mem_get_info())
+    """)
+    assert "error" not in out, out["error"]
+    assert out["props"] == ["NVIDIA H100 80GB HBM3", 81559 * MiB, 9, 0, 132] and out["count"] == 8
+    assert out["int_device"] == "cuda:0" and out["torch_device"] == "cuda:0"
+    assert out["on3"] == ["cuda:3", 4 * MiB, 0] and out["inside"] == 5 and out["after"] == 3
+    assert out["stream"] is True and out["event"] == [True, 0.0] and out["generators"] == 8
+    free, total = out["free_total"]
+    # the current device (3) holds one 20 MiB segment (a 4 MiB request is < 10 MiB) beside the 512 MiB context
+    assert total == 81559 * MiB and free == total - 512 * MiB - 20 * MiB
+
+
+def test_out_of_memory_is_torchs_error_at_the_allocation_that_crosses(library: None) -> None:
+    out = run("""
+        with VirtualGpu(gpu_spec("h100-sxm")):
+            keep = torch.empty(60 * 2**30, dtype=torch.uint8, device="cuda")
+            try:
+                torch.empty(30 * 2**30, dtype=torch.uint8, device="cuda")
+            except torch.OutOfMemoryError as exc:
+                out["oom"] = str(exc)
+            out["allocated"] = torch.cuda.memory_allocated()
+    """)
+    assert "error" not in out, out["error"]
+    assert out["oom"].startswith("CUDA out of memory. Tried to allocate 30.00 GiB. GPU 0 has a total capacity of "
+                                 "79.65 GiB of which 19.15 GiB is free. Of the allocated memory 60.00 GiB is allocated")
+    assert out["allocated"] == 60 * 2**30
+
+
+def test_a_read_with_no_stated_answer_raises_naming_the_call_site(library: None) -> None:
+    out = run("""
+        with VirtualGpu(gpu_spec("h100-sxm")):
+            ids = torch.zeros(8, dtype=torch.long, device="cuda")
+            out["n"] = int(ids.sum())
+    """)
+    assert out["error"].startswith("NoValueError: prism virtual GPU: <string>:")
+    assert "reads the value of a torch.int64 tensor" in out["error"]
+
+
+def test_starting_without_the_device_library_is_refused() -> None:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import torch
+        from prism_plugin.cost.gpu import gpu_spec
+        from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+        try:
+            VirtualGpu(gpu_spec("h100-sxm")).start()
+        except RuntimeError as exc:
+            print(exc)
+    """)], capture_output=True, text=True, timeout=120, env={**os.environ, "PRISM_CACHE_DIR": "/nonexistent"})
+    assert "has no virtual CUDA device; start it with `prism run --device virtual-gpu`" in proc.stdout
