@@ -12,7 +12,7 @@ CUDA-stream placement of emulated delays. Each raises `NotImplementedError` nami
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,9 +20,6 @@ import torch.distributed as dist
 from prism_plugin.comm import collectives as C
 from prism_plugin.comm.group import VirtualGroup
 from prism_plugin.comm.work import TimedWork
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["PrismProcessGroup", "BACKEND_NAME"]
 
@@ -105,7 +102,7 @@ class PrismProcessGroup(dist.ProcessGroup):
     # -- subgroups: torch >= 2.13 hands every new_group() (any backend=) to the default group ----
     def new_group(self, ranks: list[int], timeout: Any = None, pg_options: Any = None,
                   group_name: str | None = None, group_desc: str | None = None) -> PrismProcessGroup | None:
-        return self.vg.session.create_group(ranks, group_name, group_desc)
+        return self.vg.ctx.create_group(ranks, group_name, group_desc)
 
     # -- reductions ----------------------------------------------------------------------------
     @_no_grad

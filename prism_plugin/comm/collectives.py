@@ -3,8 +3,10 @@
 Each function takes the `VirtualGroup`, writes results in place into the caller's tensors, and
 returns a `TimedWork`. Real members' data travels through the group's inner real group (async, so
 nothing blocks at issue); virtual members' share is written by `fill` rules; the work completes
-at ``max(arrivals) + cost``. With the RECORDED policy the outputs are finally overwritten with
-the payloads recorded for (group, sequence number).
+at ``max(arrivals) + cost``. Each op is reported as one `OpEvent` to the observers of the group's
+`OpContext` (`prism_plugin.comm.context`), which may move its arrival, scale its cost, fail it or add
+finishing steps: with the RECORDED policy the replayer overwrites the outputs with the payloads
+recorded for (group, sequence number). Issue times come from the context's clock.
 
 Temporaries: none when this rank is the group's only real member. With 2+ real members, a
 reduce-scatter needs one chunk-sized temporary per other real member, and PRODUCT/BXOR one
@@ -13,20 +15,18 @@ tensor-sized temporary; each is freed when the op completes (nothing is retained
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from prism_plugin.comm.context import Finish, OpEvent, chain
 from prism_plugin.comm.fill import RedOp, apply_virtual_share, check_reduce_dtype, fill_from, red_op
 from prism_plugin.comm.group import VirtualGroup
-from prism_plugin.comm.recording import payload_key
 from prism_plugin.comm.work import TimedWork
 from prism_plugin.config.kinds import DataPolicy, OpKind
 
 Tensor = torch.Tensor
-Finish = Callable[[], None]
 
 __all__ = [
     "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather",
@@ -38,23 +38,10 @@ def _nbytes(tensors: Sequence[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _chain(steps: list[Finish]) -> Finish | None:
-    if not steps:
-        return None
-    if len(steps) == 1:
-        return steps[0]
-
-    def run() -> None:
-        for step in steps:
-            step()
-
-    return run
-
-
 def _launch(
     vg: VirtualGroup,
     kind: OpKind,
-    arrival_s: float,
+    issue_s: float,
     size_bytes: int,
     received: Sequence[Tensor],
     inner: list[dist.Work],
@@ -62,44 +49,28 @@ def _launch(
     result: object,
     peer: int | None = None,
 ) -> TimedWork:
-    """Sequence-number the op, add replay/recording of what this rank received, time it."""
-    session = vg.session
+    """Sequence-number and cost the op, report it to the context's observers (`prism_plugin.comm.context`:
+    they may move its arrival, scale its cost, fail it, add finishing steps), then time it."""
+    ctx = vg.ctx
     seq = vg.next_seq()
-    steps = [finish] if finish is not None else []
-    if received and (session.replayer is not None or session.recorder is not None):
-        key = payload_key(vg.name, seq)
-        outputs = list(received)
-        if session.replayer is not None:
-            steps.append(lambda: session.replayer.replay(key, outputs))
-        if session.recorder is not None:
-            steps.append(lambda: session.recorder.record(key, outputs))
-    cost_s = session.cost_s(kind, size_bytes, vg, peer)
-    session.count(kind, size_bytes, vg, peer)
-    hooks = session.op_hooks
-    faults = session.faults
-    if hooks is None and faults is None:
-        return TimedWork(result, arrival_s, cost_s, inner, _chain(steps))
-    # needed by the execution-graph layer: replayed virtual arrivals (hybrid emulation) and trace capture
-    effective_s = arrival_s if hooks is None else hooks.arrival(vg, kind, arrival_s, peer)
-    failure = None
-    if faults is not None:  # faults and what-ifs on virtual participants (prism_plugin.config.faults)
-        effective_s, cost_s, failure = faults.on_op(
-            vg, kind, seq, arrival_s, effective_s, cost_s, peer,
-            device_type=received[0].device.type if received else "cpu",
-            numel=sum(t.numel() for t in received))
-    work = TimedWork(result, effective_s, cost_s, inner, _chain(steps))
-    if faults is not None:
-        faults.issued(work)
-    if failure is not None:
-        work.fail_at(failure, faults.on_raise if faults is not None else None)
-    if hooks is not None:
-        hooks.issued(work, vg, kind, seq, arrival_s, size_bytes, peer)
+    cost_s = ctx.cost_s(kind, size_bytes, vg, peer)
+    event = OpEvent(kind, vg, seq, size_bytes, peer, received, issue_s, issue_s, cost_s, cost_s, finish)
+    observers = ctx.observers
+    for observer in observers:
+        observer.on_op(event)
+    steps = event.steps  # (event.finishing(), inlined: the hot path adds no step)
+    work = TimedWork(ctx.op_clock, result, event.arrival_s, event.cost_s, inner,
+                     finish if steps is None else chain(finish, steps))
+    if event.failure is not None:
+        work.fail_at(event.failure)
+    for observer in observers:
+        observer.on_issued(event, work)
     return work
 
 
 def _policy(vg: VirtualGroup) -> DataPolicy:
     # RECORDED runs the mirror path (real exchanges and timing) and then overwrites with payloads
-    policy = vg.session.config.data_policy
+    policy = vg.ctx.data_policy
     return DataPolicy.MIRROR if policy is DataPolicy.RECORDED else policy
 
 
@@ -151,7 +122,7 @@ def _real_reduce(vg: VirtualGroup, t: Tensor, op: RedOp, dst: int | None) -> tup
 
 # -- reductions ------------------------------------------------------------------------------------
 def all_reduce(vg: VirtualGroup, tensors: list[Tensor], op: object) -> TimedWork:
-    arrival = time.perf_counter()
+    arrival = vg.ctx.op_clock.now_s()
     rop = red_op(op)
     inner: list[dist.Work] = []
     steps: list[Finish] = []
@@ -165,11 +136,11 @@ def all_reduce(vg: VirtualGroup, tensors: list[Tensor], op: object) -> TimedWork
         works, finish = _real_reduce(vg, t, rop, None)
         inner += works
         steps.append(finish)
-    return _launch(vg, OpKind.ALL_REDUCE, arrival, _nbytes(tensors), tensors, inner, _chain(steps), tensors)
+    return _launch(vg, OpKind.ALL_REDUCE, arrival, _nbytes(tensors), tensors, inner, chain(None, steps), tensors)
 
 
 def reduce(vg: VirtualGroup, tensors: list[Tensor], root: int, op: object) -> TimedWork:
-    arrival = time.perf_counter()
+    arrival = vg.ctx.op_clock.now_s()
     rop = red_op(op)
     inner: list[dist.Work] = []
     steps: list[Finish] = []
@@ -181,7 +152,7 @@ def reduce(vg: VirtualGroup, tensors: list[Tensor], root: int, op: object) -> Ti
             inner += works
             steps.append(finish)
     received = tensors if root == vg.rank else []
-    return _launch(vg, OpKind.REDUCE, arrival, _nbytes(tensors), received, inner, _chain(steps), tensors)
+    return _launch(vg, OpKind.REDUCE, arrival, _nbytes(tensors), received, inner, chain(None, steps), tensors)
 
 
 def split_rows(t: Tensor, n: int) -> list[Tensor]:
@@ -199,7 +170,7 @@ def reduce_scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[li
 
     `flat_inputs`: the tensors `input_lists` are rows of (reduce_scatter_tensor forms).
     """
-    arrival = time.perf_counter()
+    arrival = vg.ctx.op_clock.now_s()
     rop = red_op(op)
     inner: list[dist.Work] = []
     steps: list[Finish] = []
@@ -236,7 +207,7 @@ def reduce_scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[li
             if member == vg.rank:
                 steps.append(finish)
     size = sum(_nbytes(c) for c in input_lists)
-    return _launch(vg, OpKind.REDUCE_SCATTER, arrival, size, outputs, inner, _chain(steps), outputs)
+    return _launch(vg, OpKind.REDUCE_SCATTER, arrival, size, outputs, inner, chain(None, steps), outputs)
 
 
 # -- gathers and broadcasts ----------------------------------------------------------------------
@@ -256,7 +227,7 @@ def all_gather_into_tensors(vg: VirtualGroup, outputs: list[Tensor], inputs: lis
     if vg.num_real > 1 or _policy(vg) is DataPolicy.ZEROS:
         return all_gather(vg, [split_rows(o, vg.size) for o in outputs], inputs, flat_outputs=outputs)
     # one real member, mirror: every slot is this rank's input; two copies, no per-slot loop
-    arrival = time.perf_counter()
+    arrival = vg.ctx.op_clock.now_s()
     me = vg.rank
     for out, inp in zip(outputs, inputs, strict=True):
         rows = out.view(vg.size, -1)
@@ -276,7 +247,7 @@ def all_gather(vg: VirtualGroup, output_lists: list[list[Tensor]], inputs: list[
     `flat_outputs`: the tensors `output_lists` are rows of (into_tensor forms); they are what
     recording and replay see, so both paths key the same payloads.
     """
-    arrival = time.perf_counter()
+    arrival = vg.ctx.op_clock.now_s()
     inner: list[dist.Work] = []
     steps: list[Finish] = []
     for slots, inp in zip(output_lists, inputs, strict=True):
@@ -293,7 +264,7 @@ def all_gather(vg: VirtualGroup, output_lists: list[list[Tensor]], inputs: list[
     received = flat_outputs if flat_outputs is not None else [t for slots in output_lists for t in slots]
     size = _nbytes(received)
     result = flat_outputs if flat_outputs is not None else output_lists
-    return _launch(vg, OpKind.ALL_GATHER, arrival, size, received, inner, _chain(steps), result)
+    return _launch(vg, OpKind.ALL_GATHER, arrival, size, received, inner, chain(None, steps), result)
 
 
 def _fill_from_virtual_source(vg: VirtualGroup, t: Tensor, peer: bool) -> None:
@@ -316,7 +287,7 @@ def _fill_from_virtual_source(vg: VirtualGroup, t: Tensor, peer: bool) -> None:
 
 
 def broadcast(vg: VirtualGroup, tensors: list[Tensor], root: int) -> TimedWork:
-    arrival = time.perf_counter()
+    arrival = vg.ctx.op_clock.now_s()
     inner: list[dist.Work] = []
     if vg.is_real(root):
         source = vg.real_index(root)
@@ -334,7 +305,7 @@ def broadcast(vg: VirtualGroup, tensors: list[Tensor], root: int) -> TimedWork:
 
 
 def gather(vg: VirtualGroup, output_lists: list[list[Tensor]], inputs: list[Tensor], root: int) -> TimedWork:
-    arrival = time.perf_counter()
+    arrival = vg.ctx.op_clock.now_s()
     inner: list[dist.Work] = []
     steps: list[Finish] = []
     received: list[Tensor] = []
@@ -350,11 +321,11 @@ def gather(vg: VirtualGroup, output_lists: list[list[Tensor]], inputs: list[Tens
         for inp in inputs:
             inner.append(vg.inner(inp.device).send([inp], vg.real_index(root), 0))
     size = _nbytes(inputs) * vg.size
-    return _launch(vg, OpKind.GATHER, arrival, size, received, inner, _chain(steps), output_lists)
+    return _launch(vg, OpKind.GATHER, arrival, size, received, inner, chain(None, steps), output_lists)
 
 
 def scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[list[Tensor]], root: int) -> TimedWork:
-    arrival = time.perf_counter()
+    arrival = vg.ctx.op_clock.now_s()
     inner: list[dist.Work] = []
     if root == vg.rank:
         for out, chunks in zip(outputs, input_lists, strict=True):
@@ -375,7 +346,7 @@ def scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[list[Tens
 
 def all_to_all(vg: VirtualGroup, outputs: list[Tensor], inputs: list[Tensor]) -> TimedWork:
     """outputs[j] = member j's inputs[my group rank]; a virtual j mirrors this rank's own block."""
-    arrival = time.perf_counter()
+    arrival = vg.ctx.op_clock.now_s()
     if len(outputs) != vg.size or len(inputs) != vg.size:
         raise ValueError(f"prism: all_to_all needs {vg.size} input and output chunks")
     me = vg.rank
@@ -395,14 +366,14 @@ def all_to_all(vg: VirtualGroup, outputs: list[Tensor], inputs: list[Tensor]) ->
 
 
 def barrier(vg: VirtualGroup) -> TimedWork:
-    arrival = time.perf_counter()
+    arrival = vg.ctx.op_clock.now_s()
     inner = [vg.inner(torch.device("cpu")).barrier(dist.BarrierOptions())] if vg.num_real > 1 else []
     return _launch(vg, OpKind.BARRIER, arrival, 0, [], inner, None, None)
 
 
 # -- point to point --------------------------------------------------------------------------------
 def send(vg: VirtualGroup, tensors: list[Tensor], dst: int, tag: int) -> TimedWork:
-    arrival = time.perf_counter()
+    arrival = vg.ctx.op_clock.now_s()
     inner: list[dist.Work] = []
     if vg.is_real(dst):
         inner.append(vg.inner(tensors[0].device).send(tensors, vg.real_index(dst), tag))
@@ -416,7 +387,7 @@ def send(vg: VirtualGroup, tensors: list[Tensor], dst: int, tag: int) -> TimedWo
 
 
 def recv(vg: VirtualGroup, tensors: list[Tensor], src: int, tag: int) -> TimedWork:
-    arrival = time.perf_counter()
+    arrival = vg.ctx.op_clock.now_s()
     inner: list[dist.Work] = []
     if vg.is_real(src):
         inner.append(vg.inner(tensors[0].device).recv(tensors, vg.real_index(src), tag))

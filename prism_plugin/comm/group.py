@@ -3,7 +3,8 @@
 It knows its members (global ranks), which of them are real, this process's position, and owns
 the inner real group among the real members (created lazily at the first op that needs it: the
 real members reach that op in the same order, as torch requires of every collective). Pure
-bookkeeping plus the inner group; the data and timing rules live in `collectives`.
+bookkeeping plus the inner group; the data and timing rules live in `collectives`. Everything it needs
+from its owner comes through the `OpContext` it is given (`prism_plugin.comm.context`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ import weakref
 from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from prism_plugin.runtime.session import Session
+from prism_plugin.comm.context import OpContext
 
 __all__ = ["VirtualGroup"]
 
@@ -26,22 +25,24 @@ __all__ = ["VirtualGroup"]
 class VirtualGroup:
     """Membership, inner real group and per-group sequence numbers of one virtual group."""
 
-    def __init__(self, session: Session, name: str, global_ranks: Sequence[int] | None) -> None:
-        world = session.config.world
-        self.session = session
+    def __init__(self, ctx: OpContext, name: str, global_ranks: Sequence[int] | None, desc: str = "") -> None:
+        self.ctx = ctx
         self.name = name
+        self.desc = desc
+        """torch's group description (fault specs select groups by it)."""
         self.is_world = global_ranks is None
-        self.global_ranks: Sequence[int] = range(world.world_size) if global_ranks is None else tuple(global_ranks)
+        self.global_ranks: Sequence[int] = range(ctx.world_size) if global_ranks is None else tuple(global_ranks)
         self.size = len(self.global_ranks)
-        self.rank = self.group_rank_of(session.rank)
+        self.rank = self.group_rank_of(ctx.rank)
         if self.rank is None:
-            raise AssertionError(f"rank {session.rank} is not a member of group {name}")
+            raise AssertionError(f"rank {ctx.rank} is not a member of group {name}")
         # real members in group order: group rank and physical process index of each
+        real_ranks = list(ctx.real_ranks)
         self.real_group_ranks: tuple[int, ...] = tuple(
-            sorted(g for g in (self.group_rank_of(r) for r in world.real_ranks) if g is not None)
+            sorted(g for g in (self.group_rank_of(r) for r in real_ranks) if g is not None)
         )
         self.real_process_indices: tuple[int, ...] = tuple(
-            world.real_ranks.index(self.global_ranks[g]) for g in self.real_group_ranks
+            real_ranks.index(self.global_ranks[g]) for g in self.real_group_ranks
         )
         self.num_real = len(self.real_group_ranks)
         self.my_real_index = self.real_group_ranks.index(self.rank)
@@ -83,9 +84,9 @@ class VirtualGroup:
         if pg is None:
             if self.num_real < 2:
                 raise AssertionError(f"group {self.name} has no other real member")
-            pg = self.session.make_inner_group(
+            pg = self.ctx.make_inner_group(
                 f"prism/{self.name}/{key}", self.my_real_index, self.num_real, key,
-                timedelta(seconds=self.session.config.timeout_s),
+                timedelta(seconds=self.ctx.timeout_s),
             )
             self._inner[key] = pg
         return pg

@@ -5,6 +5,10 @@ saves, per rank, the tensors each op wrote into that rank's outputs, keyed by th
 (torch's own deterministic name for the k-th `new_group` call) and the op's sequence number in the
 group. An emulated run of the same program with the same data replays them into its outputs.
 
+Both are op observers (`prism_plugin.comm.context`): for each op that receives tensors they add a
+finishing step, run once the op's data is complete, that overwrites the received tensors with the
+recorded payload (`Replayer`) or copies them into the recording (`Recorder`).
+
 File: ``<dir>/rank<R>.pt``, a dict ``{"format": 1, "world_size": N, "payloads": {key: [tensors]}}``;
 loaded memory-mapped, so replay holds no payload in RAM beyond the page cache.
 """
@@ -14,6 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from prism_plugin.comm.context import OpEvent, OpWork
 
 __all__ = ["Recorder", "Replayer", "RecordingMismatch", "payload_key"]
 
@@ -35,6 +41,14 @@ class Recorder:
         self.path = Path(directory) / f"rank{rank}.pt"
         self.world_size = world_size
         self.payloads: dict[str, list[torch.Tensor]] = {}
+
+    def on_op(self, event: OpEvent) -> None:
+        if event.received:
+            key, outputs = payload_key(event.group.name, event.seq), list(event.received)
+            event.add_finish(lambda: self.record(key, outputs))
+
+    def on_issued(self, event: OpEvent, work: OpWork) -> None:
+        pass
 
     def record(self, key: str, outputs: list[torch.Tensor]) -> None:
         self.payloads[key] = [t.detach().to("cpu", copy=True) for t in outputs]
@@ -64,6 +78,14 @@ class Replayer:
                 "replay a recording of the same job"
             )
         self.payloads: dict[str, list[torch.Tensor]] = data["payloads"]
+
+    def on_op(self, event: OpEvent) -> None:
+        if event.received:
+            key, outputs = payload_key(event.group.name, event.seq), list(event.received)
+            event.add_finish(lambda: self.replay(key, outputs))
+
+    def on_issued(self, event: OpEvent, work: OpWork) -> None:
+        pass
 
     def has(self, key: str) -> bool:
         return key in self.payloads

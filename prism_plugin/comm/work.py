@@ -6,6 +6,9 @@ and (3) the emulated completion time `deadline_s` has passed. Issuing one never 
 blocks only for what is left, so computation issued between the op and its wait overlaps the
 emulated communication exactly as it would overlap a real one.
 
+Every time a handle reads or waits on comes from the `OpClock` of its op (`prism_plugin.comm.context`),
+so an emulated clock replaces the wall clock without touching this module.
+
 Non-goals: no CUDA-stream semantics here (the host blocks); `wait(timeout)` honours the timeout
 only for the emulated delay, not for inner real works, which carry their group's own timeout.
 """
@@ -13,7 +16,6 @@ only for the emulated delay, not for inner real works, which carry their group's
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -21,28 +23,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from prism_plugin.runtime.clock import WakeupStats, sleep_until
+from prism_plugin.comm.context import Finish, OpClock, OpFailure, WaitTrace
 
 __all__ = ["TimedWork", "completed_work"]
-
-_WAKEUPS: WakeupStats | None = None
-"""Where waits that sleep until an emulated completion record how late they woke: the active session's
-(`Session.install` sets it and restores it at uninstall)."""
-
-Finish = Callable[[], None]
 
 
 class TimedWork(dist.Work):
     """A handle that completes once its inner works are done, `finish` ran and `deadline_s` passed."""
 
-    trace: Any = None
+    trace: WaitTrace | None = None
     """Trace capture's record of this op (`prism_plugin.runtime.tracer.OpRecord`): wait() stamps its wait point."""
-    failure: Any = None
+    failure: OpFailure | None = None
     """A fault (`prism_plugin.runtime.live_faults.OpFailure`): wait() raises its error at its time, never completes."""
-    _on_raise: Any = None
 
     def __init__(
         self,
+        clock: OpClock,
         result: Any,
         arrival_s: float = 0.0,
         cost_s: float = 0.0,
@@ -51,6 +47,7 @@ class TimedWork(dist.Work):
         on_complete: Callable[[TimedWork], None] | None = None,
     ) -> None:
         super().__init__()
+        self._clock = clock
         self._result = result
         self.arrival_s = arrival_s
         self.cost_s = cost_s
@@ -77,7 +74,7 @@ class TimedWork(dist.Work):
 
     def _stamp_inner_done(self, _future: torch.futures.Future | None = None) -> None:
         self._stamped = True
-        self.deadline_s = max(self.arrival_s, time.perf_counter()) + self.cost_s
+        self.deadline_s = max(self.arrival_s, self._clock.now_s()) + self.cost_s
 
     # -- completion -------------------------------------------------------------------------
     def _run_finish(self) -> None:
@@ -109,40 +106,33 @@ class TimedWork(dist.Work):
             if callback is not None:
                 callback(self)
 
-    def fail_at(self, failure: Any, on_raise: Callable[[Any], None] | None = None) -> None:
+    def fail_at(self, failure: OpFailure) -> None:
         """Make this op fail as a faulty peer makes it fail (a hang times out, a crash raises at once)."""
         self.failure = failure
-        self._on_raise = on_raise
 
-    def _raise_failure(self, timeout: timedelta | None) -> None:
-        failure = self.failure
+    def _raise_failure(self, failure: OpFailure, timeout: timedelta | None) -> None:
         raise_at = failure.raise_at_s
         if timeout is not None and timeout.total_seconds() > 0:
-            raise_at = min(raise_at, time.perf_counter() + timeout.total_seconds())
-        sleep_until(raise_at)
-        if self._on_raise is not None:
-            self._on_raise(failure)
+            raise_at = min(raise_at, self._clock.now_s() + timeout.total_seconds())
+        self._clock.sleep_until(raise_at, record=False)
+        failure.raised()
         raise type(failure.error)(*failure.error.args)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self.failure is not None:
-            self._raise_failure(timeout)
+            self._raise_failure(self.failure, timeout)
         rec = self.trace
         if rec is not None:
-            rec.on_wait()
+            rec.on_wait(self._clock)
         if self._lock is not None:
             with self._lock:
                 self._complete_inner()
         deadline = self.deadline_s
         if deadline > 0:
-            stats = _WAKEUPS
-            sleeps = stats is not None and time.perf_counter() < deadline
-            sleep_until(deadline)
-            if sleeps:
-                stats.add(time.perf_counter() - deadline)
+            self._clock.sleep_until(deadline)
         self._mark_done()
         if rec is not None:
-            rec.on_done()
+            rec.on_done(self._clock)
         return True
 
     def is_completed(self) -> bool:
@@ -152,7 +142,7 @@ class TimedWork(dist.Work):
             return False
         if self._inner and not all(w.is_completed() for w in self._inner):
             return False
-        if time.perf_counter() < self.deadline_s:
+        if self._clock.now_s() < self.deadline_s:
             return False
         self.wait()
         return True
@@ -193,6 +183,6 @@ class TimedWork(dist.Work):
         self.wait()
 
 
-def completed_work(result: Any = None) -> TimedWork:
+def completed_work(clock: OpClock, result: Any = None) -> TimedWork:
     """A handle that is already complete (zero emulated cost)."""
-    return TimedWork(result)
+    return TimedWork(clock, result)

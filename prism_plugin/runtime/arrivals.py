@@ -3,11 +3,12 @@
 With ``EmulationConfig.graph`` set, the session replays the graph once at activation (`steady_state`,
 chained iterations) and keeps, for this real rank, an `ArrivalTable`: for the k-th op of each group role
 (and the k-th send/recv to each peer) in an iteration, the latest arrival of a virtual member as an offset
-from this rank's iteration start. At run time `ReplayedArrivals.arrival` maps a live op to its table entry
-(group -> role through the layout; k counted per role since the last iteration mark) and returns
-``max(real arrival, iteration anchor + offset)``, so the op completes at ``max(real and virtual arrivals) +
-cost``. Every mark re-anchors the offsets on the clock, so a real rank whose compute drifts from the graph
-does not accumulate error.
+from this rank's iteration start. At run time `ReplayedArrivals`, the first op observer
+(`prism_plugin.comm.context`), maps each live op to its table entry (group -> role through the layout;
+k counted per role since the last iteration mark) and moves its arrival to ``max(real arrival, iteration
+anchor + offset)``, so the op completes at ``max(real and virtual arrivals) + cost``. Ops on groups
+without a virtual member, and every op with ``timing=False``, are left alone. Every mark re-anchors the
+offsets on the clock, so a real rank whose compute drifts from the graph does not accumulate error.
 
 What is not replayed (said in the session summary with counts): ops before the first iteration mark (the
 table's offsets count from a mark), ops beyond what the graph's iteration holds, and ops whose kind
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from prism_plugin.comm.context import OpEvent, OpWork
 from prism_plugin.config.faults import Straggler
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost import CostModel
@@ -110,6 +112,18 @@ class ReplayedArrivals:
         self.unmatched = 0
         self.mismatched = 0
         self.blame: dict[str, Any] | None = None
+        self.timing = True
+        """False with ``EmulationConfig.timing=False``: ops complete when their data is ready, nothing is replayed."""
+
+    def on_op(self, event: OpEvent) -> None:
+        """Move the op's arrival to its virtual members' replayed arrival (when later than this rank's)."""
+        vg = event.group
+        if vg.all_real or not self.timing:
+            return
+        event.arrival_s = self.arrival(vg, event.kind, event.arrival_s, event.peer)
+
+    def on_issued(self, event: OpEvent, work: OpWork) -> None:
+        pass
 
     def on_iteration(self, step: int = 0) -> None:
         """An iteration mark: `step` (the session's iteration counter) starts; counts restart."""

@@ -1,9 +1,14 @@
-"""The emulation clock: wall time on this host, anchored at the start of each iteration.
+"""The clocks of one real process: the op clock comm reads and waits on, and the iteration anchor.
 
-Times are seconds from `time.perf_counter()`. An execution graph's replay gives virtual
-participants' arrivals as offsets from the iteration start; `anchor()` (called by adapters at
-each training step) makes those offsets line up with this process's own timeline, so error does
-not accumulate from step to step.
+`WallClock` is comm's `OpClock` (`prism_plugin.comm.context`) on this host: seconds of
+`time.perf_counter()`; waits sleep (then spin the tail) until an op's emulated completion and record how
+late they woke (`WakeupStats`). The session builds one and hands it to comm through its op context; an
+emulated (virtual-time) clock with the same two methods replaces it there, in one line.
+
+`EmulationClock` anchors the op clock's time at the start of each iteration. An execution graph's
+replay gives virtual participants' arrivals as offsets from the iteration start; `anchor()` (called
+by adapters at each training step) makes those offsets line up with this process's own timeline, so
+error does not accumulate from step to step.
 
 Limitations: on GPU the host runs ahead of the device, so a host timestamp is when the op was
 enqueued, not when the stream reached it (DESIGN.md section 5); this clock is the CPU path.
@@ -13,21 +18,11 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
-__all__ = ["EmulationClock", "WakeupStats", "sleep_until"]
+__all__ = ["EmulationClock", "WakeupStats", "WallClock"]
 
 _SPIN_S = 200e-6  # below this, time.sleep overshoots by more than it saves: spin instead
-
-
-def sleep_until(deadline_s: float) -> None:
-    """Block the calling thread until perf_counter() >= deadline_s (sleep, then spin the tail)."""
-    remaining = deadline_s - time.perf_counter()
-    if remaining <= 0:
-        return
-    if remaining > _SPIN_S:
-        time.sleep(remaining - _SPIN_S)
-    while time.perf_counter() < deadline_s:
-        pass
 
 
 class WakeupStats:
@@ -67,24 +62,51 @@ class WakeupStats:
                 "late_max_us": round(1e6 * self.max_s, 1)}
 
 
+class WallClock:
+    """The host's wall clock as comm's op clock: `now_s` is `time.perf_counter()`; `sleep_until` blocks until
+    a deadline and, for an op's emulated completion, records in `wakeups` how late it woke.
+
+    Not an op observer: wall time advances by itself.
+    """
+
+    __slots__ = ("wakeups",)
+
+    now_s = staticmethod(time.perf_counter)
+
+    def __init__(self, wakeups: WakeupStats | None = None) -> None:
+        self.wakeups = WakeupStats() if wakeups is None else wakeups
+        """How late each wait that slept woke past the emulated completion it waited for."""
+
+    def sleep_until(self, deadline_s: float, record: bool = True) -> None:
+        """Block until perf_counter() >= deadline_s (sleep, then spin the tail); `record`: note the lateness
+        when it slept (a deadline already passed is not a wait)."""
+        remaining = deadline_s - time.perf_counter()
+        if remaining <= 0:
+            return
+        if remaining > _SPIN_S:
+            time.sleep(remaining - _SPIN_S)
+        now = time.perf_counter()
+        while now < deadline_s:
+            now = time.perf_counter()
+        if record:
+            self.wakeups.add(now - deadline_s)
+
+
 class EmulationClock:
-    """Iteration-anchored clock of one real process."""
+    """Iteration-anchored clock of one real process, on the time of `now_s` (the op clock's)."""
 
-    __slots__ = ("iteration", "iteration_start_s", "_start_s")
+    __slots__ = ("iteration", "iteration_start_s", "_start_s", "now_s")
 
-    def __init__(self) -> None:
-        self._start_s = time.perf_counter()
+    def __init__(self, now_s: Callable[[], float] = time.perf_counter) -> None:
+        self.now_s = now_s
+        self._start_s = now_s()
         self.iteration = 0
         self.iteration_start_s = self._start_s
-
-    @staticmethod
-    def now_s() -> float:
-        return time.perf_counter()
 
     def anchor(self, iteration: int | None = None) -> None:
         """Mark the start of a training iteration (offsets of the replay count from here)."""
         self.iteration = self.iteration + 1 if iteration is None else iteration
-        self.iteration_start_s = time.perf_counter()
+        self.iteration_start_s = self.now_s()
 
     def offset_s(self, t_s: float) -> float:
         """`t_s` as an offset from the current iteration's start."""

@@ -1,8 +1,9 @@
 """Live faults: what one real rank's ops see of the job's faults (`prism_plugin.config.faults` states the semantics).
 
-`prism_plugin.comm.collectives._launch` calls `LiveFaults.on_op` for every op once faults are configured
-(nothing is called otherwise). It returns the op's effective arrival (stragglers arrive late), its cost
-(degraded links, jitter) and, for a hung or crashed member, the error the op's `wait()` raises and when.
+`LiveFaults` is an op observer (`prism_plugin.comm.context`), in the session's list once faults are
+configured (absent otherwise). `on_op` moves the op's arrival later (stragglers arrive late), scales its
+cost (degraded links, jitter) and, for a hung or crashed member, sets the failure whose error the op's
+`wait()` raises and when; `on_issued` remembers the ops shared with a straggler until they complete.
 `Session.mark_iteration` calls `on_mark`, which carries out a `kill` of this real rank.
 
 Report (`summary()`, under "faults" in the session summary): per step, how long this rank waited on
@@ -20,8 +21,10 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
+from prism_plugin.comm.context import OpEvent, OpWork
 from prism_plugin.config.faults import Hang, gloo_timeout_message, nccl_watchdog_message, peer_closed_message
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost.faults import FaultSet
@@ -33,14 +36,21 @@ MAX_WAITS = 20_000
 
 
 class OpFailure:
-    """How a faulty op ends: `error` is raised by wait() once perf_counter() >= `raise_at_s`."""
+    """How a faulty op ends: `error` is raised by wait() once the op clock reaches `raise_at_s`; `on_raise`
+    (if any) is told just before (`raised`)."""
 
-    __slots__ = ("raise_at_s", "error", "fault")
+    __slots__ = ("raise_at_s", "error", "fault", "on_raise")
 
-    def __init__(self, raise_at_s: float, error: BaseException, fault: str) -> None:
+    def __init__(self, raise_at_s: float, error: BaseException, fault: str,
+                 on_raise: Callable[[OpFailure], None] | None = None) -> None:
         self.raise_at_s = raise_at_s
         self.error = error
         self.fault = fault
+        self.on_raise = on_raise
+
+    def raised(self) -> None:
+        if self.on_raise is not None:
+            self.on_raise(self)
 
 
 class LiveFaults:
@@ -75,17 +85,20 @@ class LiveFaults:
         """Group -> role of the loaded execution graph (set by the session when a graph is loaded)."""
 
     # -- per op -------------------------------------------------------------------------------
-    def on_op(self, vg: Any, kind: OpKind, seq: int, own_arrival_s: float, arrival_s: float, cost_s: float,
-              peer: int | None, device_type: str = "cpu", numel: int = 0) -> tuple[float, float, OpFailure | None]:
-        """(effective arrival, cost, failure or None) of this rank's op `seq` on `vg`."""
+    def on_op(self, event: OpEvent) -> None:
+        """This rank's op ``event.seq`` on ``event.group``: its effective arrival, its cost, its failure if any."""
         faults = self.faults
+        vg, kind, seq, peer, own_arrival_s = event.group, event.kind, event.seq, event.peer, event.issue_s
         step = self.clock.iteration
         members: Any = (self.rank, peer) if peer is not None else vg.global_ranks
         named = frozenset(r for r in (self.rank, peer) if r in self._fault_ranks) if peer is not None \
             else self._named_in(vg)
-        failure = self._failure(vg, kind, seq, own_arrival_s, named, peer, step, device_type, numel)
+        failure = self._failure(event, own_arrival_s, named, step)
+        if failure is not None:
+            event.failure = failure
         if vg.all_real or not self.timing:  # timing off: ops complete when their data is ready
-            return arrival_s, cost_s, failure
+            return
+        arrival_s, cost_s = event.arrival_s, event.cost_s
         if faults.stragglers and not self.live_stragglers and arrival_s > own_arrival_s:
             _, who = faults.straggler_factor(named, step)
             if who >= 0:  # hybrid: the replay delayed this op; blame the slowest straggler member
@@ -104,7 +117,7 @@ class LiveFaults:
                     self._blame(step, who, arrival_s, late_s - arrival_s, vg, kind, seq)
                     arrival_s = late_s
                 self._track = True
-        return arrival_s, cost_s, failure
+        event.arrival_s, event.cost_s = arrival_s, cost_s
 
     def _named_in(self, vg: Any) -> frozenset[int]:
         """The ranks named by stragglers, hangs and crashes that are members of `vg` (cached per group)."""
@@ -114,7 +127,7 @@ class LiveFaults:
             entry = self._named[id(vg)] = (vg, ranks)
         return entry[1]
 
-    def issued(self, work: Any) -> None:
+    def on_issued(self, event: OpEvent, work: OpWork) -> None:
         """The work of the op `on_op` just decided: remembered while open when it was shared with a straggler."""
         if self._track:
             self._track = False
@@ -134,20 +147,20 @@ class LiveFaults:
             link = self._links[id(vg)] = faults.link_factor(members)
         return link * faults.jitter(vg.name, seq)
 
-    def _failure(self, vg: Any, kind: OpKind, seq: int, arrival_s: float, named: frozenset[int], peer: int | None,
-                 step: int, device_type: str, numel: int) -> OpFailure | None:
+    def _failure(self, event: OpEvent, arrival_s: float, named: frozenset[int], step: int) -> OpFailure | None:
         faults = self.faults
         if not (faults.hangs or faults.crashes) or not named:
             return None
         holds = named.__contains__
+        vg, kind, seq, peer = event.group, event.kind, event.seq, event.peer
 
         for crash in faults.crashes:
             if step >= crash.step and holds(crash.rank):
                 text = f"crash:rank={crash.rank},step={crash.step}"
-                if device_type == "cuda":  # a dead NCCL peer is not detected: the op times out
-                    return self._timeout(vg, kind, seq, arrival_s, crash.rank, device_type, numel, text, step)
+                if event.device_type == "cuda":  # a dead NCCL peer is not detected: the op times out
+                    return self._timeout(event, arrival_s, crash.rank, text, step)
                 self._event("crash", text, crash.rank, vg, kind, seq, step, arrival_s, 0.0)
-                return OpFailure(arrival_s, RuntimeError(peer_closed_message(crash.rank)), text)
+                return OpFailure(arrival_s, RuntimeError(peer_closed_message(crash.rank)), text, self.on_raise)
         for i, hang in enumerate(faults.hangs):
             if not holds(hang.rank):
                 continue
@@ -157,17 +170,17 @@ class LiveFaults:
                     self._hung[hang.rank] = hang
             stopped = self._hung.get(hang.rank)
             if stopped is not None:
-                return self._timeout(vg, kind, seq, arrival_s, hang.rank, device_type, numel, stopped.to_text(), step)
+                return self._timeout(event, arrival_s, hang.rank, stopped.to_text(), step)
         return None
 
-    def _timeout(self, vg: Any, kind: OpKind, seq: int, arrival_s: float, culprit: int, device_type: str,
-                 numel: int, text: str, step: int) -> OpFailure:
-        if device_type == "cuda":
-            message = nccl_watchdog_message(self.rank, seq, kind.name.replace("_", ""), numel, self.timeout_s)
+    def _timeout(self, event: OpEvent, arrival_s: float, culprit: int, text: str, step: int) -> OpFailure:
+        vg, kind, seq = event.group, event.kind, event.seq
+        if event.device_type == "cuda":
+            message = nccl_watchdog_message(self.rank, seq, kind.name.replace("_", ""), event.numel, self.timeout_s)
         else:
             message = gloo_timeout_message(self.timeout_s)
         self._event("hang", text, culprit, vg, kind, seq, step, arrival_s, self.timeout_s)
-        return OpFailure(arrival_s + self.timeout_s, RuntimeError(message), text)
+        return OpFailure(arrival_s + self.timeout_s, RuntimeError(message), text, self.on_raise)
 
     def _matches(self, selector: str, vg: Any, peer: int | None) -> bool:
         """Whether `vg` is a group the hang's `group=` selector names (see `prism_plugin.config.faults.Hang`)."""

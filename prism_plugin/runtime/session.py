@@ -5,6 +5,11 @@ backend, and initialises torch.distributed as rank ``real_ranks[i]`` of N with a
 the real processes share. From then on the unmodified program's collectives reach the backend.
 `deactivate()` tears it down and writes the recording, if any.
 
+The session is comm's op context (`prism_plugin.comm.context.OpContext`): every virtual group reads this
+rank, the data policy, the timeout, the op clock (`WallClock`), the cost of an op and the ordered op
+observers from it (replayed arrivals, live faults, replayer, recorder, tracer, the op counters; the
+order and its reasons are in `prism_plugin.comm.context`). comm imports nothing from here.
+
 Seams owned here (each explicit, each undone by `deactivate`):
 - `new_group` delegation (torch >= 2.13): the default group creates subgroups itself, no
   rendezvous with virtual ranks. On older torch (or with `PRISM_NEW_GROUP_DELEGATION=0`) the
@@ -33,13 +38,15 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from prism_plugin.comm.backend import BACKEND_NAME, PrismProcessGroup
+from prism_plugin.comm.context import OpEvent, OpObserver, OpWork
 from prism_plugin.comm.group import VirtualGroup
 from prism_plugin.comm.recording import Recorder, Replayer
 from prism_plugin.config.emulation import ConfigError, EmulationConfig
 from prism_plugin.config.kinds import ArrivalAssumption, DataPolicy, IterationMarker, OpKind
 from prism_plugin.cost import CostModel, load_profile
 from prism_plugin.cost.model import GroupPlacement
-from prism_plugin.runtime.clock import EmulationClock, WakeupStats
+from prism_plugin.runtime.clock import EmulationClock, WakeupStats, WallClock
+from prism_plugin.runtime.undo import Patches
 
 __all__ = ["Session", "activate", "deactivate", "current_session", "mark_iteration"]
 
@@ -62,14 +69,53 @@ class _NoDelegationGroup(PrismProcessGroup):
     new_group = None  # type: ignore[assignment]
 
 
+class OpCounters:
+    """The last op observer but the clock: op counts and bytes per kind, the modelled communication time
+    (the cost model's, before faults scale it), and which communicators NCCL would have created
+    (`prism_plugin.cost.comm_memory`)."""
+
+    __slots__ = ("rank", "op_counts", "op_bytes", "modelled_comm_s", "comm_use")
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.op_counts: Counter[OpKind] = Counter()
+        self.op_bytes: Counter[OpKind] = Counter()
+        self.modelled_comm_s = 0.0
+        self.comm_use: dict[str, list[Any]] = {}
+        """Group name -> [its global ranks, a collective was used, the p2p peers used]."""
+
+    def on_op(self, event: OpEvent) -> None:
+        kind = event.kind
+        self.op_counts[kind] += 1
+        self.op_bytes[kind] += event.size_bytes
+        self.modelled_comm_s += event.model_cost_s
+        vg, peer = event.group, event.peer
+        use = self.comm_use.get(vg.name)
+        if use is None:
+            use = self.comm_use[vg.name] = [vg.global_ranks, False, set()]
+        if peer is None:
+            use[1] = True
+        elif peer != self.rank:
+            use[2].add(peer)
+
+    def on_issued(self, event: OpEvent, work: OpWork) -> None:
+        pass
+
+
 class Session:
-    """Process-wide state of one emulation: config, cost model, groups' shared parts, counters."""
+    """Process-wide state of one emulation: config, cost model, groups' shared parts, counters; comm's op
+    context (`prism_plugin.comm.context.OpContext`)."""
 
     def __init__(self, config: EmulationConfig, process_index: int, real_store: dist.Store | None) -> None:
         world = config.world
         self.config = config
         self.process_index = process_index
         self.rank = world.virtual_rank_of(process_index)
+        # the op context's plain figures (the config is frozen): comm reads them on every op
+        self.world_size = world.world_size
+        self.real_ranks = world.real_ranks
+        self.data_policy = config.data_policy
+        self.timeout_s = config.timeout_s
         if world.num_real > 1 and real_store is None:
             raise ConfigError(
                 f"{world.num_real} real ranks need a store shared by the real processes: pass real_store=, "
@@ -80,21 +126,19 @@ class Session:
         self.cost_model = CostModel(self.profile)
         self.gpus_per_node = world.gpus_per_node
         self.arrivals = ArrivalAssumption.SYMMETRIC
-        self.clock = EmulationClock()
+        self.op_clock = WallClock()  # the one line an emulated (virtual-time) clock replaces
+        self.clock = EmulationClock(self.op_clock.now_s)
         self.recorder = Recorder(config.record_dir, self.rank, world.world_size) if config.record_dir else None
         self.replayer = (
             Replayer(config.replay_dir, self.rank, world.world_size)
             if config.data_policy is DataPolicy.RECORDED and config.replay_dir is not None
             else None
         )
-        self.op_counts: Counter[OpKind] = Counter()
-        self.op_bytes: Counter[OpKind] = Counter()
+        self.counters = OpCounters(self.rank)
         self.groups_created = 0
-        self.modelled_comm_s = 0.0
         self._placements: dict[int, GroupPlacement] = {}
         self._costs: dict[tuple[int, OpKind, int, int | None], float] = {}
-        self._undo: list[Any] = []
-        self._comm_use: dict[str, list[Any]] = {}  # group name -> [ranks, collective used, p2p peers]
+        self._patches = Patches()
         # execution-graph layer: trace capture, replayed arrivals, iteration marks
         self._explicit_marks = False
         self.tracer = None
@@ -106,7 +150,7 @@ class Session:
                 "profile": config.profile, "real_ranks": list(world.real_ranks),
                 "data_policy": config.data_policy.value, "iteration_marker": config.iteration_marker.value,
                 "graph": str(config.graph) if config.graph else None,
-            })
+            }, now_s=self.op_clock.now_s)
         if config.graph is not None:
             from prism_plugin.runtime.arrivals import load_arrivals
 
@@ -115,9 +159,9 @@ class Session:
                                               world.world_size, self.clock, config.faults)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+            self.replayed.timing = config.timing
             self.arrivals = ArrivalAssumption.REPLAYED
-        self.wakeups = WakeupStats()  # how late each wait that slept woke past the emulated completion
-        self.faults = None  # faults and what-ifs (prism_plugin.config.faults), applied per op by comm.collectives
+        self.faults = None  # faults and what-ifs (prism_plugin.config.faults), an op observer
         if config.faults:
             from prism_plugin.cost.faults import FaultSet
             from prism_plugin.runtime.live_faults import LiveFaults
@@ -128,11 +172,32 @@ class Session:
             if self.replayed is not None:  # the graph's replay already delays virtual stragglers' arrivals
                 self.faults.role_of = self.replayed._role
                 self.faults.live_stragglers = False
-        self.op_hooks = None
-        if self.tracer is not None or self.replayed is not None:
-            from prism_plugin.runtime.op_hooks import OpHooks
+        # the op observers, in the order of prism_plugin.comm.context (which says why)
+        observers: list[OpObserver] = [o for o in (self.replayed, self.faults, self.replayer, self.recorder,
+                                                   self.tracer) if o is not None]
+        observers.append(self.counters)
+        if isinstance(self.op_clock, OpObserver):  # an emulated clock advances with each op; the wall clock does not
+            observers.append(self.op_clock)
+        self.observers: tuple[OpObserver, ...] = tuple(observers)
 
-            self.op_hooks = OpHooks(self.replayed, self.tracer, config.timing)
+    # -- figures kept by the op clock and the op counters ---------------------------------------------
+    @property
+    def wakeups(self) -> WakeupStats:
+        """How late each wait that slept woke past the emulated completion (the wall clock's)."""
+        return self.op_clock.wakeups
+
+    @property
+    def op_counts(self) -> Counter[OpKind]:
+        return self.counters.op_counts
+
+    @property
+    def op_bytes(self) -> Counter[OpKind]:
+        return self.counters.op_bytes
+
+    @property
+    def modelled_comm_s(self) -> float:
+        """The cost model's communication time of every op so far (before faults scale it)."""
+        return self.counters.modelled_comm_s
 
     # -- groups -----------------------------------------------------------------------------
     def create_group(self, ranks: Sequence[int] | None, group_name: str | None,
@@ -140,8 +205,7 @@ class Session:
         """The prism group over `ranks` (global), or None when this rank is not a member."""
         if not world and self.rank not in ranks:  # type: ignore[operator]
             return None
-        vg = VirtualGroup(self, group_name or "", None if world else ranks)
-        vg.desc = group_desc or ""  # type: ignore[attr-defined]  # fault specs select groups by description
+        vg = VirtualGroup(self, group_name or "", None if world else ranks, group_desc or "")
         cls = _NoDelegationGroup if world and not _delegation_enabled() else PrismProcessGroup
         pg = cls(vg)
         if group_name is not None:
@@ -163,7 +227,9 @@ class Session:
 
     # -- timing -----------------------------------------------------------------------------------
     def cost_s(self, kind: OpKind, size_bytes: int, vg: VirtualGroup, peer: int | None) -> float:
-        """Emulated duration of an op on `vg` (0 when the group has no virtual member or timing is off)."""
+        """Emulated duration of an op on `vg` (0 when the group has no virtual member or timing is off).
+
+        A cached lookup: the op counters add each op's cost to `modelled_comm_s`."""
         if vg.all_real or not self.config.timing:
             return 0.0
         key = (id(vg), kind, size_bytes, peer)
@@ -180,20 +246,7 @@ class Session:
             if len(self._costs) > 100_000:
                 self._costs.clear()
             self._costs[key] = cost
-        self.modelled_comm_s += cost
         return cost
-
-    def count(self, kind: OpKind, size_bytes: int, vg: VirtualGroup | None = None, peer: int | None = None) -> None:
-        self.op_counts[kind] += 1
-        self.op_bytes[kind] += size_bytes
-        if vg is not None:  # which communicators NCCL would have created (cost/comm_memory.py)
-            use = self._comm_use.get(vg.name)
-            if use is None:
-                use = self._comm_use[vg.name] = [vg.global_ranks, False, set()]
-            if peer is None:
-                use[1] = True
-            elif peer != self.rank:
-                use[2].add(peer)
 
     def communicator_memory(self) -> dict[str, Any]:
         """Modelled NCCL buffer bytes of the groups this rank used (never part of the measured peak)."""
@@ -201,7 +254,7 @@ class Session:
 
         uses = [CommUse(size=len(ranks), num_nodes=GroupPlacement.from_ranks(ranks, self.gpus_per_node).num_nodes,
                         collective=collective, p2p_peers=len(peers))
-                for ranks, collective, peers in self._comm_use.values()]
+                for ranks, collective, peers in self.counters.comm_use.values()]
         return NcclBufferModel().report(uses)
 
     def summary(self) -> dict[str, Any]:
@@ -256,14 +309,9 @@ class Session:
             self.faults.on_mark(self.clock.iteration)
 
     # -- process-wide seams ------------------------------------------------------------------------
-    def _patch(self, owner: Any, name: str, new: Any) -> None:
-        self._undo.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, new)
-
     def install(self) -> None:
-        from prism_plugin.comm import work as work_module
-
-        self._patch(work_module, "_WAKEUPS", self.wakeups)
+        """Install the seams of the module docstring; `uninstall` undoes them in reverse order."""
+        patches = self._patches
         original_bol = c10d.broadcast_object_list
 
         @functools.wraps(original_bol)
@@ -272,14 +320,14 @@ class Session:
             self._queue_object_payloads(object_list, src, group, device, group_src)
             return original_bol(object_list, src=src, group=group, device=device, group_src=group_src)
 
-        self._patch(c10d, "broadcast_object_list", broadcast_object_list)
-        self._patch(dist, "broadcast_object_list", broadcast_object_list)
+        patches.setattr(c10d, "broadcast_object_list", broadcast_object_list)
+        patches.setattr(dist, "broadcast_object_list", broadcast_object_list)
         # iterations of plain scripts: the end of each optimizer step (IterationMarker)
         if self.config.iteration_marker is not IterationMarker.EXPLICIT:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             handle = register_optimizer_step_post_hook(lambda *_: self.mark_iteration(explicit=False))
-            self._undo.append((handle, None, None))
+            patches.callback(handle.remove)
         if not _delegation_enabled() or not hasattr(dist.ProcessGroup, "new_group"):
             original_helper = c10d._new_process_group_helper
 
@@ -293,15 +341,11 @@ class Session:
                     args = args[:3] + (BACKEND_NAME,) + args[4:]
                 return original_helper(*args, **kwargs)
 
-            self._patch(c10d, "_new_process_group_helper", new_process_group_helper)
+            patches.setattr(c10d, "_new_process_group_helper", new_process_group_helper)
 
     def uninstall(self) -> None:
-        while self._undo:
-            owner, name, old = self._undo.pop()
-            if name is None:
-                owner.remove()  # a hook handle
-            else:
-                setattr(owner, name, old)
+        """Undo `install` (once; a second call does nothing)."""
+        self._patches.close()
 
     def _queue_object_payloads(self, object_list: list[Any], src: int | None, group: Any,
                                device: Any, group_src: int | None) -> None:

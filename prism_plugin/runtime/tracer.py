@@ -1,13 +1,14 @@
 """Trace capture on a real rank: every communication op of every iteration, with wall-clock times.
 
-The session creates a `Tracer` when ``EmulationConfig.trace_dir`` is set. The backend calls `issued` for
-each op (after sequence-numbering it) and the op's `TimedWork` stamps the first wait() on the issuing
-thread and its return into the op's record; `on_iteration` (each iteration mark) closes an iteration.
+The session creates a `Tracer` when ``EmulationConfig.trace_dir`` is set. It is an op observer
+(`prism_plugin.comm.context`): `on_issued` records each op once its handle exists and links the record to
+the handle, whose wait() stamps the first wait on the issuing thread and its return, on the op clock;
+`on_iteration` (each iteration mark) closes an iteration.
 At `close` the iterations are written as a `RankTrace` (``<trace_dir>/rank<R>.trace.json``); compute spans
 are derived from the gaps between calls when the trace is turned into a class trace
 (`prism_plugin.graph.convert`).
 
-Cost: a record object and two clock reads per op, two clock reads per wait; nothing per compute. Only
+Cost: a record object and one clock read per op, two clock reads per wait; nothing per compute. Only
 the first `max_iterations` iterations are kept (then recording stops), so memory stays bounded.
 Ops before the first mark and after the last one are not recorded (counted in the metadata). CPU only:
 times are host wall clock, which on GPU would be enqueue times (DESIGN.md section 5), not device times.
@@ -18,9 +19,11 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prism_plugin.comm.context import OpClock, OpEvent, OpWork
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.graph.rank_trace import RANK_TRACE_FORMAT, RANK_TRACE_VERSION, RankTrace
 
@@ -41,20 +44,22 @@ class OpRecord:
         self.end_s = -1.0
         self.thread = thread
 
-    def on_wait(self) -> None:
+    def on_wait(self, clock: OpClock) -> None:
         if self.wait_s < 0.0 and threading.get_ident() == self.thread:
-            self.wait_s = time.perf_counter()
+            self.wait_s = clock.now_s()
 
-    def on_done(self) -> None:
+    def on_done(self, clock: OpClock) -> None:
         if self.end_s < 0.0 and self.wait_s >= 0.0:
-            self.end_s = time.perf_counter()
+            self.end_s = clock.now_s()
 
 
 class Tracer:
     """Per-iteration op records of one real rank; `close()` writes them."""
 
     def __init__(self, rank: int, world_size: int, out_dir: Path, max_iterations: int,
-                 metadata: dict[str, Any]) -> None:
+                 metadata: dict[str, Any], now_s: Callable[[], float] = time.perf_counter) -> None:
+        self.now_s = now_s
+        """The op clock's time: when `on_issued` returns to the program."""
         self.rank = rank
         self.world_size = world_size
         self.path = Path(out_dir) / f"rank{rank}.trace.json"
@@ -74,21 +79,27 @@ class Tracer:
     def recording(self) -> bool:
         return self._current is not None
 
-    def issued(self, work: Any, vg: Any, kind: OpKind, seq: int, arrival_s: float, size_bytes: int,
-               peer: int | None) -> None:
+    def on_op(self, event: OpEvent) -> None:
+        pass
+
+    def on_issued(self, event: OpEvent, work: OpWork) -> None:
+        """Record the op (issued at ``event.issue_s``, this rank's own arrival) and link it to `work`."""
         current = self._current
         if current is None:
             self.untraced_ops += 1
             return
+        vg = event.group
         gid = self._groups.get(id(vg))
         if gid is None:
             gid = self._groups[id(vg)] = len(self._group_ranks)
             self._group_ranks.append(None if vg.is_world else tuple(vg.global_ranks))
             self._keep.append(vg)
-        rec = OpRecord(kind, gid, seq, size_bytes, -1 if peer is None else peer, arrival_s, threading.get_ident())
+        peer = event.peer
+        rec = OpRecord(event.kind, gid, event.seq, event.size_bytes, -1 if peer is None else peer, event.issue_s,
+                       threading.get_ident())
         work.trace = rec
         current.append(rec)
-        rec.return_s = time.perf_counter()
+        rec.return_s = self.now_s()
 
     def on_iteration(self, anchor_s: float, index: int) -> None:
         """An iteration mark at `anchor_s`: close the open iteration (if any), open the next."""
@@ -124,7 +135,7 @@ class Tracer:
 
     def close(self) -> Path:
         """Write the closed iterations (the open one, cut by the program's end, is dropped)."""
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # the writer's own cost, in wall time whatever the op clock
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("w", encoding="utf-8") as fh:
             json.dump(self.to_dict(), fh, separators=(",", ":"))

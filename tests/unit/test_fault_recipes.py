@@ -280,6 +280,7 @@ def test_probe_and_chrome_trace_show_who_each_delayed_op_waited_on(tmp_path: Pat
 
     import torch
 
+    from prism_plugin.comm.context import OpEvent
     from prism_plugin.config.faults import parse_faults
     from prism_plugin.config.kinds import OpKind
     from prism_plugin.cost.faults import FaultSet
@@ -303,11 +304,14 @@ def test_probe_and_chrome_trace_show_who_each_delayed_op_waited_on(tmp_path: Pat
             clock.iteration, clock.iteration_start_s = step, time.perf_counter()
             time.sleep(0.002)  # "compute": the straggler takes twice as long, so this rank waits ~2 ms
             own = time.perf_counter()
-            arrival, _, failure = faults.on_op(pair, OpKind.ALL_REDUCE, step + 1, own, own, 0.0, None)
-            assert failure is None and arrival - own == pytest.approx(own - clock.iteration_start_s)
+            event = OpEvent(OpKind.ALL_REDUCE, pair, step + 1, 0, None, (), own, own, 0.0, 0.0)
+            faults.on_op(event)
+            assert event.failure is None and event.arrival_s - own == pytest.approx(own - clock.iteration_start_s)
             opt.step()
-        _, _, failure = faults.on_op(quad, OpKind.BARRIER, 9, time.perf_counter(), time.perf_counter(), 0.0, None)
-        assert failure is not None
+        now = time.perf_counter()
+        event = OpEvent(OpKind.BARRIER, quad, 9, 0, None, (), now, now, 0.0, 0.0)
+        faults.on_op(event)
+        assert event.failure is not None
     finally:
         probe.uninstall()
     doc = probe.metrics()

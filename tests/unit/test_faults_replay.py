@@ -168,13 +168,20 @@ def test_crash_in_the_replay_fails_its_partners_at_once(capsys, tmp_path: Path) 
 def test_nccl_watchdog_message_on_cuda_ops() -> None:
     from types import SimpleNamespace
 
+    import torch
+
+    from prism_plugin.comm.context import OpEvent
     from prism_plugin.runtime.live_faults import LiveFaults
 
     clock = SimpleNamespace(iteration=0, iteration_start_s=0.0)
     live = LiveFaults(FaultSet(parse_faults(["hang:rank=1,op=1"]), 4, 2), 0, clock, 600.0)
     vg = SimpleNamespace(global_ranks=(0, 1), all_real=False, is_world=False, name="tp0", desc="",
                          group_rank_of=lambda r: r if r in (0, 1) else None)
-    _, _, failure = live.on_op(vg, OpKind.ALL_REDUCE, 7, 10.0, 10.0, 0.001, None, device_type="cuda", numel=4096)
+    received = [SimpleNamespace(device=torch.device("cuda"), numel=lambda: 4096)]  # a CUDA tensor's fields
+    event = OpEvent(OpKind.ALL_REDUCE, vg, 7, 4096 * 4, None, received, 10.0, 10.0, 0.001, 0.001)
+    live.on_op(event)
+    failure = event.failure
+    assert event.device_type == "cuda" and event.numel == 4096
     assert failure is not None and failure.raise_at_s == 610.0
     assert str(failure.error) == ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
                                   "OpType=ALLREDUCE, NumelIn=4096, NumelOut=4096, Timeout(ms)=600000) ran for 600001 "
