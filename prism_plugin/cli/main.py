@@ -30,6 +30,7 @@ from prism_plugin.cli.graph import (
 )
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.config.errors import ConfigError, parse_rank_list
+from prism_plugin.config.kinds import DeviceMode
 
 __all__ = ["main", "build_config"]
 
@@ -47,6 +48,10 @@ def _add_world_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", type=Path, default=None, help="write per-rank summaries into DIR")
     p.add_argument("--no-timing", action="store_true", help="complete ops when their data is ready")
     p.add_argument("--timeout", type=float, default=1800.0, help="collective timeout of the job, seconds")
+    p.add_argument("--device", default="real", choices=["real", "virtual-gpu"],
+                   help="real: tensors on this host's devices; virtual-gpu: fake cuda tensors on virtual GPUs of the "
+                        "profile's GPU model (real-size jobs on a host without GPUs; memory exact, no step time)")
+    p.add_argument("--gpu", default=None, help="GPU model of the virtual GPUs (default: the profile's), e.g. h100-sxm")
 
 
 def build_config(args: argparse.Namespace) -> EmulationConfig:
@@ -58,10 +63,14 @@ def build_config(args: argparse.Namespace) -> EmulationConfig:
                          gpus_per_node=args.gpus_per_node)
     config = EmulationConfig(world=world, profile=args.profile, data_policy=policy, record_dir=args.record,
                              replay_dir=args.replay, timing=not args.no_timing, timeout_s=args.timeout,
-                             output_dir=args.output, **trace_config_kwargs(args))
+                             output_dir=args.output, device=args.device, gpu=args.gpu, **trace_config_kwargs(args))
     from prism_plugin.cost import load_profile
 
-    load_profile(config.profile)  # an unknown profile fails here, before any process starts
+    profile = load_profile(config.profile)  # an unknown profile fails here, before any process starts
+    if config.device is DeviceMode.VIRTUAL_GPU:
+        from prism_plugin.runtime.virtual_gpu.session import resolve_gpu
+
+        resolve_gpu(config, profile)  # the GPU model: named, or the profile's; refused before any process
     return config
 
 

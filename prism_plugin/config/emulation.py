@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prism_plugin.config.errors import ConfigError, coerce_enum, parse_rank_list, positive_int
-from prism_plugin.config.kinds import DataPolicy, IterationMarker
+from prism_plugin.config.kinds import DataPolicy, DeviceMode, IterationMarker
 
 if TYPE_CHECKING:
     from prism_plugin.config.faults import FaultSpec
@@ -125,11 +125,21 @@ class EmulationConfig:
     """What delimits iterations: explicit `mark_iteration()` calls, optimizer steps, or auto (both)."""
     faults: tuple[FaultSpec, ...] = ()
     """Faults and what-ifs (`prism_plugin.config.faults`): specs or strings like "straggler:ranks=4-7,factor=1.3"."""
+    device: DeviceMode = DeviceMode.REAL
+    """REAL: the program's tensors on the host's devices; VIRTUAL_GPU: fake cuda tensors on virtual GPUs (timing
+    is then off: nothing sleeps, step time is not modelled)."""
+    gpu: str | None = None
+    """GPU model of the virtual GPUs (`prism_plugin.cost.gpu.GPUS`); None: the profile's ``gpu``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.world, VirtualWorld):
             raise ConfigError("world must be a VirtualWorld(world_size=..., real_ranks=...)")
         object.__setattr__(self, "data_policy", coerce_enum(DataPolicy, self.data_policy, "data_policy"))
+        object.__setattr__(self, "device", coerce_enum(DeviceMode, self.device, "device"))
+        if self.device is DeviceMode.VIRTUAL_GPU:
+            object.__setattr__(self, "timing", False)  # no modelled time yet: a virtual GPU does not sleep
+        elif self.gpu is not None:
+            raise ConfigError("gpu is the model of virtual GPUs; give it with device='virtual-gpu' (or drop it)")
         for name in ("record_dir", "replay_dir", "output_dir", "trace_dir", "graph"):
             value = getattr(self, name)
             if value is not None:

@@ -58,6 +58,19 @@ class ArrivalAssumption(StrEnum):
     REPLAYED = "replayed"  # from the replay of an execution graph
 
 
+class DeviceMode(StrEnum):
+    """Where a real rank's tensors live and compute.
+
+    REAL: on the host's own devices (the CPU, with the adapters' CPU shim; or the host's real GPUs).
+    VIRTUAL_GPU: fake ``cuda`` tensors on virtual GPUs of the profile's GPU model (no storage, no compute):
+        real-size jobs on a host without GPUs, exact allocated bytes, a caching-allocator model; step time is
+        not modelled (nothing sleeps).
+    """
+
+    REAL = "real"
+    VIRTUAL_GPU = "virtual-gpu"
+
+
 class Framework(StrEnum):
     """Whose training program (and parallel layout) a job uses: the one enum of the slicer and the recipes.
 

@@ -95,6 +95,9 @@ class HardwareProfile:
     a mapping such as ``{all_gather: 2.9, reduce_scatter: 4.1}``. For backends whose ops differ in more than
     hop count and traffic (gloo reduces on the CPU, copies all_gather chunks one by one); `prism calibrate
     --per-op` fits them. An op not listed has factor 1; ``send`` also applies to ``recv``. Empty by default."""
+    gpu: str | None = None
+    """The GPU model of the nodes (`prism_plugin.cost.gpu.GPUS`: h100-sxm, h200-sxm, a100-sxm-80gb): what a
+    virtual GPU presents (``--device virtual-gpu``). None for CPU profiles."""
 
     def __post_init__(self) -> None:
         where = f"profile {self.name!r}"
@@ -107,6 +110,11 @@ class HardwareProfile:
             raise ProfileError(f"{where}: `gpus_per_node` must be a positive integer (8 on DGX nodes)")
         if self.gpus_per_node < 1:
             raise ProfileError(f"{where}: `gpus_per_node` must be >= 1 (8 on DGX nodes)")
+        if self.gpu is not None:
+            from prism_plugin.cost.gpu import GPUS
+
+            if self.gpu not in GPUS:
+                raise ProfileError(f"{where}: `gpu: {self.gpu}` is not a known GPU model; use one of {sorted(GPUS)}")
         for tier in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, tier), LinkSpec):
                 raise ProfileError(f"{where}: `{tier}` must be a LinkSpec")
@@ -164,7 +172,7 @@ def _check_number(value: object, field_path: str, where: str, *, allow_zero: boo
 
 
 _FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(HardwareProfile))
-_OPTIONAL_FIELDS = frozenset({"op_transfer_factors"})  # older profile files do not have them
+_OPTIONAL_FIELDS = frozenset({"op_transfer_factors", "gpu"})  # older profile files do not have them
 
 
 def _profile_from_mapping(data: object, source: str) -> HardwareProfile:
@@ -229,6 +237,8 @@ def _as_mapping(profile: HardwareProfile) -> dict[str, Any]:
     """The profile as plain YAML data: op_transfer_factors as a mapping, left out when empty."""
     data = dataclasses.asdict(profile)
     factors = data.pop("op_transfer_factors")
+    if data.get("gpu") is None:
+        data.pop("gpu", None)
     if factors:
         data["op_transfer_factors"] = dict(factors)
     return data

@@ -13,18 +13,26 @@ A script that never calls ``init_process_group`` writes no summary.
 
 from __future__ import annotations
 
-import functools
 import os
-import runpy
-import sys
-from datetime import timedelta
-from typing import Any
 
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
+if os.environ.get("PRISM_VIRTUAL_CUDA_LIB"):  # device virtual-gpu: the CUDA device library loads before torch
+    from prism_plugin.runtime.virtual_gpu import cuda_runtime
 
-from prism_plugin.runtime.launch import config_from_env
-from prism_plugin.runtime.lifecycle import EmulatedRun, real_store
+    cuda_runtime.preload()
+
+import functools  # noqa: E402
+import runpy  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.distributed_c10d as c10d  # noqa: E402
+
+from prism_plugin.config.kinds import DeviceMode  # noqa: E402
+from prism_plugin.runtime.launch import config_from_env  # noqa: E402
+from prism_plugin.runtime.lifecycle import EmulatedRun, real_store, write_summary  # noqa: E402
 
 __all__ = ["install_init_hook", "main", "run_target"]
 
@@ -62,8 +70,36 @@ def main(argv: list[str] | None = None) -> None:
     if not args:
         raise SystemExit("usage: python -m prism_plugin.runtime.bootstrap script.py [args] | -m module [args]")
     run = install_init_hook()
-    with run.recording():
-        run_target(args)
+    if run.config.device is not DeviceMode.VIRTUAL_GPU:
+        with run.recording():
+            run_target(args)
+        return
+    _run_on_virtual_gpu(run, args)
+
+
+def _run_on_virtual_gpu(run: EmulatedRun, args: list[str]) -> None:
+    """The program on virtual GPUs; the summary carries their memory; the process ends with ``os._exit``
+    (`cuda_runtime.exit_now`: the program's own atexit handlers do not run)."""
+    from prism_plugin.runtime.virtual_gpu import cuda_runtime
+    from prism_plugin.runtime.virtual_gpu.session import start_virtual_gpu
+
+    vgpu = start_virtual_gpu(run.config, run.process_index)
+    run.add_summary(lambda: {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary()})
+    code: int = 0
+    try:
+        with run.recording():
+            run_target(args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if run.finish() is None:  # the program never called init_process_group: its memory is still reported
+        write_summary({"rank": run.rank, "device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary(),
+                       "exit_code": code, "note": "the program never called init_process_group"},
+                      run.config.output_dir, rank=run.rank)
+    vgpu.stop()
+    cuda_runtime.exit_now(code)
 
 
 def run_target(args: list[str]) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prism_plugin.config.emulation import EmulationConfig
+from prism_plugin.config.kinds import DeviceMode
 from prism_plugin.runtime.lifecycle import DEFAULT_GRACE_S, RealProcess, launch_processes
 
 __all__ = ["LaunchSpec", "config_to_env", "config_from_env", "launch"]
@@ -48,6 +49,8 @@ def config_to_env(config: EmulationConfig) -> str:
         "graph": str(config.graph) if config.graph else None,
         "iteration_marker": config.iteration_marker.value,
         "faults": [f.to_text() for f in config.faults],
+        "device": config.device.value,
+        "gpu": config.gpu,
     })
 
 
@@ -91,6 +94,11 @@ def launch(spec: LaunchSpec, *, timeout_s: float | None = None) -> int:
     store_dir.mkdir(parents=True, exist_ok=True)
     store_file = store_dir / f"store-{os.getpid()}-{time.time_ns()}"
     cfg_json = config_to_env(config)
+    extra: dict[str, str] = {}
+    if config.device is DeviceMode.VIRTUAL_GPU:  # built once here (cached), loaded by each child before torch
+        from prism_plugin.runtime.virtual_gpu import cuda_runtime
+
+        extra["PRISM_VIRTUAL_CUDA_LIB"] = str(cuda_runtime.build())
     processes = []
     for i, rank in enumerate(config.world.real_ranks):
         env = dict(os.environ)
@@ -105,6 +113,7 @@ def launch(spec: LaunchSpec, *, timeout_s: float | None = None) -> int:
             "PRISM_STORE_FILE": str(store_file),
             "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
             "MASTER_PORT": env.get("MASTER_PORT", "29500"),
+            **extra,
         })
         argv = (sys.executable, "-m", "prism_plugin.runtime.bootstrap", *spec.target)
         processes.append(RealProcess(argv=argv, env=env, virtual_rank=rank, process_index=i))

@@ -61,8 +61,11 @@ void prism_virtual_cuda_set_device(int64_t index) { at::Guard::setDeviceIndex(st
 
 
 def _build_dir() -> Path:
+    """Per installed torch version (the library links torch's C++ ABI): ``~/.cache/prism_plugin/virtual_cuda-<v>``."""
+    from importlib.metadata import version
+
     root = os.environ.get("PRISM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "prism_plugin")
-    return Path(root) / "virtual_cuda"
+    return Path(root) / f"virtual_cuda-{version('torch')}"
 
 
 def library_path() -> Path | None:
