@@ -22,7 +22,7 @@ from prism_plugin.config.kinds import DataPolicy
 
 RedOp = dist.ReduceOp.RedOpType
 
-__all__ = ["red_op", "check_reduce_dtype", "apply_virtual_share", "fill_from", "zero_fill"]
+__all__ = ["red_op", "check_reduce_dtype", "apply_virtual_share", "fill_from", "same_memory", "zero_fill"]
 
 _SUPPORTED = {RedOp.SUM, RedOp.AVG, RedOp.PRODUCT, RedOp.MIN, RedOp.MAX, RedOp.BAND, RedOp.BOR, RedOp.BXOR}
 
@@ -127,6 +127,12 @@ def zero_fill(t: torch.Tensor) -> None:
     t.zero_()
 
 
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` start at the same element of the same storage (what comparing ``data_ptr()`` asks,
+    also for fake tensors, which have no data pointer)."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
+
+
 def fill_from(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Write `src`'s values into `dst` in place: a copy when sizes agree, else repeated/truncated.
 
@@ -134,7 +140,7 @@ def fill_from(dst: torch.Tensor, src: torch.Tensor) -> None:
     """
     if dst.numel() == 0:
         return
-    if (src.data_ptr() == dst.data_ptr() and src.numel() == dst.numel()
+    if (same_memory(src, dst) and src.numel() == dst.numel()
             and src.is_contiguous() and dst.is_contiguous()):
         return  # the source already is the destination (in-place gathers / reduce-scatters)
     if src.numel() == dst.numel():

@@ -27,6 +27,7 @@ from prism_plugin.config.faults import Straggler
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost import CostModel
 from prism_plugin.graph.convert import group_role
+from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.replay import ReplayDeadlock
 from prism_plugin.graph.schema import ExecutionGraph
 from prism_plugin.graph.steady import ArrivalTable, steady_state
@@ -36,17 +37,16 @@ __all__ = ["ReplayedArrivals", "fault_phases", "load_arrivals", "load_job_graph"
 
 
 def load_job_graph(path: Path, world_size: int) -> ExecutionGraph:
-    """The execution graph at `path`, checked to describe `world_size` ranks (ValueError naming the fix).
+    """The execution graph at `path`, checked to describe `world_size` ranks (a `GraphError` naming the fix).
 
     Adapters call it while validating their flags, before any process group exists.
     """
     try:
         graph = ExecutionGraph.load(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"graph={str(path)!r} cannot be read: {exc!r}; build one with `prism graph build`") \
-            from None
+        raise GraphError(f"graph={str(path)!r} cannot be read: {exc}; build one with `prism graph build`") from None
     if graph.layout.world_size != world_size:
-        raise ValueError(
+        raise GraphError(
             f"graph={str(path)!r} describes {graph.layout.world_size} ranks but --world-size is {world_size}: "
             "load the graph of this job"
         )

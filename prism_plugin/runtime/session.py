@@ -154,11 +154,8 @@ class Session:
         if config.graph is not None:
             from prism_plugin.runtime.arrivals import load_arrivals
 
-            try:
-                self.replayed = load_arrivals(config.graph, self.cost_model, self.rank, world.real_ranks,
-                                              world.world_size, self.clock, config.faults)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+            self.replayed = load_arrivals(config.graph, self.cost_model, self.rank, world.real_ranks,
+                                          world.world_size, self.clock, config.faults)  # GraphError on bad input
             self.replayed.timing = config.timing
             self.arrivals = ArrivalAssumption.REPLAYED
         self.faults = None  # faults and what-ifs (prism_plugin.config.faults), an op observer
