@@ -290,6 +290,9 @@ class CudaShim:
         for name, value in self._memory_api().items():  # torch.cuda.memory's own functions call these names
             p.setattr(cuda.memory, name, value)
         p.setattr(cuda.random, "default_generators", self.generators)
+        for name in ("get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "manual_seed",
+                     "manual_seed_all", "seed", "initial_seed"):  # torch.cuda.random's own (Megatron calls them)
+            p.setattr(cuda.random, name, api[name])
         CudaShim._ACTIVE = self
         p.callback(setattr, CudaShim, "_ACTIVE", None)
         return self
