@@ -21,8 +21,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from prism_plugin.cost.allocator import Block, CachingAllocatorModel, DeviceOutOfMemory
 from prism_plugin.cost.allocator_config import AllocatorConfig
@@ -35,6 +37,7 @@ from prism_plugin.runtime.virtual_gpu.values import ValuePolicy
 __all__ = ["VirtualGpu"]
 
 aten = torch.ops.aten
+_FROM_DATA = {torch.tensor, torch.as_tensor}
 _DEVICE_ARG = {torch.Tensor.to: 1, torch.Tensor.cuda: 1, torch._C._nn._parse_to: 0}
 """Calls whose positional argument at this index may be a device (Module.to(i) parses through _parse_to)."""
 
@@ -48,11 +51,21 @@ class _DeviceCalls(TorchFunctionMode):
     no gradient flows back through the move (parameter moves run under no_grad, batches need none).
     """
 
+    def __init__(self, values: ValuePolicy) -> None:
+        super().__init__()
+        self.values = values
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         device = kwargs.get("device")
         if isinstance(device, int) and not isinstance(device, bool):
             kwargs = {**kwargs, "device": torch.device("cuda", device)}
+            device = kwargs["device"]
+        if func in _FROM_DATA and device is not None and torch.device(device).type == "cuda":
+            # torch.tensor(data, device="cuda") builds on the CPU and copies below any mode: build the CPU fake
+            # (which keeps the data as its constant), then move it
+            host = func(*args, **{k: v for k, v in kwargs.items() if k != "device"})
+            return self._moved(host, _move(host, (device,), {}))
         i = _DEVICE_ARG.get(func)
         if i is not None and len(args) > i and isinstance(args[i], int) and not isinstance(args[i], bool):
             args = (*args[:i], torch.device("cuda", args[i]), *args[i + 1:])
@@ -63,8 +76,18 @@ class _DeviceCalls(TorchFunctionMode):
         if func is torch.Tensor.to and isinstance(args[0], torch.Tensor):
             moved = _move(args[0], args[1:], kwargs)
             if moved is not None:
-                return moved
+                return self._moved(args[0], moved)
         return func(*args, **kwargs)
+
+    def _moved(self, source: torch.Tensor, moved: torch.Tensor | None) -> torch.Tensor:
+        """`moved` keeps a one-element `source`'s known value (a constant, a tagged answer) for later reads."""
+        assert moved is not None
+        constant = getattr(source, "constant", None)
+        if source.numel() == 1 and constant is not None:
+            with _disable_current_modes():  # the constant is a real tensor: read it outside the fake modes
+                value = constant.item()
+            self.values.tag(moved, value)
+        return moved
 
 
 def _move(t: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -78,8 +101,14 @@ def _move(t: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    out = torch.empty_like(t, dtype=dtype or t.dtype, device=device,
-                           memory_format=memory_format or torch.preserve_format)
+    dtype = dtype or t.dtype
+    # a factory, not empty_like(t): FakeTensorMode would run empty_like on t's constant (a real CPU tensor)
+    if memory_format in (None, torch.preserve_format) and is_non_overlapping_and_dense_or_false(t):
+        out = torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=device)
+    else:
+        out = torch.empty(t.size(), dtype=dtype, device=device,
+                          memory_format=torch.contiguous_format if memory_format in (None, torch.preserve_format)
+                          else memory_format)
     return out.requires_grad_(t.requires_grad) if out.is_floating_point() else out
 
 
@@ -128,6 +157,42 @@ class _AllocatorTracker(StorageTracker):
         return out
 
 
+_OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+                       "send_object_list", "recv_object_list")
+
+
+def _object_collectives_on_cpu(patches: Any) -> None:
+    """Object collectives move real pickled bytes: run them outside the fake modes, on the CPU.
+
+    torch pickles each object into a byte tensor on `_get_object_coll_device` ("cuda" for an NCCL job) and
+    reads sizes back with ``.item()``; under fake tensors neither the bytes nor the sizes would exist. The
+    payloads are CPU tensors here, so the objects arrive as the prism backend delivers them (mirrored from
+    this rank for virtual members, exchanged for real ones) and no fake value is read.
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def on_cpu(original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("device") is not None:
+                kwargs = {**kwargs, "device": torch.device("cpu")}
+            with _disable_current_modes(), torch._C.DisableTorchFunction():
+                saved = c10d._get_object_coll_device
+                c10d._get_object_coll_device = lambda group=None: "cpu"
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    c10d._get_object_coll_device = saved
+
+        call.__wrapped__ = original  # type: ignore[attr-defined]
+        return call
+
+    for name in _OBJECT_COLLECTIVES:
+        wrapped = on_cpu(getattr(c10d, name))
+        patches.setattr(c10d, name, wrapped)
+        patches.setattr(dist, name, wrapped)
+
+
 class VirtualGpu:
     """`num_devices` virtual GPUs of model `gpu` in this process; this process uses device `device`."""
 
@@ -142,7 +207,7 @@ class VirtualGpu:
         self.values = values or ValuePolicy()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.tracker = _AllocatorTracker(self)
-        self._int_devices = _DeviceCalls()
+        self._int_devices = _DeviceCalls(self.values)
         self._started = False
 
     def _swap_tensors(self, t1: torch.Tensor, t2: torch.Tensor) -> None:
@@ -162,6 +227,7 @@ class VirtualGpu:
         self.shim.set_device(self.shim.current)
         self._original_swap = torch.utils.swap_tensors
         self.shim._patches.setattr(torch.utils, "swap_tensors", self._swap_tensors)
+        _object_collectives_on_cpu(self.shim._patches)
         self.fake.__enter__()
         self.tracker.start()
         self._int_devices.__enter__()

@@ -67,19 +67,29 @@ class ValuePolicy:
         self.float_value = float_value
         self.answers: Counter[tuple[str, str]] = Counter()  # (call site, answer) -> reads
         # id(tensor) -> answer, dropped when the tensor dies (a WeakKeyDictionary would compare tensors with ==)
-        self._answers_of: dict[int, tuple[bool, weakref.ref]] = {}
+        self._answers_of: dict[int, tuple[bool | int | float, weakref.ref]] = {}
+        self.constants_read = 0  # reads of a value the program itself put in the tensor (torch.tensor([...]))
 
-    def _tag(self, tensor: torch.Tensor, answer: bool) -> None:
+    def tag(self, tensor: torch.Tensor, value: bool | int | float) -> None:
+        """Record that `tensor` (one element) holds `value` (e.g. a constant moved to a virtual GPU)."""
+        self._tag(tensor, value)
+
+    def _tag(self, tensor: torch.Tensor, answer: bool | int | float) -> None:
         key = id(tensor)
         self._answers_of[key] = (answer, weakref.ref(tensor, lambda _ref, k=key: self._answers_of.pop(k, None)))
 
-    def _known(self, tensor: torch.Tensor) -> bool | None:
+    def _known(self, tensor: torch.Tensor) -> bool | int | float | None:
         entry = self._answers_of.get(id(tensor))
         return None if entry is None or entry[1]() is not tensor else entry[0]
 
     def observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Record what `func` tells of its outputs' values (called for every op under fake execution)."""
-        answer: bool | None = None
+        schema = getattr(func, "_schema", None)
+        if schema is not None and schema.is_mutable:  # a tensor written in place no longer holds its known value
+            for arg, value in zip(schema.arguments, args, strict=False):
+                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
+                    self._answers_of.pop(id(value), None)
+        answer: bool | int | float | None = None
         if func in _FALSE_CHECKS:
             answer = False
         elif func in _TRUE_CHECKS:
@@ -102,6 +112,10 @@ class ValuePolicy:
         site = _call_site()
         known = self._known(tensor)
         dtype = tensor.dtype
+        constant = getattr(tensor, "constant", None)  # FakeTensorMode keeps small tensors' real values
+        if known is None and constant is not None and constant.numel() == 1:
+            self.constants_read += 1
+            return constant.item()
         if known is not None:
             value: bool | int | float = known if dtype == torch.bool else (
                 float(known) if dtype.is_floating_point else int(known))
@@ -111,13 +125,14 @@ class ValuePolicy:
             raise NoValueError(
                 f"prism virtual GPU: {site} reads the value of a {dtype} tensor (aten._local_scalar_dense: .item(), "
                 "bool(), int()); fake execution has no values and the value policy states no answer for this read. "
-                "Compute it from shapes, or run this part on the CPU device (--device cpu)")
+                "Compute it from shapes, or run this part on the host's own device (--device real)")
         self.answers[(site, repr(value))] += 1
         return value
 
     def summary(self) -> dict[str, Any]:
         """Per call site, each answer given and how often (what the run's control flow assumed)."""
         return {"float_value": self.float_value, "reads": sum(self.answers.values()),
+                "constants_read": self.constants_read,
                 "by_site": [{"site": site, "value": value, "count": n}
                             for (site, value), n in sorted(self.answers.items())]}
 
