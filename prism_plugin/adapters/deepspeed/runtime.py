@@ -20,7 +20,9 @@ Seams (each installed here, held by one `Patches` and undone by `shutdown`):
   process's physical device is ``LOCAL_RANK`` (set when the launcher did not). Environment seen by
   the program afterwards: RANK = virtual rank, WORLD_SIZE = N, LOCAL_RANK = physical index.
 - pipeline: `grid` (closed-form topology queries; same groups, linear set-up) and `pipe` (tensor-meta
-  handshake from a virtual previous stage); ZeRO-3: `zero` (its rank-0 consistency broadcasts).
+  handshake from a virtual previous stage); ZeRO-3: `zero` (its rank-0 consistency broadcasts, and
+  ``torch._dynamo`` imported before ``deepspeed.zero.Init`` can be entered: on torch 2.13 a first
+  dynamo import inside that context fails with a ``tensor_pynew`` signature mismatch).
 
 Limitations: one emulation per process at a time; ``dist_backend`` is not used (the inner real groups
 are gloo for CPU tensors, NCCL for CUDA tensors); MPI discovery is not attempted. ``"graph"`` turns on
@@ -90,6 +92,7 @@ class DeepSpeedEmulation:
 
         from prism_plugin.adapters.deepspeed import grid, pipe, zero
 
+        zero.prepare_zero_init()
         self.patches.callback(_forget_deepspeed_state)  # runs last, after every seam is undone
         world = self.section.emulation.world
         device_index = world.device_of(self.process_index, local_world_size)

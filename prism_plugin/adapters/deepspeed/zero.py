@@ -1,4 +1,15 @@
-"""ZeRO-3's consistency checks with a virtual rank 0.
+"""ZeRO-3 under emulation: ``deepspeed.zero.Init`` on torch 2.13, and the consistency checks with a virtual rank 0.
+
+**zero.Init and dynamo** (`prepare_zero_init`): inside its context ``deepspeed.zero.Init`` replaces
+``torch.Tensor.__new__`` by its own ``new_tensor(cls, *args, **kwargs)``. When ``torch._dynamo`` is
+first imported inside that context (any ``torch.compiler.disable`` a model constructor runs, the first
+operator under a FakeTensorMode, ...), dynamo's ``polyfills/tensor.py`` registers its substitute for
+``Tensor.__new__`` against the patched function and the import fails with ``TypeError: Signature
+mismatch between ...new_tensor... and ... tensor_pynew`` (DeepSpeed 0.19.8 with torch 2.13, with or
+without prism). Importing dynamo before the context is entered registers it against the real
+``Tensor.__new__``; the emulation does so when it starts, before any Init context can be entered (the
+patched ``zero.Init`` initialises communication in its constructor, before ``__enter__``). Costs the
+dynamo import (~1 s) once per process; nothing is compiled.
 
 ZeRO-3 checks that every rank traces the same module/parameter order: rank 0 broadcasts its list
 (``assert_ints_same_as_other_ranks``), the other ranks prepare the receive buffer with sentinels
@@ -25,7 +36,12 @@ from prism_plugin.config.kinds import DataPolicy
 if TYPE_CHECKING:
     from prism_plugin.adapters.deepspeed.runtime import DeepSpeedEmulation
 
-__all__ = ["install"]
+__all__ = ["install", "prepare_zero_init"]
+
+
+def prepare_zero_init() -> None:
+    """Import ``torch._dynamo`` now, outside any ``deepspeed.zero.Init`` context (see the module docstring)."""
+    import torch._dynamo  # noqa: F401
 
 
 def install(emulation: DeepSpeedEmulation) -> None:
