@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from prism_plugin.comm.context import Finish, OpEvent, chain
-from prism_plugin.comm.fill import RedOp, apply_virtual_share, check_reduce_dtype, fill_from, red_op
+from prism_plugin.comm.fill import RedOp, apply_virtual_share, check_reduce_dtype, fill_from, red_op, same_memory
 from prism_plugin.comm.group import VirtualGroup
 from prism_plugin.comm.work import TimedWork
 from prism_plugin.config.kinds import DataPolicy, OpKind
@@ -232,7 +232,7 @@ def all_gather_into_tensors(vg: VirtualGroup, outputs: list[Tensor], inputs: lis
     for out, inp in zip(outputs, inputs, strict=True):
         rows = out.view(vg.size, -1)
         src = inp.reshape(1, -1)
-        if src.data_ptr() == rows[me].data_ptr():  # in-place gather: the input is my slot
+        if same_memory(src, rows[me]):  # in-place gather: the input is my slot
             rows[:me].copy_(src.expand(me, -1))
             rows[me + 1:].copy_(src.expand(vg.size - me - 1, -1))
         else:
