@@ -74,40 +74,94 @@ def build_config(args: argparse.Namespace) -> EmulationConfig:
     return config
 
 
-def _summaries_table(output: Path) -> Table | None:
-    files = sorted(output.glob("rank*.summary.json"))
-    if not files:
+def _summaries_table(output: Path, run_id: str | None = None, real_ranks: tuple[int, ...] = ()) -> Table | None:
+    """The table of the summaries in `output` written by run `run_id` (None: every summary there); None when
+    there is none. A concurrent run into the same folder, or an older one, is not shown; a real rank of
+    `real_ranks` without a summary of this run is named in the caption."""
+    summaries = []
+    for f in output.glob("rank*.summary.json"):
+        try:
+            s = json.loads(f.read_text())
+        except (OSError, ValueError):  # being written by a concurrent run
+            continue
+        if isinstance(s, dict) and "rank" in s and (run_id is None or s.get("run_id") == run_id):
+            summaries.append(s)
+    if not summaries:
         return None
+    summaries.sort(key=lambda s: int(s["rank"]))
     table = Table(title=f"prism: what the real ranks saw ({output})")
     for col in ("rank", "of N", "profile", "policy", "groups", "ops", "bytes", "modelled comm (ms)"):
         table.add_column(col, justify="right")
-    for f in files:
-        s = json.loads(f.read_text())
+    notes: list[str] = []
+    for s in summaries:
+        if s.get("emulated") is False:  # the script never called init_process_group
+            table.add_row(str(s["rank"]), str(s["world_size"]), "-", "-", "-", "-", "-", "-")
+            notes.append(f"rank {s['rank']}: {s['note']}")
+            continue
         table.add_row(str(s["rank"]), str(s["world_size"]), s["profile"], s["data_policy"],
                       str(s["groups_created"]), str(sum(s["op_counts"].values())),
                       f"{sum(s['op_bytes'].values()):,}", f"{1e3 * s['modelled_comm_s']:.3f}")
-    table.caption = "arrivals: " + json.loads(files[0].read_text())["arrivals_note"]
-    for f in files:  # faults (issue 7): each real rank's waits on faulty ranks and its fault events
-        faults = json.loads(f.read_text()).get("faults")
-        if faults:
-            waited = sum(step["waited_s"] for step in faults["steps"])
-            on = sorted({w["rank"] for step in faults["steps"] for w in step["waited_on"]})
-            events = ", ".join(f"{e['event']} of rank {e['rank']} at step {e['step']}" for e in faults["events"][:3])
-            table.caption += (f"\nrank {json.loads(f.read_text())['rank']}: waited {1e3 * waited:.3f} ms on faulty "
-                              f"ranks {on} over {len(faults['steps'])} steps" + (f"; {events}" if events else ""))
+        notes.extend(_graph_and_fault_notes(s))
+    emulated = [s for s in summaries if s.get("emulated") is not False]
+    caption = ["arrivals: " + emulated[0]["arrivals_note"]] if emulated else []
+    missing = sorted(set(real_ranks) - {int(s["rank"]) for s in summaries})
+    if missing:
+        notes.append(f"no summary of this run from real rank(s) {missing} (ended before writing one, or "
+                     "overwritten by another run into the same --output)")
+    table.caption = "\n".join(caption + notes)
     return table
 
 
+def _graph_and_fault_notes(s: dict) -> list[str]:
+    """Caption lines of one summary: how its ops matched the graph (hybrid), its waits on faulty ranks."""
+    notes = []
+    graph, check = s.get("graph"), s.get("graph_check")
+    if graph:  # always said: a graph that the program does not follow is no replay (issue 11)
+        line = (f"rank {s['rank']}: graph: {graph['ops_replayed']} ops replayed, "
+                f"{graph['ops_not_in_graph'] + graph['ops_kind_mismatch']} outside the graph "
+                f"({graph['ops_not_in_graph']} not in it, {graph['ops_kind_mismatch']} of another kind), "
+                f"{graph['ops_before_first_mark']} before the first iteration mark")
+        if check and check.get("verdict") == "refused":
+            line += f"; REFUSED: {check['reason']}"
+        notes.append(line)
+    faults = s.get("faults")
+    if faults:  # faults (issue 7): each real rank's waits on faulty ranks and its fault events
+        waited = sum(step["waited_s"] for step in faults["steps"])
+        on = sorted({w["rank"] for step in faults["steps"] for w in step["waited_on"]})
+        events = ", ".join(f"{e['event']} of rank {e['rank']} at step {e['step']}" for e in faults["events"][:3])
+        notes.append(f"rank {s['rank']}: waited {1e3 * waited:.3f} ms on faulty ranks {on} over "
+                     f"{len(faults['steps'])} steps" + (f"; {events}" if events else ""))
+    if s.get("error"):
+        notes.append(f"rank {s['rank']}: {s['error']}")
+    return notes
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    import os
+    import uuid
+
     from prism_plugin.runtime.launch import LaunchSpec, launch
+    from prism_plugin.runtime.lifecycle import RUN_ID_ENV, check_memory
 
     target = run_target_args(args)
     config = build_config(args)
-    rc = launch(LaunchSpec(config=config, target=target, store_dir=args.output))
+    check_memory(config.world, config.world.num_real)  # N too large for this machine: refused before any process
+    run_id = uuid.uuid4().hex[:16]  # this launch's summaries carry it; the table shows only those
+    previous = os.environ.get(RUN_ID_ENV)
+    os.environ[RUN_ID_ENV] = run_id
+    try:
+        rc = launch(LaunchSpec(config=config, target=target, store_dir=args.output))
+    finally:
+        if previous is None:
+            os.environ.pop(RUN_ID_ENV, None)
+        else:
+            os.environ[RUN_ID_ENV] = previous
     if config.output_dir is not None:
-        table = _summaries_table(config.output_dir)
+        table = _summaries_table(config.output_dir, run_id, config.world.real_ranks)
         if table is not None:
             console.print(table)
+        else:
+            console.print(f"prism run: no real rank of this run wrote a summary into {config.output_dir}")
     return rc
 
 

@@ -1,8 +1,9 @@
 """Reading recipes from YAML into `prism_plugin.recipes.schema.Recipe`, with errors naming file and field.
 
 Unknown fields get a did-you-mean, missing required ones name the dataclass to read, malformed YAML names
-the line and column, and `load_recipe` also loads every emulation's hardware profile, so a bad profile
-name or path fails before anything runs. Pure: stdlib, pyyaml and the cost layer.
+the line and column, a key given twice in one mapping names both lines (plain YAML keeps the last
+silently), and `load_recipe` also loads every emulation's hardware profile, so a bad profile name or path
+fails before anything runs. Pure: stdlib, pyyaml and the cost layer.
 """
 
 from __future__ import annotations
@@ -93,9 +94,36 @@ def recipe_from_mapping(data: Any, *, source: Path | None = None) -> Recipe:
         raise RecipeError(f"{where}: {exc}") from None
 
 
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` refusing a mapping that gives one key twice (``<<`` merges are left to PyYAML)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _value in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: PyYAML's own error follows
+                continue
+            if first is not None:
+                raise _DuplicateKey(None, None, f"`{key}` is given twice in one mapping (first on line "
+                                    f"{first.start_mark.line + 1}); give each field once", key_node.start_mark)
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
 def recipe_from_yaml(text: str, *, source: Path | None = None) -> Recipe:
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as exc:
+        mark = exc.problem_mark
+        raise RecipeError(f"{source or '<recipe>'}:{mark.line + 1}:{mark.column + 1}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""

@@ -50,6 +50,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from prism_plugin.config.emulation import VirtualWorld, check_fault_nodes
 from prism_plugin.config.errors import ConfigError, coerce_enum, int_at_least
 from prism_plugin.config.faults import check_fault_ranks, parse_faults
 from prism_plugin.config.kinds import DataPolicy, Framework
@@ -332,6 +333,10 @@ class Emulation:
         if bad:
             raise RecipeError(f"{where}.runs: ranks {bad} are outside 0..{self.world_size - 1}")
         object.__setattr__(self, "runs", runs)
+        try:  # gpus_per_node dividing world_size, as prism run checks it
+            world = VirtualWorld(world_size=self.world_size, real_ranks=flat, gpus_per_node=self.gpus_per_node)
+        except ConfigError as exc:
+            raise RecipeError(f"{where}: {exc}") from None
         if self.ranks is not None:
             pairs = []
             for pair in self.ranks:
@@ -345,14 +350,16 @@ class Emulation:
             object.__setattr__(self, "ranks", tuple(pairs))
         if not isinstance(self.profile, str) or not self.profile:
             raise RecipeError(f"{where}.profile must be a profile name (see `prism profiles`) or a YAML path")
-        self._check_faults(where)
+        self._check_faults(where, world)
 
-    def _check_faults(self, where: str) -> None:
+    def _check_faults(self, where: str, world: VirtualWorld) -> None:
         if isinstance(self.faults, str) or not all(isinstance(f, str) for f in self.faults):
             raise RecipeError(f"{where}.faults must be a list of fault strings, e.g. [\"straggler:ranks=1,factor=2\"]")
         faults = tuple(self.faults)
         try:
-            check_fault_ranks(parse_faults(faults), self.world_size)
+            specs = parse_faults(faults)
+            check_fault_ranks(specs, self.world_size)
+            check_fault_nodes(specs, world)  # link:nodes=A/B names nodes the job has
         except ConfigError as exc:
             raise RecipeError(f"{where}.faults: {exc}") from None
         object.__setattr__(self, "faults", faults)

@@ -14,15 +14,22 @@ What is not replayed (said in the session summary with counts): ops before the f
 table's offsets count from a mark), ops beyond what the graph's iteration holds, and ops whose kind
 differs from the graph's at that position. Those keep the symmetric assumption (virtual members arrive
 with this rank). Groups that are not groups of the graph's layout raise ValueError at their first op.
+
+A graph that does not describe the program is refused at exit (`check_graph_match`): when more than
+`DEFAULT_MAX_OUTSIDE_FRACTION` (10%) of the ops after the first mark were outside the graph (not in it, or of
+another kind), or no op came after a first mark at all, the run fails with `GraphMismatchError` naming the
+counts; ``PRISM_GRAPH_MAX_OUTSIDE=<fraction>`` (``1`` accepts any mismatch) relaxes it. The counts are in the
+summary's ``graph`` block either way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from prism_plugin.comm.context import OpEvent, OpWork
+from prism_plugin.config.errors import ConfigError
 from prism_plugin.config.faults import Straggler
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost import CostModel
@@ -33,7 +40,66 @@ from prism_plugin.graph.schema import ExecutionGraph
 from prism_plugin.graph.steady import ArrivalTable, steady_state
 from prism_plugin.runtime.clock import EmulationClock
 
-__all__ = ["ReplayedArrivals", "fault_phases", "load_arrivals", "load_job_graph"]
+__all__ = ["DEFAULT_MAX_OUTSIDE_FRACTION", "MAX_OUTSIDE_ENV", "GraphMismatchError", "ReplayedArrivals",
+           "check_graph_match", "fault_phases", "load_arrivals", "load_job_graph", "max_outside_fraction"]
+
+DEFAULT_MAX_OUTSIDE_FRACTION = 0.10
+"""Ops after the first iteration mark that may be outside the graph before the run is refused: a few ops after
+the last optimizer step (a final barrier, end-of-training collectives) are expected, a different program is not."""
+MAX_OUTSIDE_ENV = "PRISM_GRAPH_MAX_OUTSIDE"
+"""Environment variable overriding `DEFAULT_MAX_OUTSIDE_FRACTION` (a fraction in [0, 1]; 1 never refuses)."""
+
+
+class GraphMismatchError(RuntimeError):
+    """The run's ops did not follow its execution graph: its virtual arrivals were not the replay's."""
+
+
+def max_outside_fraction(environ: Mapping[str, str]) -> float:
+    """The refusal threshold: ``environ[MAX_OUTSIDE_ENV]`` or the default (a `ConfigError` when malformed).
+
+    >>> max_outside_fraction({})
+    0.1
+    >>> max_outside_fraction({"PRISM_GRAPH_MAX_OUTSIDE": "1"})
+    1.0
+    """
+    text = environ.get(MAX_OUTSIDE_ENV)
+    if text is None or not text.strip():
+        return DEFAULT_MAX_OUTSIDE_FRACTION
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{MAX_OUTSIDE_ENV}={text!r} must be a fraction in [0, 1] of the ops after the first "
+                          f"iteration mark that may be outside the graph (default {DEFAULT_MAX_OUTSIDE_FRACTION}; "
+                          "1 accepts any mismatch)")
+    return value
+
+
+def check_graph_match(graph: Mapping[str, Any], limit: float) -> dict[str, Any]:
+    """The verdict on a run's ``graph`` summary block: counts, fraction outside the graph, ``ok`` or ``refused``.
+
+    Example: 2 replayed, 6 not in the graph, 2 of another kind -> 8 of 10 outside (0.8 > 0.1): refused, and
+    ``reason`` says so. No op after a first mark while ops ran before one -> refused (nothing was replayed).
+    """
+    outside = int(graph["ops_not_in_graph"]) + int(graph["ops_kind_mismatch"])
+    after_mark = int(graph["ops_replayed"]) + outside
+    before = int(graph["ops_before_first_mark"])
+    verdict: dict[str, Any] = {"ops_after_first_mark": after_mark, "ops_outside_graph": outside,
+                               "outside_fraction": round(outside / after_mark, 6) if after_mark else None,
+                               "max_outside_fraction": limit, "verdict": "ok"}
+    if after_mark == 0 and before > 0:
+        verdict["verdict"] = "refused"
+        verdict["reason"] = (f"none of the {before} ops on groups with virtual members came after an iteration "
+                             "mark, so none followed the graph's replay; mark iterations "
+                             "(prism_plugin.mark_iteration() or an optimizer step) or drop the graph")
+    elif after_mark and outside / after_mark > limit:
+        verdict["verdict"] = "refused"
+        verdict["reason"] = (f"{outside} of the {after_mark} ops after the first iteration mark were outside the "
+                             f"graph ({graph['ops_not_in_graph']} not in it, {graph['ops_kind_mismatch']} of another "
+                             f"kind), more than {limit:.0%}; build the graph from this program (`prism graph build`) "
+                             f"or set {MAX_OUTSIDE_ENV}=1 to accept it")
+    return verdict
 
 
 def load_job_graph(path: Path, world_size: int) -> ExecutionGraph:
@@ -178,6 +244,7 @@ class ReplayedArrivals:
             "ops_before_first_mark": self.outside_iterations,
             "ops_not_in_graph": self.unmatched,
             "ops_kind_mismatch": self.mismatched,
+            "ops_outside_graph": self.unmatched + self.mismatched,
         }
         if len(self.tables) > 1:
             out["phases"] = [{"from_step": start, "predicted_step_ms": round(t.step_us / 1e3, 6),

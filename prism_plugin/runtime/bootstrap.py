@@ -8,7 +8,9 @@ asks for is kept. At exit (after the script's own atexit handlers) the session s
 (one JSON line, prefixed ``PRISM_SUMMARY``) and to ``<output_dir>/rank<R>.summary.json`` when an output
 directory is configured, with the script's ``exit_code`` (and ``error`` when it raised). SIGTERM from the
 launcher raises ``SystemExit(143)`` in the script once it is emulated, so the summary is still written.
-A script that never calls ``init_process_group`` writes no summary.
+A script that never calls ``init_process_group`` is reported: a line on stderr and a summary with
+``"emulated": false`` (its exit code is kept: nothing distributed ran, which is not an error in itself). A
+hybrid run whose ops did not follow the graph exits with `lifecycle.GRAPH_MISMATCH_EXIT_CODE`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ if os.environ.get("PRISM_VIRTUAL_CUDA_LIB"):  # device virtual-gpu: the CUDA dev
 
     cuda_runtime.preload()
 
+import atexit  # noqa: E402
 import functools  # noqa: E402
 import runpy  # noqa: E402
 import sys  # noqa: E402
@@ -43,6 +46,7 @@ def install_init_hook() -> EmulatedRun:
     process_index = int(os.environ.get("PRISM_PROCESS_INDEX", "0"))
     run = EmulatedRun(config, process_index, real_store(config.world.num_real, process_index))
     original = c10d.init_process_group
+    called: list[bool] = []
 
     @functools.wraps(original)
     def init_process_group(backend: Any = None, init_method: Any = None, timeout: timedelta | None = None,
@@ -58,11 +62,32 @@ def install_init_hook() -> EmulatedRun:
                 "read RANK from the environment"
             )
         dist.init_process_group = c10d.init_process_group = original
+        called.append(True)
         run.start(init_timeout_s=timeout.total_seconds() if timeout is not None else None)
 
     dist.init_process_group = c10d.init_process_group = init_process_group
-    run.finish_at_exit()
+    atexit.register(_finish_at_exit, run, called)  # after the script's own atexit handlers
     return run
+
+
+def _finish_at_exit(run: EmulatedRun, init_called: list[bool]) -> None:
+    if not init_called:
+        report_not_initialized(run)
+        return
+    run.finish_or_exit()
+
+
+def report_not_initialized(run: EmulatedRun, extra: dict[str, Any] | None = None, code: int | None = None) -> None:
+    """Say on stderr and in the summary that the script never called ``init_process_group`` (nothing emulated)."""
+    if code is None:
+        recorded = run.recorded_exit
+        code = 0 if recorded is None or recorded[0] is None else recorded[0]
+    note = "the program never called torch.distributed.init_process_group: nothing was emulated"
+    print(f"prism: rank {run.rank}: {note}", file=sys.stderr, flush=True)
+    world = run.config.world
+    write_summary({"rank": run.rank, "world_size": world.world_size, "real_ranks": list(world.real_ranks),
+                   "emulated": False, **(extra or {}), "exit_code": code, "note": note},
+                  run.config.output_dir, rank=run.rank)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,10 +119,8 @@ def _run_on_virtual_gpu(run: EmulatedRun, args: list[str]) -> None:
     except BaseException:
         traceback.print_exc()
         code = 1
-    if run.finish() is None:  # the program never called init_process_group: its memory is still reported
-        write_summary({"rank": run.rank, "device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary(),
-                       "exit_code": code, "note": "the program never called init_process_group"},
-                      run.config.output_dir, rank=run.rank)
+    if run.finish_or_exit() is None:  # the program never called init_process_group: its memory is still reported
+        report_not_initialized(run, {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary()}, code)
     vgpu.stop()
     cuda_runtime.exit_now(code)
 

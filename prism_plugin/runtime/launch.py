@@ -111,6 +111,7 @@ def launch(spec: LaunchSpec, *, timeout_s: float | None = None) -> int:
             "PRISM_CONFIG": cfg_json,
             "PRISM_PROCESS_INDEX": str(i),
             "PRISM_STORE_FILE": str(store_file),
+            "PRISM_RUN_ID": os.environ.get("PRISM_RUN_ID") or store_file.name,  # one id per launch, in each summary
             "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
             "MASTER_PORT": env.get("MASTER_PORT", "29500"),
             **extra,

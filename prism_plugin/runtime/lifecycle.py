@@ -9,7 +9,11 @@ drop-in. They share three pieces, all here:
 - `EmulatedRun`: activate -> the program -> deactivate -> the summary (a ``PRISM_SUMMARY <json>`` line on
   stdout and ``<output_dir>/rank<R>.summary.json``), with the adapters' extra summary parts and clean-ups.
   While it runs, SIGTERM raises ``SystemExit(143)`` in the program (unless the program installed its own
-  handler), so a rank stopped by its launcher still writes its summary and flushes stdout.
+  handler), so a rank stopped by its launcher still writes its summary and flushes stdout. Before activating
+  it refuses a world this machine cannot hold (`check_memory`); at the end it judges a hybrid run's graph
+  (`prism_plugin.runtime.arrivals.check_graph_match`) and fails a run whose ops were not the graph's.
+  Each summary carries ``run_id`` (``$PRISM_RUN_ID``, set by `prism run`'s launcher) when there is one, so a
+  reader of a shared output directory can tell one run's summaries from another's.
 - `launch_processes`: the launcher's watch loop, modelled on torchrun's elastic agent. Each real rank is
   started in its own session (process group) and signalled as a group, so its DataLoader workers and
   other children go with it; SIGTERM / SIGINT / SIGHUP to the launcher are forwarded to every group;
@@ -38,7 +42,13 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from prism_plugin.config.emulation import ConfigError, EmulationConfig
+from prism_plugin.config.emulation import (
+    BASE_PROCESS_BYTES,
+    BYTES_PER_VIRTUAL_RANK,
+    ConfigError,
+    EmulationConfig,
+    VirtualWorld,
+)
 from prism_plugin.runtime.undo import Patches
 
 if TYPE_CHECKING:
@@ -46,8 +56,14 @@ if TYPE_CHECKING:
 
     from prism_plugin.runtime.session import Session
 
-__all__ = ["DEFAULT_GRACE_S", "EmulatedRun", "RealProcess", "exit_code_of", "launch_processes", "real_store",
+__all__ = ["DEFAULT_GRACE_S", "GRAPH_MISMATCH_EXIT_CODE", "RUN_ID_ENV", "EmulatedRun", "RealProcess",
+           "available_memory_bytes", "check_memory", "exit_code_of", "launch_processes", "real_store",
            "write_summary"]
+
+RUN_ID_ENV = "PRISM_RUN_ID"
+"""The launch's id, recorded in every summary as ``run_id`` (`write_summary`)."""
+GRAPH_MISMATCH_EXIT_CODE = 3
+"""Exit status of a process whose program succeeded but whose ops did not follow its execution graph."""
 
 DEFAULT_GRACE_S = 5.0
 """Seconds between the SIGTERM a stopping launcher sends and its SIGKILL (torchrun's agent waits 30 s)."""
@@ -87,12 +103,71 @@ def real_store(num_real: int, process_index: int, *, store: dist.Store | None = 
     return dist.PrefixStore("prism", tcp)
 
 
+# -- memory: refuse a world this machine cannot hold --------------------------------------------------------
+def _meminfo_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cgroup_room_bytes() -> int | None:
+    """What this process's memory cgroup (v2, else v1) still allows; None without a limit."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit_text = Path(limit_file).read_text().strip()
+            if limit_text == "max" or int(limit_text) >= 2**60:
+                return None
+            return max(0, int(limit_text) - int(Path(usage_file).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def available_memory_bytes() -> int | None:
+    """Bytes a new process can still take: ``MemAvailable`` of /proc/meminfo, capped by the memory cgroup's room;
+    None where neither can be read (no check is made then)."""
+    figures = [b for b in (_meminfo_available_bytes(), _cgroup_room_bytes()) if b is not None]
+    return min(figures) if figures else None
+
+
+def check_memory(world: VirtualWorld, processes: int = 1, *, available_bytes: int | None = None) -> int:
+    """Refuse (a `ConfigError` with both figures) when `processes` real processes of `world` need more memory
+    than is available; returns the estimate. Cheap: arithmetic (`VirtualWorld.estimated_bytes_per_process`) and
+    one read of /proc/meminfo, nothing proportional to N.
+
+    Example: world_size = 10^9 -> 256 MiB + 176 B x 10^9 = 176,268,435,456 bytes for one process: refused on a
+    machine with 23 GB available (N = 10^9 was OOM-killed after 47 s before this check).
+    """
+    per_process = world.estimated_bytes_per_process
+    need = per_process * processes
+    avail = available_memory_bytes() if available_bytes is None else available_bytes
+    if avail is not None and need > avail:
+        raise ConfigError(
+            f"world_size={world.world_size} needs about {need:,} bytes ({need / 1e9:.1f} GB: {processes} real "
+            f"process(es) x (base {BASE_PROCESS_BYTES:,} + {BYTES_PER_VIRTUAL_RANK} B x {world.world_size:,} "
+            f"ranks)) but {avail:,} bytes ({avail / 1e9:.1f} GB) are available; emulate fewer ranks "
+            "(--world-size) or fewer real ranks at once, or use a machine with more memory"
+        )
+    return need
+
+
 # -- the summary ----------------------------------------------------------------------------------------
 def write_summary(summary: Mapping[str, Any], output_dir: str | Path | None, *, rank: int | str = "x",
                   stdout: bool = True) -> Path | None:
     """Print ``PRISM_SUMMARY <one-line json>`` (when `stdout`) and write ``<output_dir>/rank<R>.summary.json``
     (indented; R is ``summary["rank"]``, else `rank`). Returns the file written, if any. Values JSON cannot
-    encode are written as ``str(value)``."""
+    encode are written as ``str(value)``. With ``$PRISM_RUN_ID`` set (`prism run`), ``run_id`` is added when
+    the summary has none."""
+    run_id = os.environ.get(RUN_ID_ENV)
+    if run_id and "run_id" not in summary:
+        summary = {**summary, "run_id": run_id}
     if stdout:
         print("PRISM_SUMMARY " + json.dumps(summary, default=str), flush=True)
     if output_dir is None:
@@ -134,6 +209,7 @@ class EmulatedRun:
         self._parts: list[Callable[[], Mapping[str, Any]]] = []
         self._exit: tuple[Any, BaseException | None] | None = None
         self._finished = False
+        self._max_outside: float | None = None
 
     @property
     def rank(self) -> int:
@@ -146,6 +222,11 @@ class EmulatedRun:
 
         if self.session is not None or self._finished:
             raise RuntimeError("prism: EmulatedRun.start() runs once per run")
+        check_memory(self.config.world)  # before any process group: N too large for this machine
+        if self.config.graph is not None:
+            from prism_plugin.runtime.arrivals import max_outside_fraction
+
+            self._max_outside = max_outside_fraction(os.environ)  # a malformed override fails here
         self.session = session_mod.activate(self.config, self.process_index, self.store,
                                             init_timeout_s=init_timeout_s, num_processes=self.num_processes)
         _exit_on_sigterm(self.cleanup)
@@ -168,6 +249,11 @@ class EmulatedRun:
         else:
             self._exit = (130 if isinstance(exc, KeyboardInterrupt) else 1, exc)
 
+    @property
+    def recorded_exit(self) -> tuple[Any, BaseException | None] | None:
+        """How the program ended (`record_exit`): ``(exit code, exception or None)``, None if not recorded."""
+        return self._exit
+
     @contextlib.contextmanager
     def recording(self) -> Iterator[EmulatedRun]:
         """Record the exit of the block's program (`record_exit`) without finishing the run."""
@@ -182,10 +268,26 @@ class EmulatedRun:
         """Finish the run when the interpreter exits (after the program's own atexit handlers)."""
         import atexit
 
-        atexit.register(self.finish)
+        atexit.register(self.finish_or_exit)
+
+    def finish_or_exit(self) -> dict[str, Any] | None:
+        """`finish`; a `GraphMismatchError` ends the process with `GRAPH_MISMATCH_EXIT_CODE` (for atexit, where
+        an exception would not change the exit status)."""
+        from prism_plugin.runtime.arrivals import GraphMismatchError
+
+        try:
+            return self.finish()
+        except GraphMismatchError as exc:
+            print(f"prism: rank {self.rank}: {exc}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(GRAPH_MISMATCH_EXIT_CODE)
 
     def finish(self) -> dict[str, Any] | None:
-        """Deactivate and write the summary (once; later calls return it). None when never started."""
+        """Deactivate and write the summary (once; later calls return it). None when never started.
+
+        A hybrid run's summary gets ``graph_check`` (`prism_plugin.runtime.arrivals.check_graph_match`); when it
+        is refused and the program itself succeeded, the summary's ``error`` says why and `GraphMismatchError`
+        is raised after the summary is written."""
         if self._finished:
             return self.summary
         self._finished = True
@@ -208,17 +310,37 @@ class EmulatedRun:
             summary["exit_code"], error = self._exit
             if error is not None:
                 summary["error"] = f"{type(error).__name__}: {error}"
+        refusal = self._judge_graph(summary)
         self.summary = summary
         write_summary(summary, self.config.output_dir, rank=self.rank, stdout=self.print_summary)
         sys.stderr.flush()
+        if refusal is not None:
+            from prism_plugin.runtime.arrivals import GraphMismatchError
+
+            raise GraphMismatchError(refusal)
         return summary
+
+    def _judge_graph(self, summary: dict[str, Any]) -> str | None:
+        """Add ``graph_check`` to a hybrid run's summary; the refusal text when the run must fail."""
+        if not isinstance(summary.get("graph"), Mapping):
+            return None
+        from prism_plugin.runtime.arrivals import DEFAULT_MAX_OUTSIDE_FRACTION, check_graph_match
+
+        limit = DEFAULT_MAX_OUTSIDE_FRACTION if self._max_outside is None else self._max_outside
+        verdict = summary["graph_check"] = check_graph_match(summary["graph"], limit)
+        program_ok = self._exit is None or self._exit[0] in (0, None)
+        if verdict["verdict"] != "refused" or not program_ok:
+            return None
+        text = f"the execution graph {summary['graph'].get('path')} does not match the program: {verdict['reason']}"
+        summary["error"] = f"GraphMismatchError: {text}"
+        return text
 
     def __enter__(self) -> EmulatedRun:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         self.record_exit(exc)
-        self.finish()
+        self.finish()  # a GraphMismatchError (the program succeeded, its ops were not the graph's) propagates
         return isinstance(exc, SystemExit) and exc.code in (0, None)
 
 
