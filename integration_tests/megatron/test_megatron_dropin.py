@@ -113,3 +113,32 @@ def test_native_patch_applies_and_trains(tmp_path: Path) -> None:
     assert "iteration        1/       1" in proc.stdout + proc.stderr
     summary = json.loads((out / "rank7.summary.json").read_text())
     assert summary["rank"] == 7 and summary["world_size"] == 8 and summary["iterations_marked"] == 1
+
+
+def test_hang_on_the_tp_group_named_in_the_users_words_fires_in_megatron(tmp_path: Path) -> None:
+    """The documented example ``--prism-fault hang:rank=1,group=tp,op=3``: ``tp`` is Megatron's
+    TENSOR_MODEL_PARALLEL_GROUP (its group_desc), so real rank 0's 3rd op on it times out with gloo's error
+    after the 3 s timeout; the event names the group, and the run is not a silent success."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "prism_plugin.megatron", str(SCRIPT), *JOB, "--prism-world-size", "4",
+           "--prism-real-ranks", "0", "--prism-output", str(out), "--prism-timeout", "3",
+           "--prism-fault", "hang:rank=1,group=tp,op=3"]
+    proc = _run(cmd, _env(), timeout_s=180)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "Timed out waiting 3000ms for recv operation to complete" in proc.stderr
+    assert "prism: fault hang:rank=1,op=3,group=tp,step=0: rank 0 raises" in proc.stderr
+    summary = json.loads((out / "rank0.summary.json").read_text())
+    (event,) = summary["faults"]["events"]
+    assert (event["event"], event["rank"], event["group_desc"]) == ("hang", 1, "TENSOR_MODEL_PARALLEL_GROUP")
+    assert event["step"] == event["raised_at_step"] and summary["faults"]["never_fired"] == []
+
+
+def test_hang_on_a_group_the_job_never_uses_says_never_fired_and_strict_fails(tmp_path: Path) -> None:
+    """``group=cp`` with no context parallelism has a one-member group that carries no op: at exit the fault
+    "never fired" (stderr and the summary); ``strict=true`` makes the run fail."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "prism_plugin.megatron", str(SCRIPT), *JOB, "--prism-world-size", "4",
+           "--prism-real-ranks", "0", "--prism-output", str(out), "--prism-fault", "hang:rank=1,group=cp,strict=true"]
+    proc = _run(cmd, _env(), timeout_s=180)
+    assert "prism: fault hang:rank=1,op=1,group=cp,step=0,strict=true: never fired on rank 0" in proc.stderr
+    assert proc.returncode != 0 or "FaultNeverFiredError" in proc.stderr

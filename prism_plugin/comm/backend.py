@@ -5,6 +5,15 @@ so every Python-level collective reaches it, including module-level aliases take
 (``dist_all_gather_func = torch.distributed.all_gather_into_tensor``) and functional collectives.
 Each method only unpacks torch's options and hands over to `collectives`.
 
+Backend identity: the group reports the backend the program asked for (the session records it as torch's
+``get_backend`` reads it; `getBackendName` / ``name()`` answer the same) and refuses what that backend
+refuses, with its own error: emulating gloo, AVG of an integer or bool tensor ("result type Float can't be
+cast to the desired output type Long", torch 2.13's gloo divides the sum in place) and an all_gather whose
+output tensors differ in size from the input ("ProcessGroupGloo::allgather: invalid tensor size at index 1
+(expected (2), got (3))"). torch 2.13's gloo runs AVG of floating tensors (older releases refused it), so
+that is accepted. Emulating nccl, nothing more is refused (uneven all_gather and integer AVG run on NCCL).
+Under the name "prism" nothing is refused.
+
 What it will NOT do: `recv` from any source (ANY_SOURCE cannot be emulated deterministically),
 PREMUL_SUM or custom reduce ops, NCCL-style coalescing groups (`_start_coalescing` with a device),
 CUDA-stream placement of emulated delays. Each raises `NotImplementedError` naming the op.
@@ -16,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from prism_plugin.comm import collectives as C
 from prism_plugin.comm.group import VirtualGroup
@@ -45,6 +55,26 @@ def _no_grad(fn: Any) -> Any:
 
 BACKEND_NAME = "prism"
 Tensor = torch.Tensor
+_AVG = dist.ReduceOp.AVG
+
+
+def _dims(t: Tensor) -> str:
+    return "(" + ", ".join(str(d) for d in t.shape) + ")"
+
+
+def _refuse_like_gloo_avg(tensors: list[Tensor]) -> None:
+    """gloo's AVG divides the sum in place: an integer (or bool) tensor fails with torch's own cast error."""
+    for t in tensors:
+        if not (t.is_floating_point() or t.is_complex()):
+            torch.empty(0, dtype=t.dtype).div_(2)  # raises exactly what gloo's division raises
+
+
+def _refuse_like_gloo_uneven(output_lists: list[list[Tensor]], inputs: list[Tensor]) -> None:
+    for slots, inp in zip(output_lists, inputs, strict=False):
+        for index, out in enumerate(slots):
+            if out.shape != inp.shape:
+                raise RuntimeError(f"ProcessGroupGloo::allgather: invalid tensor size at index {index} "
+                                   f"(expected {_dims(inp)}, got {_dims(out)})")
 
 
 def _op(opts: Any) -> Any:
@@ -75,13 +105,33 @@ class PrismProcessGroup(dist.ProcessGroup):
         self.vg = group
         self._group_name: str | None = None
         self._group_desc: str | None = None
+        self.backend_name = BACKEND_NAME
+        """The emulated backend's name until torch has recorded this group's own (`getBackendName`)."""
+        self._recorded: str | None = None
 
     # -- identity (a Python PG has no C++ backend that would hold these) -----------------------
     def getBackendName(self) -> str:
-        return BACKEND_NAME
+        """The name torch recorded for this group (what ``dist.get_backend(group)`` answers)."""
+        if self._recorded is None:
+            entry = c10d._world.pg_map.get(self)
+            if entry is None:
+                return self.backend_name
+            self._recorded = str(entry[0])
+        return self._recorded
 
     def name(self) -> str:
-        return BACKEND_NAME
+        return self.getBackendName()
+
+    def _emulates_gloo(self, t: Tensor | None) -> bool:
+        name = self.getBackendName()
+        if ":" in name:  # a device map, "cpu:gloo,cuda:nccl"
+            device = t.device.type if t is not None else "cpu"
+            name = dict(p.split(":", 1) for p in name.split(",") if ":" in p).get(device, "")
+        return name == "gloo"
+
+    def _check_avg(self, op: Any, tensors: list[Tensor]) -> None:
+        if op == _AVG and tensors and self._emulates_gloo(tensors[0]):
+            _refuse_like_gloo_avg(tensors)
 
     def setGroupName(self, name: str) -> None:
         self._group_name = name
@@ -91,7 +141,9 @@ class PrismProcessGroup(dist.ProcessGroup):
         return self._group_name or ""
 
     def setGroupDesc(self, desc: str) -> None:
+        """Also the virtual group's description (fault group matching reads it)."""
         self._group_desc = desc
+        self.vg.desc = desc
 
     def getGroupDesc(self) -> str:
         return self._group_desc or ""
@@ -107,23 +159,33 @@ class PrismProcessGroup(dist.ProcessGroup):
     # -- reductions ----------------------------------------------------------------------------
     @_no_grad
     def allreduce(self, tensors: list[Tensor], opts: Any = None) -> TimedWork:
-        return C.all_reduce(self.vg, tensors, _op(opts))
+        op = _op(opts)
+        self._check_avg(op, tensors)
+        return C.all_reduce(self.vg, tensors, op)
 
     @_no_grad
     def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> TimedWork:
-        return C.all_reduce(self.vg, tensors, _op(opts))
+        op = _op(opts)
+        self._check_avg(op, tensors)
+        return C.all_reduce(self.vg, tensors, op)
 
     @_no_grad
     def reduce(self, tensors: list[Tensor], opts: Any = None) -> TimedWork:
-        return C.reduce(self.vg, tensors, _root(opts), _op(opts))
+        op = _op(opts)
+        self._check_avg(op, tensors)
+        return C.reduce(self.vg, tensors, _root(opts), op)
 
     @_no_grad
     def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None) -> TimedWork:
-        return C.reduce_scatter(self.vg, outputs, input_lists, _op(opts))
+        op = _op(opts)
+        self._check_avg(op, outputs)
+        return C.reduce_scatter(self.vg, outputs, input_lists, op)
 
     @_no_grad
     def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any = None) -> TimedWork:
-        return C.reduce_scatter(self.vg, [output], [C.split_rows(input, self.vg.size)], _op(opts),
+        op = _op(opts)
+        self._check_avg(op, [output])
+        return C.reduce_scatter(self.vg, [output], [C.split_rows(input, self.vg.size)], op,
                                 flat_inputs=[input])
 
     _reduce_scatter_base = reduce_scatter_single
@@ -131,8 +193,10 @@ class PrismProcessGroup(dist.ProcessGroup):
     @_no_grad
     def reduce_scatter_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor],
                                         opts: Any = None) -> TimedWork:
+        op = _op(opts)
+        self._check_avg(op, outputs)
         lists = [C.split_rows(t, self.vg.size) for t in inputs]
-        return C.reduce_scatter(self.vg, outputs, lists, _op(opts), flat_inputs=list(inputs))
+        return C.reduce_scatter(self.vg, outputs, lists, op, flat_inputs=list(inputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -143,6 +207,8 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     @_no_grad
     def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> TimedWork:
+        if inputs and self._emulates_gloo(inputs[0]):
+            _refuse_like_gloo_uneven(output_lists, inputs)
         return C.all_gather(self.vg, output_lists, inputs)
 
     @_no_grad

@@ -13,6 +13,7 @@ recipes/fault-*.yaml, recipes/README.md)::
     hang:rank=1,op=3,group=tp,step=1             virtual rank 1 never arrives at its 3rd op on a "tp" group
                                                  (counted from step 1 on) nor at any later op
     crash:rank=5,step=2                          virtual rank 5's process dies at step 2
+    hang:rank=1,group=tp,op=3,strict=true        ... and the run fails at exit if the hang never fired
     kill:rank=0,step=3                           the real process playing rank 0 is SIGKILLed at step 3
 
 Where to give them::
@@ -23,6 +24,34 @@ Where to give them::
     python -m prism_plugin.megatron pretrain_gpt.py ... --prism-fault hang:rank=1,group=tp,op=3  (repeatable)
     ds_config.json: "prism": {"world_size": 16, "real_ranks": [0], "faults": ["crash:rank=5,step=2"]}
     EmulationConfig(..., faults=("jitter:sigma=0.05,seed=7",))
+
+*Groups* (``group=`` of a hang) are named in one vocabulary (`GROUP_ROLES`, checked when the fault is parsed:
+``group=tpp`` is refused with the list), matched against the frameworks' own group names:
+
+    name      also accepted           Megatron-core group_desc               DeepSpeed (pipeline grid)
+    tp        tensor, slice           TENSOR_MODEL_PARALLEL_GROUP            slice (the "model" axis)
+    pp        pipe, pipeline          PIPELINE_MODEL_PARALLEL_GROUP          pipe
+    dp        data                    DATA_PARALLEL_GROUP (+ _GLOO)          data
+    cp        context                 CONTEXT_PARALLEL_GROUP
+    dp_cp     data_cp                 DATA_PARALLEL_GROUP_WITH_CP (+ _GLOO)
+    ep        expert                  EXPERT_MODEL_PARALLEL_GROUP
+    etp       expert_tensor           EXPERT_TENSOR_PARALLEL_GROUP
+    edp       expert_data             EXPERT_DATA_PARALLEL_GROUP (+ _GLOO)
+    mp        model                   MODEL_PARALLEL_GROUP (tp x pp)         model (get_model_parallel_group)
+    tp_dp                             TENSOR_AND_DATA_PARALLEL_GROUP
+    tp_cp                             TENSOR_AND_CONTEXT_PARALLEL_GROUP
+    tp_dp_cp                          TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP
+    tp_ep                             EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP
+    tp_ep_pp                          EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP
+    embd      embedding               EMBEDDING_GROUP
+    pos_embd  position_embedding      POSITION_EMBEDDING_GROUP
+    world     default_pg              the default group
+
+A group matches when its description (``new_group(..., group_desc=)``; Megatron sets it, DeepSpeed's grid
+groups are labelled by the DeepSpeed adapter) or its name is one of these names, case-insensitive, ``-`` and
+``_`` alike, a trailing index ignored (a plain script's ``group_desc="tp0"`` is a ``tp`` group); a name
+spanning several groups (``tensor`` is not ``TENSOR_AND_DATA_PARALLEL_GROUP``) does not match. An execution
+graph's roles are axis tokens ("tp", "cp-dp", "tp-dp"): ``dp_cp`` is the role "cp-dp".
 
 *Steps* are the session's iteration counter: the number of iteration marks seen so far (0 before the
 first mark; adapters mark every training step, plain scripts mark at the end of each optimizer step).
@@ -45,13 +74,22 @@ With ``timing=False`` only hang, crash and kill apply.
 - jitter: cost x ``exp(sigma * z)`` with ``z`` a standard normal hashed from ``f"{seed}/{group}/{seq}"``: the
   same op gets the same draw on every run and every real rank. The live key is the group's name, the
   replay's the group role, so live and replay draws differ (each is deterministic).
-- hang: the op never completes; the real rank's ``wait()`` raises, ``timeout_s`` after the op was issued,
+- hang: the faulty rank stops before its ``op``-th op on a matching group from ``step`` on. Every real rank
+  decides when with one clock: its own ops on matching groups (counted from ``step``), which are the faulty
+  rank's own when the two share the group (every member issues a group's ops in the same order), and stand
+  in for them otherwise (ranks of one role issue the same sequence). From then on every op of a group
+  holding the faulty rank never completes; the report's ``step`` is where it stopped, the same on every real
+  rank (``raised_at_step``: the step of this rank's failing op). The op never completes; the real rank's
+  ``wait()`` raises, ``timeout_s`` after the op was issued,
   the error the real backend raises (gloo: "Timed out waiting ...ms for recv operation to complete";
   CUDA/NCCL: the watchdog's "Watchdog caught collective operation timeout: WorkNCCL(...) ran for ...
   milliseconds before timing out"). It sleeps until then and no longer.
 - crash: from step s every op of a group holding the crashed rank fails at once with gloo's peer-death
   error ("Read error ...: Connection reset by peer", as torch 2.13's gloo words it when a peer process
   dies); on CUDA a dead NCCL peer is not detected, so the op times out like a hang.
+- never fired: a hang or crash whose group, op or step never occurred is reported at exit ("never fired",
+  on stderr and as ``never_fired`` in the summary's faults); with ``strict=true`` the run fails then
+  (`prism_plugin.runtime.live_faults.FaultNeverFiredError`).
 - kill: the real process playing the rank SIGKILLs itself at the iteration mark that starts step s; the
   other real ranks' inner gloo exchanges with it fail ("Connection reset by peer") or time out after
   ``timeout_s``, and `prism run` stops the job with a message naming the killed rank.
@@ -71,7 +109,7 @@ from prism_plugin.config.errors import ConfigError, int_at_least, parse_rank_lis
 __all__ = [
     "FaultKind", "Straggler", "SlowLink", "Jitter", "Hang", "Crash", "Kill", "FaultSpec",
     "check_fault_ranks", "parse_fault", "parse_faults", "gloo_timeout_message", "nccl_watchdog_message",
-    "peer_closed_message",
+    "peer_closed_message", "GroupRole", "GROUP_ROLES", "group_role", "desc_role", "graph_role_matches",
 ]
 
 EXAMPLES = (
@@ -104,6 +142,119 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 _STEP_HINT = "a step number; 0 = from the start"
 _RANK_HINT = "a global rank, e.g. rank=5; the job's world size is checked by check_fault_ranks"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupRole:
+    """One name of the group vocabulary (module docstring): what the user writes, what the frameworks call it."""
+
+    name: str
+    words: tuple[str, ...] = ()
+    """Other words accepted for it (``tensor`` for ``tp``)."""
+    megatron: tuple[str, ...] = ()
+    """Megatron-core's ``group_desc`` of these groups (`parallel_state.create_group`)."""
+    deepspeed: tuple[str, ...] = ()
+    """The DeepSpeed pipeline grid's names for them (the descs the DeepSpeed adapter gives its groups)."""
+    axes: frozenset[str] = frozenset()
+    """The execution graph's role axes ("cp-dp" -> {"cp", "dp"}); empty: no graph role."""
+
+
+def _role(name: str, words: str = "", megatron: str = "", deepspeed: str = "", axes: str = "") -> GroupRole:
+    return GroupRole(name=name, words=tuple(words.split()), megatron=tuple(megatron.split()),
+                     deepspeed=tuple(deepspeed.split()), axes=frozenset(axes.split()))
+
+
+GROUP_ROLES: dict[str, GroupRole] = {r.name: r for r in (
+    _role("tp", "tensor tensor_model_parallel", "TENSOR_MODEL_PARALLEL_GROUP", "slice", "tp"),
+    _role("pp", "pipeline pipeline_model_parallel", "PIPELINE_MODEL_PARALLEL_GROUP", "pipe", "pp"),
+    _role("dp", "data data_parallel", "DATA_PARALLEL_GROUP DATA_PARALLEL_GROUP_GLOO", "data", "dp"),
+    _role("cp", "context context_parallel", "CONTEXT_PARALLEL_GROUP", "", "cp"),
+    _role("dp_cp", "data_cp cp_dp", "DATA_PARALLEL_GROUP_WITH_CP DATA_PARALLEL_GROUP_WITH_CP_GLOO", "", "dp cp"),
+    _role("ep", "expert expert_model_parallel", "EXPERT_MODEL_PARALLEL_GROUP"),
+    _role("etp", "expert_tensor", "EXPERT_TENSOR_PARALLEL_GROUP"),
+    _role("edp", "expert_data", "EXPERT_DATA_PARALLEL_GROUP EXPERT_DATA_PARALLEL_GROUP_GLOO"),
+    _role("mp", "model model_parallel", "MODEL_PARALLEL_GROUP", "model", "tp pp"),
+    _role("tp_dp", "dp_tp", "TENSOR_AND_DATA_PARALLEL_GROUP", "", "tp dp"),
+    _role("tp_cp", "cp_tp", "TENSOR_AND_CONTEXT_PARALLEL_GROUP", "", "tp cp"),
+    _role("tp_dp_cp", "tp_cp_dp", "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP", "", "tp cp dp"),
+    _role("tp_ep", "", "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP"),
+    _role("tp_ep_pp", "", "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP"),
+    _role("embd", "embedding", "EMBEDDING_GROUP"),
+    _role("pos_embd", "position_embedding", "POSITION_EMBEDDING_GROUP"),
+    _role("world", "default_pg all", "", "", "tp cp dp pp"),
+)}
+
+
+def _norm(text: str) -> str:
+    return "_".join(t for t in text.strip().lower().replace("-", "_").replace(" ", "_").split("_") if t)
+
+
+_LOOKUP: dict[str, str] = {}
+for _r in GROUP_ROLES.values():
+    for _w in (_r.name, *_r.words, *_r.megatron, *_r.deepspeed):
+        _LOOKUP.setdefault(_norm(_w), _r.name)
+_BY_AXES: dict[frozenset[str], str] = {r.axes: r.name for r in GROUP_ROLES.values() if r.axes and r.name != "world"}
+
+
+def _lookup(text: str) -> str | None:
+    key = _norm(text)
+    found = _LOOKUP.get(key)
+    if found is None and key:  # an axis token in another order: "cp-dp", "dp_tp"
+        found = _BY_AXES.get(frozenset(key.split("_")))
+    return found
+
+
+def group_role(text: str, *, field_name: str = "hang: group") -> str:
+    """The canonical vocabulary name of `text` ('' stays ''); `ConfigError` listing the names otherwise.
+
+    >>> group_role("tensor"), group_role("TENSOR_MODEL_PARALLEL_GROUP"), group_role("cp-dp"), group_role("pipe")
+    ('tp', 'tp', 'dp_cp', 'pp')
+    """
+    if not isinstance(text, str):
+        raise ConfigError(f"{field_name}={text!r} must be a group name, one of {list(GROUP_ROLES)}")
+    if not text.strip():
+        return ""
+    found = _lookup(text)
+    if found is None:
+        raise ConfigError(f"{field_name}={text!r} is not a group name; use one of {list(GROUP_ROLES)} (or a "
+                          "framework's own name, e.g. TENSOR_MODEL_PARALLEL_GROUP; see prism_plugin.config.faults)")
+    return found
+
+
+def desc_role(desc: str) -> str | None:
+    """The vocabulary name a group description (or name) stands for, a trailing index ignored; None if none.
+
+    >>> desc_role("TENSOR_MODEL_PARALLEL_GROUP"), desc_role("tp0"), desc_role("TENSOR_AND_DATA_PARALLEL_GROUP")
+    ('tp', 'tp', 'tp_dp')
+    >>> desc_role("undefined"), desc_role("3")
+    (None, None)
+    """
+    if not desc:
+        return None
+    found = _lookup(desc)
+    if found is None:
+        stripped = desc.rstrip("0123456789").rstrip("_- ")
+        if stripped and stripped != desc:
+            found = _lookup(stripped)
+    return found
+
+
+def graph_role_matches(role: str, graph_role: str) -> bool:
+    """Whether an execution graph's group role (an axis token, "cp-dp") is the vocabulary name `role`.
+
+    >>> graph_role_matches("dp_cp", "cp-dp"), graph_role_matches("tp", "tp-dp")
+    (True, False)
+    """
+    if not role:
+        return True
+    axes = GROUP_ROLES[role].axes
+    return bool(axes) and frozenset(graph_role.lower().split("-")) == axes
+
+
+def _strict(kind: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"{kind}: strict={value!r} must be true or false (true: fail the run if the fault never fires)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -200,20 +351,25 @@ class Hang:
     rank: int
     op: int = 1
     group: str = ""
-    """Which groups count: '' any group holding the rank; else a group whose description or name contains it
-    (case-insensitive), a graph role of the loaded execution graph, or 'world'."""
+    """Which groups count: '' any group; else a name of the vocabulary (`GROUP_ROLES`, stored canonical:
+    "tensor" -> "tp"), matched against the groups' descriptions and an execution graph's roles."""
     step: int = 0
+    strict: bool = False
+    """True: the run fails at exit when the hang never fired (its group, op or step never occurred)."""
 
     def __post_init__(self) -> None:
         int_at_least("hang: rank", self.rank, 0, hint=_RANK_HINT)
         positive_int("hang: op", self.op, hint="an integer >= 1 (1 = the first op)")
         int_at_least("hang: step", self.step, 0, hint=_STEP_HINT)
+        object.__setattr__(self, "group", group_role(self.group))
+        _strict("hang", self.strict)
 
     kind = FaultKind.HANG
 
     def to_text(self) -> str:
         group = f",group={self.group}" if self.group else ""
-        return f"hang:rank={self.rank},op={self.op}{group},step={self.step}"
+        strict = ",strict=true" if self.strict else ""
+        return f"hang:rank={self.rank},op={self.op}{group},step={self.step}{strict}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -222,15 +378,18 @@ class Crash:
 
     rank: int
     step: int = 0
+    strict: bool = False
+    """True: the run fails at exit when the crash never fired (no op with the rank from its step on)."""
 
     def __post_init__(self) -> None:
         int_at_least("crash: rank", self.rank, 0, hint=_RANK_HINT)
         int_at_least("crash: step", self.step, 0, hint=_STEP_HINT)
+        _strict("crash", self.strict)
 
     kind = FaultKind.CRASH
 
     def to_text(self) -> str:
-        return f"crash:rank={self.rank},step={self.step}"
+        return f"crash:rank={self.rank},step={self.step}" + (",strict=true" if self.strict else "")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -256,8 +415,8 @@ _FIELDS: dict[str, dict[str, str]] = {  # kind -> field -> value type
     "straggler": {"ranks": "ranks", "rank": "ranks", "factor": "float", "from_step": "int"},
     "link": {"nodes": "sides", "ranks": "sides", "between": "sides", "bandwidth": "float"},
     "jitter": {"sigma": "float", "seed": "int"},
-    "hang": {"rank": "int", "op": "int", "group": "str", "step": "int"},
-    "crash": {"rank": "int", "step": "int"},
+    "hang": {"rank": "int", "op": "int", "group": "group", "step": "int", "strict": "bool"},
+    "crash": {"rank": "int", "step": "int", "strict": "bool"},
     "kill": {"rank": "int", "step": "int"},
 }
 _REQUIRED = {"straggler": ("factor",), "link": ("bandwidth",), "jitter": ("sigma",), "hang": ("rank",),
@@ -270,6 +429,14 @@ def _value(kind: str, name: str, typ: str, text: str) -> object:
             return int(text)
         if typ == "float":
             return float(text)
+        if typ == "bool":
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{kind}: {name}={text!r} must be true or false")
+        if typ == "group":
+            return group_role(text, field_name=f"{kind}: {name}")
         if typ == "ranks":
             return parse_rank_list(text.replace("+", ","), field_name=f"{kind}: {name}")
         if typ == "sides":

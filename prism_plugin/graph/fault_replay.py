@@ -8,6 +8,9 @@ every rank that can no longer go on, the op it blocks in, when it arrived there,
 (a hang: ``timeout_s`` later, the collective timeout; a crash: at once on gloo, where the dead peer's
 connection closes) and the blame chain back to the faulty rank (through ranks that are themselves blocked).
 
+The hang's group is a name of the fault vocabulary, matched against the graph's axis-token roles
+(`prism_plugin.config.faults.graph_role_matches`: ``tp`` is "tp", ``dp_cp`` is "cp-dp").
+
 Every rank is replayed (`ReplayMode.FULL`: the cut breaks the symmetry folding relies on), so the cost
 grows with N. Steps are copies from 0 (the live `step` counts iteration marks; the first marked step is 1).
 
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from prism_plugin.config.faults import Crash, FaultSpec, Hang
+from prism_plugin.config.faults import Crash, FaultSpec, Hang, graph_role_matches
 from prism_plugin.cost.faults import FaultSet
 from prism_plugin.cost.model import CostModel
 from prism_plugin.graph.engine import WAIT, Engine, ReplayDeadlock, compile_program
@@ -61,8 +64,8 @@ def _cut_index(graph: ExecutionGraph, nodes: Sequence[Any], per_copy: int, spec:
         node = nodes[i]
         if not node.kind.is_comm:
             continue
-        if spec.group and spec.group != "world":
-            if node.kind is not NodeKind.COLLECTIVE or node.group.lower() != spec.group.lower():
+        if spec.group and spec.group != "world":  # a vocabulary name against the graph's role (dp_cp: "cp-dp")
+            if node.kind is not NodeKind.COLLECTIVE or not graph_role_matches(spec.group, node.group):
                 continue
         count += 1
         if count == spec.op:

@@ -8,7 +8,14 @@ cost (degraded links, jitter) and, for a hung or crashed member, sets the failur
 
 Report (`summary()`, under "faults" in the session summary): per step, how long this rank waited on
 faulty ranks, on whom (the blame chain runs from this real rank to the faulty rank: live, every wait is
-on a direct member of the op's group), plus the hang/crash events with their op and timing.
+on a direct member of the op's group), plus the hang/crash events with their op and timing, and
+``never_fired``: the hangs and crashes whose group, op or step never occurred on this rank (each said on
+stderr at exit too; a ``strict=true`` one makes `Session` raise `FaultNeverFiredError`).
+
+When a hang fires is decided by one clock on every real rank (`prism_plugin.config.faults`, hang): this rank's
+own ops on groups matching the hang's group, counted from its step. The event's ``step`` is the step the
+faulty rank stopped in (the same on every real rank of a symmetric job); ``raised_at_step`` the step of this
+rank's failing op (later when this rank shares no group with the faulty rank at the op it stopped before).
 
 Non-goals: a real rank's own compute is not slowed (a real straggler is modelled by delaying its
 arrivals, as every other rank's view of it is); no partial data is delivered by a failing op.
@@ -25,14 +32,30 @@ from collections.abc import Callable
 from typing import Any
 
 from prism_plugin.comm.context import OpEvent, OpWork
-from prism_plugin.config.faults import Hang, gloo_timeout_message, nccl_watchdog_message, peer_closed_message
+from prism_plugin.config.faults import (
+    Crash,
+    Hang,
+    desc_role,
+    gloo_timeout_message,
+    graph_role_matches,
+    nccl_watchdog_message,
+    peer_closed_message,
+)
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost.faults import FaultSet
 
-__all__ = ["LiveFaults", "MAX_WAITS", "OpFailure"]
+__all__ = ["LiveFaults", "MAX_WAITS", "OpFailure", "FaultNeverFiredError"]
 
 MAX_WAITS = 20_000
 """Delayed ops kept for timelines (`LiveFaults.waits`); the per-step blame counts every one."""
+
+
+class FaultNeverFiredError(RuntimeError):
+    """A ``strict=true`` hang or crash never fired; `summary` is the session summary (already complete)."""
+
+    def __init__(self, message: str, summary: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.summary = summary
 
 
 class OpFailure:
@@ -64,8 +87,12 @@ class LiveFaults:
         self._sync_s = 0.0  # end of the last op shared with a straggler that this rank waited for
         self._open: deque[Any] = deque(maxlen=256)  # ops shared with a straggler, not yet waited for
         self._track = False
-        self._hang_counts = [0] * len(faults.hangs)
-        self._hung: dict[int, Hang] = {}  # rank -> the hang that stopped it
+        self._hang_counts = [0] * len(faults.hangs)  # this rank's ops on matching groups from the hang's step
+        self._hang_matched = [0] * len(faults.hangs)  # ... at any step (0: the group never occurred)
+        self._hung: dict[int, tuple[Hang, int]] = {}  # rank -> (the hang that stopped it, the step it stopped in)
+        self._crashed = [False] * len(faults.crashes)
+        self._max_step = 0
+        self._roles: dict[int, tuple[Any, str, str, tuple[str | None, ...]]] = {}  # id(group) -> its names' roles
         self._links: dict[int, float] = {}
         self._named: dict[int, tuple[Any, frozenset[int]]] = {}  # id(group) -> (group, fault ranks in it)
         self._fault_ranks = frozenset(
@@ -149,51 +176,64 @@ class LiveFaults:
 
     def _failure(self, event: OpEvent, arrival_s: float, named: frozenset[int], step: int) -> OpFailure | None:
         faults = self.faults
-        if not (faults.hangs or faults.crashes) or not named:
+        if not (faults.hangs or faults.crashes):
             return None
-        holds = named.__contains__
+        if step > self._max_step:
+            self._max_step = step
         vg, kind, seq, peer = event.group, event.kind, event.seq, event.peer
-
-        for crash in faults.crashes:
-            if step >= crash.step and holds(crash.rank):
-                text = f"crash:rank={crash.rank},step={crash.step}"
-                if event.device_type == "cuda":  # a dead NCCL peer is not detected: the op times out
-                    return self._timeout(event, arrival_s, crash.rank, text, step)
-                self._event("crash", text, crash.rank, vg, kind, seq, step, arrival_s, 0.0)
-                return OpFailure(arrival_s, RuntimeError(peer_closed_message(crash.rank)), text, self.on_raise)
-        for i, hang in enumerate(faults.hangs):
-            if not holds(hang.rank):
+        for i, hang in enumerate(faults.hangs):  # the one clock: this rank's own ops on matching groups
+            if hang.rank in self._hung or not self._matches(hang.group, vg, peer):
                 continue
-            if hang.rank not in self._hung and step >= hang.step and self._matches(hang.group, vg, peer):
+            self._hang_matched[i] += 1
+            if step >= hang.step:
                 self._hang_counts[i] += 1
                 if self._hang_counts[i] >= hang.op:
-                    self._hung[hang.rank] = hang
-            stopped = self._hung.get(hang.rank)
-            if stopped is not None:
-                return self._timeout(event, arrival_s, hang.rank, stopped.to_text(), step)
+                    self._hung[hang.rank] = (hang, step)
+        if not named:
+            return None
+        holds = named.__contains__
+        for i, crash in enumerate(faults.crashes):
+            if step >= crash.step and holds(crash.rank):
+                self._crashed[i] = True
+                text = crash.to_text()
+                if event.device_type == "cuda":  # a dead NCCL peer is not detected: the op times out
+                    return self._timeout(event, arrival_s, crash.rank, text, crash.step, step)
+                self._event("crash", text, crash.rank, vg, kind, seq, crash.step, step, arrival_s, 0.0)
+                return OpFailure(arrival_s, RuntimeError(peer_closed_message(crash.rank)), text, self.on_raise)
+        for rank, (hang, stopped_in) in self._hung.items():
+            if holds(rank):
+                return self._timeout(event, arrival_s, rank, hang.to_text(), stopped_in, step)
         return None
 
-    def _timeout(self, event: OpEvent, arrival_s: float, culprit: int, text: str, step: int) -> OpFailure:
+    def _timeout(self, event: OpEvent, arrival_s: float, culprit: int, text: str, stopped_in: int,
+                 step: int) -> OpFailure:
         vg, kind, seq = event.group, event.kind, event.seq
         if event.device_type == "cuda":
             message = nccl_watchdog_message(self.rank, seq, kind.name.replace("_", ""), event.numel, self.timeout_s)
         else:
             message = gloo_timeout_message(self.timeout_s)
-        self._event("hang", text, culprit, vg, kind, seq, step, arrival_s, self.timeout_s)
+        self._event("hang", text, culprit, vg, kind, seq, stopped_in, step, arrival_s, self.timeout_s)
         return OpFailure(arrival_s + self.timeout_s, RuntimeError(message), text, self.on_raise)
 
     def _matches(self, selector: str, vg: Any, peer: int | None) -> bool:
-        """Whether `vg` is a group the hang's `group=` selector names (see `prism_plugin.config.faults.Hang`)."""
+        """Whether `vg` is a group the hang's `group=` names (a vocabulary name: `prism_plugin.config.faults`).
+
+        The group's description, then its name, stand for a vocabulary name (`desc_role`: Megatron's
+        TENSOR_MODEL_PARALLEL_GROUP and a script's "tp0" are "tp"); with an execution graph loaded, its
+        role of the group ("cp-dp" is "dp_cp") too."""
         if not selector:
             return True
-        s = selector.lower()
-        if s == "world":
+        if selector == "world":
             return bool(vg.is_world)
-        if s in str(getattr(vg, "desc", "")).lower() or s in str(vg.name).lower():
+        desc, name = str(getattr(vg, "desc", "") or ""), str(vg.name or "")
+        entry = self._roles.get(id(vg))
+        if entry is None or entry[1] != desc or entry[2] != name:  # descs may be set after creation
+            entry = self._roles[id(vg)] = (vg, desc, name, (desc_role(desc), desc_role(name)))
+        if selector in entry[3]:
             return True
         if self.role_of is not None and peer is None:
             try:
-                return str(self.role_of(vg)).lower() == s
+                return graph_role_matches(selector, str(self.role_of(vg)))
             except ValueError:
                 return False
         return False
@@ -211,12 +251,15 @@ class LiveFaults:
             entry["longest"] = {"waited_s": waited_s, "on_rank": who, "op": kind.value, "group": vg.name, "seq": seq}
 
     def _event(self, what: str, fault: str, culprit: int, vg: Any, kind: OpKind, seq: int, step: int,
-               at_s: float, after_s: float) -> None:
+               raised_at_step: int, at_s: float, after_s: float) -> None:
+        """`step`: where the faulty rank stopped (one definition on every real rank); `raised_at_step`: this
+        rank's step at the failing op."""
         if len(self.events) < 64:
             self._event_at.append(at_s)
-            self.events.append({"event": what, "fault": fault, "step": step, "rank": culprit, "op": kind.value,
-                                "group": vg.name, "seq": seq, "raises_after_s": after_s,
-                                "blame_chain": [self.rank, culprit]})
+            self.events.append({"event": what, "fault": fault, "step": step, "raised_at_step": raised_at_step,
+                                "rank": culprit, "op": kind.value, "group": vg.name,
+                                "group_desc": str(getattr(vg, "desc", "") or ""), "seq": seq,
+                                "raises_after_s": after_s, "blame_chain": [self.rank, culprit]})
 
     def timeline(self, origin_s: float) -> dict[str, Any]:
         """The delayed ops and the fault events on a clock starting at perf_counter `origin_s` (a probe's).
@@ -242,6 +285,42 @@ class LiveFaults:
                 os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(10)  # not reached: SIGKILL cannot be caught
 
+    def never_fired(self) -> list[tuple[Hang | Crash, str]]:
+        """The hangs and crashes that never fired on this rank, each with why (its group, op or step never
+        occurred here)."""
+        out: list[tuple[Hang | Crash, str]] = []
+        last = max(self._max_step, self.clock.iteration)
+        for i, hang in enumerate(self.faults.hangs):
+            if hang.rank in self._hung:
+                continue
+            where = f"a {hang.group!r} group" if hang.group else "any group"
+            if not self._hang_matched[i]:
+                why = f"no op of this rank ran on {where}"
+                if hang.group:
+                    why += " (no group's description names it: see prism_plugin.config.faults for the names)"
+            elif last < hang.step:
+                why = f"the run ended at step {last}, before step {hang.step}"
+            else:
+                why = (f"only {self._hang_counts[i]} op(s) on {where} from step {hang.step} (op={hang.op}; "
+                       f"{self._hang_matched[i]} in all)")
+            out.append((hang, why))
+        for i, crash in enumerate(self.faults.crashes):
+            if not self._crashed[i]:
+                why = (f"the run ended at step {last}, before step {crash.step}" if last < crash.step else
+                       f"no op of this rank involved rank {crash.rank} from step {crash.step} on")
+                out.append((crash, why))
+        return out
+
+    def report_never_fired(self) -> str | None:
+        """Say each fault that never fired on stderr; the text of the strict ones' failure (None: none)."""
+        strict = []
+        for spec, why in self.never_fired():
+            line = f"prism: fault {spec.to_text()}: never fired on rank {self.rank}: {why}"
+            print(line, file=sys.stderr, flush=True)
+            if spec.strict:
+                strict.append(line)
+        return "\n".join(strict) if strict else None
+
     def summary(self) -> dict[str, Any]:
         steps = []
         for step in sorted(self.steps):
@@ -258,4 +337,6 @@ class LiveFaults:
             "extra_comm_s": round(self.extra_comm_s, 9),
             "steps": steps,
             "events": list(self.events),
+            "never_fired": [{"fault": spec.to_text(), "why": why, "strict": spec.strict}
+                            for spec, why in self.never_fired()],
         }

@@ -17,6 +17,12 @@ Seams owned here (each explicit, each undone by `deactivate`):
   redirected to `prism`, since a real gloo group would wait forever for absent ranks.
 - `broadcast_object_list` from a virtual source under the mirror policy: the virtual root sends
   what this rank holds (its own objects), so the objects deserialize instead of reading garbage.
+- backend identity: the program's group reports the backend the program asked for (`activate`'s
+  ``backend``; by default "gloo", or "nccl" on virtual GPUs): torch's ``get_backend(group)`` reads the
+  name recorded in ``distributed_c10d._world.pg_map`` when the group was registered, so the session
+  records the emulated name there (default group at activation; subgroups through torch's own
+  ``new_group`` bookkeeping, or the helper redirect below), and the backend refuses what that backend
+  refuses (`prism_plugin.comm.backend`). ``backend="prism"`` emulates no backend (everything accepted).
 - iteration marks of plain scripts: a global ``torch.optim`` step post-hook marks an iteration at the
   end of each optimizer step (``iteration_marker`` auto / optimizer-step); explicit
   `mark_iteration()` calls (the adapters') take over in auto mode. Each mark anchors the clock,
@@ -42,7 +48,7 @@ from prism_plugin.comm.context import OpEvent, OpObserver, OpWork
 from prism_plugin.comm.group import VirtualGroup
 from prism_plugin.comm.recording import Recorder, Replayer
 from prism_plugin.config.emulation import ConfigError, EmulationConfig
-from prism_plugin.config.kinds import ArrivalAssumption, DataPolicy, IterationMarker, OpKind
+from prism_plugin.config.kinds import ArrivalAssumption, DataPolicy, DeviceMode, IterationMarker, OpKind
 from prism_plugin.cost import CostModel, load_profile
 from prism_plugin.cost.model import GroupPlacement
 from prism_plugin.runtime.clock import EmulationClock, WakeupStats, WallClock
@@ -67,6 +73,33 @@ class _NoDelegationGroup(PrismProcessGroup):
     """The default group without `new_group`: torch falls back to the backend creator."""
 
     new_group = None  # type: ignore[assignment]
+
+
+def emulated_backend(requested: Any, config: EmulationConfig) -> str:
+    """The backend name the emulated program sees: the one it asked for, else "nccl" on virtual GPUs and
+    "gloo" otherwise (the backends torch picks for CUDA and CPU tensors). "prism" emulates none.
+
+    >>> from prism_plugin.config.emulation import VirtualWorld
+    >>> emulated_backend(None, EmulationConfig(world=VirtualWorld(world_size=4, real_ranks=(0,))))
+    'gloo'
+    """
+    if requested is None or str(requested).strip().lower() in ("", "undefined"):
+        return "nccl" if getattr(config, "device", None) is DeviceMode.VIRTUAL_GPU else "gloo"
+    try:
+        return str(dist.Backend(str(requested)))
+    except ValueError as exc:
+        raise ConfigError(f"backend={requested!r}: {exc}; name the backend the program uses (gloo, nccl)") from None
+
+
+def _record_backend(pg: Any, name: str) -> None:
+    """Make torch's ``get_backend(pg)`` / ``get_backend_config(pg)`` answer `name` (module docstring)."""
+    world = c10d._world
+    entry = world.pg_map.get(pg)
+    if entry is None:
+        return
+    backend = dist.Backend(name)
+    world.pg_map[pg] = (backend, entry[1])
+    world.pg_backend_config[pg] = str(c10d.BackendConfig(backend))
 
 
 class OpCounters:
@@ -106,9 +139,12 @@ class Session:
     """Process-wide state of one emulation: config, cost model, groups' shared parts, counters; comm's op
     context (`prism_plugin.comm.context.OpContext`)."""
 
-    def __init__(self, config: EmulationConfig, process_index: int, real_store: dist.Store | None) -> None:
+    def __init__(self, config: EmulationConfig, process_index: int, real_store: dist.Store | None,
+                 backend: str = "gloo") -> None:
         world = config.world
         self.config = config
+        self.backend_name = backend
+        """The backend the program sees and whose refusals apply (`emulated_backend`)."""
         self.process_index = process_index
         self.rank = world.virtual_rank_of(process_index)
         # the op context's plain figures (the config is frozen): comm reads them on every op
@@ -205,6 +241,7 @@ class Session:
         vg = VirtualGroup(self, group_name or "", None if world else ranks, group_desc or "")
         cls = _NoDelegationGroup if world and not _delegation_enabled() else PrismProcessGroup
         pg = cls(vg)
+        pg.backend_name = self.backend_name  # until torch records the group's own (a side backend's) name
         if group_name is not None:
             pg.setGroupName(group_name)
         if group_desc is not None:
@@ -330,13 +367,20 @@ class Session:
 
             @functools.wraps(original_helper)
             def new_process_group_helper(*args: Any, **kwargs: Any) -> Any:
-                # redirect every requested backend (gloo twins included) to prism
+                # redirect every requested backend (gloo twins included) to prism; torch then records the
+                # requested name (what get_backend(group) answers), as its new_group delegation does
+                requested = kwargs.get("backend", args[3] if len(args) > 3 else None)
                 if "backend" in kwargs:
                     kwargs["backend"] = BACKEND_NAME
                     kwargs.pop("backend_options", None)
                 elif len(args) > 3:
                     args = args[:3] + (BACKEND_NAME,) + args[4:]
-                return original_helper(*args, **kwargs)
+                out = original_helper(*args, **kwargs)
+                pg = out[0] if isinstance(out, tuple) else out
+                name = str(requested) if requested and str(requested).lower() != BACKEND_NAME else None
+                if isinstance(pg, PrismProcessGroup) and name is not None and c10d._world.pg_map:
+                    _record_backend(pg, name)
+                return out
 
             patches.setattr(c10d, "_new_process_group_helper", new_process_group_helper)
 
@@ -375,8 +419,13 @@ def _creator(opts: Any, backend_options: Any) -> PrismProcessGroup:
 
 
 def activate(config: EmulationConfig, process_index: int = 0, real_store: dist.Store | None = None,
-             init_timeout_s: float | None = None, num_processes: int | None = None) -> Session:
+             init_timeout_s: float | None = None, num_processes: int | None = None,
+             backend: str | None = None) -> Session:
     """Initialise torch.distributed as rank ``config.world.real_ranks[process_index]`` of N.
+
+    `backend` is the backend the program asked for (its ``init_process_group(backend=...)``): the groups
+    report it (``dist.get_backend()``) and refuse what it refuses (module docstring); None: "gloo", or
+    "nccl" on virtual GPUs.
 
     `real_store` is a store shared by the real processes only (TCPStore/FileStore sized to the
     real process count); it is needed when there are 2+ real ranks. `num_processes`, when known
@@ -397,7 +446,7 @@ def activate(config: EmulationConfig, process_index: int = 0, real_store: dist.S
                 "prism: torch.distributed is already initialised; activate() must run before "
                 "init_process_group (or call prism_plugin.deactivate() first)"
             )
-        session = Session(config, process_index, real_store)
+        session = Session(config, process_index, real_store, emulated_backend(backend, config))
         if os.environ.get("TORCH_DIST_INIT_BARRIER", "0") != "0":
             os.environ["TORCH_DIST_INIT_BARRIER"] = "0"  # a store barrier over N ranks would wait forever
         if BACKEND_NAME.upper() not in dist.Backend._plugins:
@@ -416,6 +465,11 @@ def activate(config: EmulationConfig, process_index: int = 0, real_store: dist.S
             session.uninstall()
             _CURRENT = None
             raise
+        if session.backend_name != BACKEND_NAME:
+            default_pg = c10d._get_default_group()
+            _record_backend(default_pg, session.backend_name)
+            if hasattr(c10d, "_backend"):
+                session._patches.setattr(c10d, "_backend", dist.Backend(session.backend_name))
         return session
 
 
@@ -427,7 +481,11 @@ def mark_iteration(iteration: int | None = None) -> None:
 
 
 def deactivate() -> dict[str, Any] | None:
-    """Destroy the process groups, write the recording (if any) and return the session summary."""
+    """Destroy the process groups, write the recording (if any) and return the session summary.
+
+    Faults that never fired are said on stderr; when one of them is ``strict=true``,
+    `prism_plugin.runtime.live_faults.FaultNeverFiredError` is raised after the teardown, carrying the summary.
+    """
     global _CURRENT
     with _LOCK:
         session = _CURRENT
@@ -443,4 +501,12 @@ def deactivate() -> dict[str, Any] | None:
             if session.tracer is not None:
                 session.tracer.close()
             _CURRENT = None
-        return session.summary()
+        summary = session.summary()
+        if session.faults is not None:
+            strict = session.faults.report_never_fired()
+            if strict is not None:
+                from prism_plugin.runtime.live_faults import FaultNeverFiredError
+
+                summary["faults"]["strict_failure"] = strict
+                raise FaultNeverFiredError(strict, summary)
+        return summary

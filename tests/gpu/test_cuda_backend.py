@@ -57,7 +57,7 @@ def _op_holds_no_memory(op: Callable[[], None]) -> None:
 
 
 def test_world_is_rank_3_of_8_on_cuda(session: P.Session) -> None:
-    assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (RANK, WORLD, "prism")
+    assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (RANK, WORLD, "gloo")
 
 
 def test_all_reduce_on_cuda_equals_the_mirror_policy(session: P.Session) -> None:
