@@ -3,7 +3,7 @@
 `prism run --device virtual-gpu` runs a plain Megatron-core script (``initialize_model_parallel``, the CUDA RNG
 tracker, ``GPTModel`` with the local spec, forward and backward on ``cuda``) unmodified: Megatron takes its GPU
 code paths; the adapters' CPU shim is not involved. Parameter counts and bytes are exact (computed below from
-the architecture); the RNG tracker's ``torch.all(a == b).item()`` check is answered by the value policy.
+the architecture); host-side work (the RNG tracker's state check) runs for real.
 """
 
 from __future__ import annotations
@@ -80,5 +80,6 @@ def test_llama3_8b_width_gpt_layers_run_forward_and_backward_on_a_virtual_h100(t
     logits = 4096 * (vocab // tp) * 2  # one sequence's bf16 logits shard, alive between forward and backward
     assert device0["peak_allocated_bytes"] == result["peak"] >= 2 * params + logits
     assert summary["device_mode"] == "virtual-gpu" and summary["exit_code"] == 0
-    sites = {s["site"].rsplit(" ", 1)[-1]: s for s in summary["virtual_gpu"]["values"]["by_site"]}
-    assert sites["(fork)"]["value"] == "True"  # Megatron's RNG tracker: torch.all(states equal).item()
+    # no value had to be invented: Megatron's RNG-tracker check (torch.all(a == b).item()) compares CPU RNG
+    # states, which the host computes for real (only the GPU is virtual)
+    assert summary["virtual_gpu"]["values"]["reads"] == 0

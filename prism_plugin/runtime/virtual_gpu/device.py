@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten
 
 from prism_plugin.cost.allocator import Block, CachingAllocatorModel, DeviceOutOfMemory
 from prism_plugin.cost.allocator_config import AllocatorConfig
@@ -62,10 +63,18 @@ class _DeviceCalls(TorchFunctionMode):
             kwargs = {**kwargs, "device": torch.device("cuda", device)}
             device = kwargs["device"]
         if func in _FROM_DATA and device is not None and torch.device(device).type == "cuda":
-            # torch.tensor(data, device="cuda") builds on the CPU and copies below any mode: build the CPU fake
-            # (which keeps the data as its constant), then move it
-            host = func(*args, **{k: v for k, v in kwargs.items() if k != "device"})
-            return self._moved(host, _move(host, (device,), {}))
+            # torch.tensor(data, device="cuda") builds on the CPU and copies below any mode: build the CPU fake,
+            # move it, and keep the data's real values (small tensors only) for later reads
+            host_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+            moved = _move(func(*args, **host_kwargs), (device,), {})
+            assert moved is not None
+            try:
+                with _disable_current_modes(), torch._C.DisableTorchFunction():
+                    real = func(*args, **host_kwargs)
+            except Exception:  # the data holds fake tensors: no real values to keep
+                return moved
+            self.values.tag_data(moved, real)
+            return moved
         i = _DEVICE_ARG.get(func)
         if i is not None and len(args) > i and isinstance(args[i], int) and not isinstance(args[i], bool):
             args = (*args[:i], torch.device("cuda", args[i]), *args[i + 1:])
@@ -80,13 +89,12 @@ class _DeviceCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _moved(self, source: torch.Tensor, moved: torch.Tensor | None) -> torch.Tensor:
-        """`moved` keeps a one-element `source`'s known value (a constant, a tagged answer) for later reads."""
+        """`moved` keeps a small `source`'s values (a constant the program made from data) for later reads."""
         assert moved is not None
-        constant = getattr(source, "constant", None)
-        if source.numel() == 1 and constant is not None:
-            with _disable_current_modes():  # the constant is a real tensor: read it outside the fake modes
-                value = constant.item()
-            self.values.tag(moved, value)
+        constant = self.values._data_of(source)
+        if constant is not None:
+            with _disable_current_modes():  # the constant is a real tensor: copy it outside the fake modes
+                self.values.tag_data(moved, constant.clone())
         return moved
 
 
@@ -110,6 +118,17 @@ def _move(t: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
                           memory_format=torch.contiguous_format if memory_format in (None, torch.preserve_format)
                           else memory_format)
     return out.requires_grad_(t.requires_grad) if out.is_floating_point() else out
+
+
+def _host_only(args: tuple, kwargs: dict | None) -> bool:
+    """Whether an op touches no fake tensor and no cuda device: its inputs are real host tensors (or none) and it
+    creates nothing on a GPU."""
+    for x in tree_flatten((args, kwargs))[0]:
+        if isinstance(x, FakeTensor) or (isinstance(x, torch.Tensor) and x.device.type != "cpu"):
+            return False
+        if (isinstance(x, torch.device) and x.type != "cpu") or (isinstance(x, str) and x.startswith("cuda")):
+            return False
+    return True
 
 
 class _AllocatorTracker(StorageTracker):
@@ -142,6 +161,10 @@ class _AllocatorTracker(StorageTracker):
         raise AssertionError("a tracked block belongs to no virtual device")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _host_only(args, kwargs):
+            # host work (data loaders, samplers, CPU counters and timers) runs for real: only the GPU is virtual
+            with _disable_current_modes():
+                return func(*args, **(kwargs or {}))
         if func is aten._local_scalar_dense.default:
             return self.gpu.values.read(args[0])
         if func is aten._to_copy.default:

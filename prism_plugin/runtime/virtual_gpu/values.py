@@ -27,6 +27,8 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["NoValueError", "ValuePolicy"]
 
@@ -42,6 +44,8 @@ _KEEP = {aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.a
          aten.alias.default, aten.stack.default, aten.cat.default, aten.copy_.default, aten.bitwise_and.Tensor,
          aten.bitwise_or.Tensor, aten.mul.Tensor}
 _FLIP = {aten.logical_not.default, aten.bitwise_not.default}
+_DATA_LIMIT = 4096
+"""Largest tensor (elements) whose real values are kept: flags, counters, timestamps; never model tensors."""
 _SKIP_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,) if m.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
@@ -70,9 +74,47 @@ class ValuePolicy:
         self._answers_of: dict[int, tuple[bool | int | float, weakref.ref]] = {}
         self.constants_read = 0  # reads of a value the program itself put in the tensor (torch.tensor([...]))
 
-    def tag(self, tensor: torch.Tensor, value: bool | int | float) -> None:
-        """Record that `tensor` (one element) holds `value` (e.g. a constant moved to a virtual GPU)."""
-        self._tag(tensor, value)
+        # id(fake tensor) -> a real CPU tensor holding its values: small tensors the program made from data
+        self._data: dict[int, tuple[torch.Tensor, weakref.ref]] = {}
+
+    def tag_data(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
+        """Record that the fake `tensor` holds `values` (a real CPU tensor, e.g. a constant moved to a virtual GPU);
+        ops on it then compute its values on the CPU (`_propagate`), so later reads see what the program wrote."""
+        if values.numel() <= _DATA_LIMIT:
+            key = id(tensor)
+            self._data[key] = (values, weakref.ref(tensor, lambda _ref, k=key: self._data.pop(k, None)))
+
+    def _data_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        entry = self._data.get(id(tensor))
+        if entry is not None and entry[1]() is tensor:
+            return entry[0]
+        return getattr(tensor, "constant", None)  # a CPU fake keeps its own constant
+
+    def _propagate(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Compute `func` on the real values of its inputs when every tensor input has them (one is ours)."""
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        if not tensors or not any(id(x) in self._data for x in tensors):
+            return
+        real = [self._data_of(x) if isinstance(x, torch.Tensor) else x for x in flat]
+        mutated = [x for x in tensors if id(x) in self._data] if getattr(func, "_schema", None) is not None and \
+            func._schema.is_mutable else []
+        if any(r is None for r, x in zip(real, flat, strict=True) if isinstance(x, torch.Tensor)):
+            for x in mutated:
+                self._data.pop(id(x), None)
+            return
+        real = [torch.device("cpu") if isinstance(x, torch.device) else x for x in real]
+        rargs, rkwargs = tree_unflatten(real, spec)
+        try:
+            with _disable_current_modes(), torch._C.DisableTorchFunction():
+                result = func(*rargs, **rkwargs)
+        except Exception:  # not computable on the CPU: the values are unknown from here on
+            for x in mutated:
+                self._data.pop(id(x), None)
+            return
+        for fake, value in zip(_tensors((out,)), _tensors((result,)), strict=False):
+            if fake.shape == value.shape:
+                self.tag_data(fake, value)
 
     def _tag(self, tensor: torch.Tensor, answer: bool | int | float) -> None:
         key = id(tensor)
@@ -84,6 +126,8 @@ class ValuePolicy:
 
     def observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Record what `func` tells of its outputs' values (called for every op under fake execution)."""
+        if self._data:
+            self._propagate(func, args, kwargs, out)
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable:  # a tensor written in place no longer holds its known value
             for arg, value in zip(schema.arguments, args, strict=False):
@@ -112,10 +156,11 @@ class ValuePolicy:
         site = _call_site()
         known = self._known(tensor)
         dtype = tensor.dtype
-        constant = getattr(tensor, "constant", None)  # FakeTensorMode keeps small tensors' real values
-        if known is None and constant is not None and constant.numel() == 1:
+        data = self._data_of(tensor)  # a value the program put there (FakeTensorMode's constant, or ours)
+        if known is None and data is not None and data.numel() == 1:
             self.constants_read += 1
-            return constant.item()
+            with _disable_current_modes():
+                return data.item()
         if known is not None:
             value: bool | int | float = known if dtype == torch.bool else (
                 float(known) if dtype.is_floating_point else int(known))
