@@ -82,7 +82,10 @@ def _cmd_slice(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from prism_plugin.graph.slicing import make_plan, parse_layout, plan_rows
+    from prism_plugin.runtime.preflight import check_file_output
 
+    if args.out is not None:
+        check_file_output("--out", args.out)
     plan = make_plan(parse_layout(args.layout, args.framework, args.world_size), args.devices)
     if args.out is not None:
         plan.save(args.out)
@@ -124,8 +127,11 @@ def profile_plan(plan_path: Path, out: Path, target: list[str], *, profile: str 
     from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
     from prism_plugin.graph.slicing import SlicingPlan
     from prism_plugin.runtime.launch import LaunchSpec, launch
+    from prism_plugin.runtime.preflight import check_directory, check_program
 
     plan = SlicingPlan.load(plan_path)
+    check_program(target)  # once, before run 0 creates its directory
+    check_directory("--out", out)
     configs = []
     for i, run in enumerate(plan.runs):  # every config is checked before the first run starts
         run_dir = out / f"run{i}"
@@ -205,9 +211,11 @@ def _build(paths: list[Path], layout: Any, class_axes: tuple[str, ...], warmup: 
 def _cmd_graph_build(args: argparse.Namespace) -> int:
     from prism_plugin.graph.rank_trace import load_rank_traces
     from prism_plugin.graph.slicing import SlicingPlan, parse_layout
+    from prism_plugin.runtime.preflight import check_file_output
 
     if (args.plan is None) == (args.layout is None):
         raise ConfigError("graph build: give the layout with exactly one of --plan FILE or --layout SIZES")
+    check_file_output("--out", args.out)
     if args.plan is not None:
         plan = SlicingPlan.load(args.plan)
         layout, class_axes = plan.job.world, plan.class_axes
@@ -334,7 +342,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     from prism_plugin.config.errors import parse_rank_list
     from prism_plugin.graph.export import write_chrome_trace
+    from prism_plugin.runtime.preflight import check_file_output
 
+    for flag, path in (("--chrome-trace", args.chrome_trace), ("--blame-plot", args.blame_plot)):
+        if path is not None:  # before the replay runs
+            check_file_output(flag, path)
     graph = _load_graph(args.graph)
     profile = args.profile or graph.metadata.get("capture", {}).get("profile") or "local-cpu-gloo"
     overrides: dict[str, Any] = {}
@@ -413,8 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ConfigError as exc:  # every user-input error: GraphError, ProfileError, fault specs, flags
         from rich.console import Console
+        from rich.markup import escape
 
-        Console(stderr=True).print(f"[bold red]prism: invalid input:[/] {exc}")
+        Console(stderr=True).print(f"[bold red]prism: invalid input:[/] {escape(str(exc))}", soft_wrap=True)
         return 2
 
 

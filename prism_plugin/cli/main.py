@@ -218,8 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:  # every user-input error (profile, recipe, graph, fault spec, flags)
-        console.print(f"[bold red]prism: invalid input:[/] {exc}")
+        print_config_error(exc)
         return 2
+
+
+def print_config_error(exc: ConfigError) -> None:
+    """``prism: invalid input: <message>`` on stderr: one line (not wrapped to the terminal), no traceback;
+    the message is printed as it is (brackets in it are not read as rich markup)."""
+    from rich.markup import escape
+
+    console.print(f"[bold red]prism: invalid input:[/] {escape(str(exc))}", soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 from prism_plugin.config.emulation import EmulationConfig
 from prism_plugin.config.kinds import DeviceMode
 from prism_plugin.runtime.lifecycle import DEFAULT_GRACE_S, RealProcess, launch_processes
+from prism_plugin.runtime.preflight import check_launch
 
 __all__ = ["LaunchSpec", "config_to_env", "config_from_env", "launch"]
 
@@ -83,22 +84,27 @@ class LaunchSpec:
 def launch(spec: LaunchSpec, *, timeout_s: float | None = None) -> int:
     """Run the k real processes to completion (`lifecycle.launch_processes`); returns the job's exit code.
 
+    First, once, the launch's pre-checks (`preflight.check_launch`: the program exists, the output, record and
+    trace directories can be created, the graph and the recording describe this N): a `ConfigError` before any
+    process starts or any directory is created.
+
     The first failure stops the others (SIGTERM, SIGKILL after ``spec.grace_s``); a rank killed by signal S
     counts as 128 + S; SIGTERM / SIGINT / SIGHUP to this process are forwarded to every real rank; 124
     past `timeout_s`. The store file (and the temporary directory holding it) is removed at exit.
     """
     config = spec.config
+    check_launch(config, spec.target)  # once, here: one message, before any process or directory exists
+    extra: dict[str, str] = {}
+    if config.device is DeviceMode.VIRTUAL_GPU:  # built once here (cached), loaded by each child before torch
+        from prism_plugin.runtime.virtual_gpu import cuda_runtime
+
+        extra["PRISM_VIRTUAL_CUDA_LIB"] = str(cuda_runtime.build())
     k = config.world.num_real
     created = spec.store_dir is None
     store_dir = Path(spec.store_dir or tempfile.mkdtemp(prefix="prism-store-"))
     store_dir.mkdir(parents=True, exist_ok=True)
     store_file = store_dir / f"store-{os.getpid()}-{time.time_ns()}"
     cfg_json = config_to_env(config)
-    extra: dict[str, str] = {}
-    if config.device is DeviceMode.VIRTUAL_GPU:  # built once here (cached), loaded by each child before torch
-        from prism_plugin.runtime.virtual_gpu import cuda_runtime
-
-        extra["PRISM_VIRTUAL_CUDA_LIB"] = str(cuda_runtime.build())
     processes = []
     for i, rank in enumerate(config.world.real_ranks):
         env = dict(os.environ)

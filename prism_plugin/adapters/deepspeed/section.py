@@ -22,9 +22,13 @@ A DeepSpeed config (a dict, or a path to a JSON/HJSON file) turns emulation on w
     }
 
 Checks (each a `ConfigError` naming the key and the fix): unknown keys; missing world_size/real_ranks;
-ranks out of range or repeated; `topology` whose product is not world_size; a batch arithmetic
-(``train_batch_size = micro_batch * gradient_accumulation_steps * data_parallel``) whose data-parallel
-size does not divide world_size, or disagrees with ``topology.data``.
+ranks out of range or repeated; a path key (`output`, `record_dir`, `replay_dir`, `trace`, `graph`) that is
+not a string; `topology` whose product is not world_size; DeepSpeed's batch arithmetic (``train_batch_size =
+train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp``, the missing sizes derived as DeepSpeed
+derives them) against the emulated world: with `topology`, dp = world_size / (pipe * model) exactly, without
+it some dp dividing world_size; an `output` / `record_dir` / `trace` that is (or lies under) a file; a graph
+of another world size; a `replay_dir` recorded at another world size or lacking a real rank's recording
+(`prism_plugin.runtime.preflight`, the checks `prism run` makes in its launcher).
 
 `pipe_activations` describes what a pipeline stage receives from a *virtual* previous stage in its
 tensor-meta handshake under the mirror policy (a dict: one tensor; a list of dicts: a tuple of
@@ -32,7 +36,7 @@ tensors). DeepSpeed allocates its receive buffers from that handshake, so a real
 stage whose previous stage is virtual needs it, or the recorded policy (which replays the
 handshake). Without either, such a stage is refused with an error naming this key.
 
-Pure: no torch.distributed, no DeepSpeed import.
+No torch.distributed, no DeepSpeed import (torch itself only to read a recording's header).
 """
 
 from __future__ import annotations
@@ -174,34 +178,120 @@ def _topology(value: Any, world_size: int) -> dict[str, int] | None:
     return topo
 
 
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _deepspeed_batch(tbs: int | None, mbs: int | None, gas: int | None, dp: int) -> tuple[int, int, int]:
+    """DeepSpeed 0.19's ``_set_batch_related_parameters`` at data-parallel size `dp`: the missing sizes derived.
+
+    Example: train_batch_size 32, micro 2, no accumulation given, dp 4 -> (32, 2, 32 // 2 // 4 = 4).
+    """
+    if tbs is not None and mbs is not None and gas is not None:
+        return tbs, mbs, gas
+    if tbs is not None and mbs is not None:
+        return tbs, mbs, tbs // mbs // dp
+    if tbs is not None and gas is not None:
+        return tbs, tbs // dp // gas, gas
+    if mbs is not None and gas is not None:
+        return mbs * gas * dp, mbs, gas
+    if tbs is not None:
+        return tbs, tbs // dp, 1
+    assert mbs is not None
+    return mbs * dp, mbs, 1
+
+
+def _fits(sizes: tuple[int | None, int | None, int | None], dp: int) -> bool:
+    """DeepSpeed's ``_batch_assertion``: every size > 0 and train_batch_size = micro * accumulation * dp."""
+    tbs, mbs, gas = _deepspeed_batch(*sizes, dp)
+    return tbs > 0 and mbs > 0 and gas > 0 and tbs == mbs * gas * dp
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
 def _check_batch(ds_config: Mapping[str, Any], world_size: int, topology: dict[str, int] | None) -> None:
-    """DeepSpeed's ``train_batch_size = micro_batch * gas * dp``: dp must fit the virtual world."""
-    tbs = ds_config.get("train_batch_size")
-    mbs = ds_config.get("train_micro_batch_size_per_gpu")
-    gas = ds_config.get("gradient_accumulation_steps")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (tbs, mbs, gas)):
-        if topology is not None and isinstance(tbs, int) and isinstance(mbs, int) and tbs % (mbs * topology["data"]):
+    """DeepSpeed's batch arithmetic against the emulated world, before DeepSpeed's own assertion.
+
+    DeepSpeed derives the batch sizes not given and asserts ``train_batch_size == train_micro_batch_size_per_gpu
+    * gradient_accumulation_steps * dp``, where dp is the data-parallel size of the world it sees: N / (pipe *
+    model) (N without an mpu). With ``prism.topology`` dp is known and the check is DeepSpeed's; without it
+    the job's pipe * model is unknown here, so the sizes must fit some dp that divides N (a ZeRO job without
+    pipeline or model parallelism has dp = N: declare ``"topology": {"data": N}`` to have that checked).
+    Example: N=16, topology pipe 2 * data 8, micro 2, accumulation 1 -> train_batch_size must be 16.
+    """
+    given = {key: ds_config.get(key) for key in _BATCH_KEYS}
+    for key, value in given.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{key}={value!r} must be a positive integer (DeepSpeed's batch sizes)")
+    tbs, mbs, gas = given.values()
+    if tbs is None and mbs is None:
+        if gas is not None:
+            raise ConfigError("gradient_accumulation_steps is given without train_batch_size or "
+                              "train_micro_batch_size_per_gpu; DeepSpeed needs one of them")
+        return  # a config used only for init_distributed: DeepSpeed's own check runs if it is ever initialised
+    sizes = (tbs, mbs, gas)
+    if topology is not None:
+        dp = topology["data"]
+        if not _fits(sizes, dp):
+            t, m, g = _deepspeed_batch(*sizes, dp)
+            shown = ", ".join(f"{k}={v}" + ("" if given[k] is not None else " (derived)")
+                              for k, v in zip(_BATCH_KEYS, (t, m, g), strict=True))
+            implied = (f"the batch sizes imply data-parallel size {tbs // (mbs * gas)} but "
+                       if tbs is not None and mbs is not None and gas is not None and tbs % (mbs * gas) == 0 else "")
             raise ConfigError(
-                f"train_batch_size={tbs} is not a multiple of train_micro_batch_size_per_gpu={mbs} * "
-                f"data={topology['data']} (prism.topology): fix the batch sizes or the topology"
+                f"{implied}prism.topology has data={dp} (prism.world_size {world_size} / (pipe {topology['pipe']} "
+                f"* model {topology['model']})) and {shown}: DeepSpeed will assert train_batch_size == "
+                f"train_micro_batch_size_per_gpu * gradient_accumulation_steps * data-parallel size ({t} != {m} * "
+                f"{g} * {dp}); make train_batch_size = micro batch * accumulation steps * {dp}, or fix prism.topology"
             )
         return
-    if tbs % (mbs * gas):
+    if tbs is not None and mbs is not None and gas is not None:
+        if tbs % (mbs * gas):
+            raise ConfigError(
+                f"train_batch_size={tbs} is not train_micro_batch_size_per_gpu={mbs} * gradient_accumulation_steps="
+                f"{gas} * data-parallel size for any integer size; fix the batch sizes"
+            )
+        dp = tbs // (mbs * gas)
+        if world_size % dp:
+            raise ConfigError(
+                f"the batch sizes imply data-parallel size {dp} (train_batch_size={tbs} / micro {mbs} / accumulation "
+                f"{gas}), which does not divide prism.world_size={world_size}; world_size must be data * pipe * model"
+            )
+        return
+    if not any(_fits(sizes, dp) for dp in _divisors(world_size)):
+        shown = ", ".join(f"{k}={v}" for k, v in given.items() if v is not None)
+        t, m, g = _deepspeed_batch(*sizes, world_size)
         raise ConfigError(
-            f"train_batch_size={tbs} is not train_micro_batch_size_per_gpu={mbs} * gradient_accumulation_steps="
-            f"{gas} * data-parallel size for any integer size; fix the batch sizes"
+            f"{shown} fit no data-parallel size that divides prism.world_size={world_size} (DeepSpeed derives the "
+            f"others and asserts train_batch_size == micro * accumulation * data-parallel size; at data-parallel "
+            f"{world_size}: {t} != {m} * {g} * {world_size}); give all three batch sizes, or make train_batch_size "
+            "a multiple of the others"
         )
-    dp = tbs // (mbs * gas)
-    if world_size % dp:
-        raise ConfigError(
-            f"the batch sizes imply data-parallel size {dp} (train_batch_size={tbs} / micro {mbs} / accumulation "
-            f"{gas}), which does not divide prism.world_size={world_size}; world_size must be data * pipe * model"
-        )
-    if topology is not None and topology["data"] != dp:
-        raise ConfigError(
-            f"the batch sizes imply data-parallel size {dp} but prism.topology has data={topology['data']}; "
-            "make train_batch_size = micro batch * accumulation steps * topology.data"
-        )
+
+
+_PATH_KEYS = ("output", "record_dir", "replay_dir", "trace", "graph")
+_KEY_NAMES = {"world_size": '"prism.world_size"', "output_dir": '"prism.output"', "record_dir": '"prism.record_dir"',
+              "replay_dir": '"prism.replay_dir"', "trace_dir": '"prism.trace"', "graph": '"prism.graph"'}
+"""How the section spells each EmulationConfig field (`runtime.preflight`'s messages)."""
+
+
+def _check_value_types(section: Mapping[str, Any]) -> None:
+    """Keys whose wrong JSON type would otherwise fail deep inside the config as a TypeError."""
+    for key in _PATH_KEYS:
+        value = section.get(key)
+        if value is not None and not isinstance(value, str | Path):
+            raise ConfigError(f'"prism.{key}"={value!r} must be a path (a string), e.g. "{key}": "prism_{key}"; '
+                              "or omit it")
+    faults = section.get("faults")
+    if faults is not None and not isinstance(faults, list | tuple):
+        raise ConfigError(f'"prism.faults"={faults!r} must be a list of fault strings, e.g. '
+                          '"faults": ["straggler:ranks=4-7,factor=1.3"]')
+    iterations = section.get("trace_iterations", 64)
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ConfigError(f'"prism.trace_iterations"={iterations!r} must be a positive integer: the iterations to '
+                          "trace")
 
 
 def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool = True) -> PrismSection | None:
@@ -227,6 +317,7 @@ def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool =
         raise ConfigError(f'"prism" section: {exc}') from None
     topology = _topology(section.get("topology"), world_size)
     _check_batch(config, world_size, topology)
+    _check_value_types(section)
     graph = section.get("graph")
     if graph is not None:
         if not Path(graph).is_file():
@@ -247,13 +338,11 @@ def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool =
         )
     except ConfigError as exc:
         raise ConfigError(f'"prism" section: {exc}') from None
-    if graph is not None:
-        from prism_plugin.runtime.arrivals import load_job_graph
+    from prism_plugin.runtime.preflight import check_directories, check_graph, check_recording
 
-        try:
-            load_job_graph(Path(graph), world_size)
-        except ValueError as exc:
-            raise ConfigError(f'"prism.graph": {exc}') from None
+    check_directories(emulation, _KEY_NAMES)  # each real process checks its section before any process group
+    check_graph(emulation, _KEY_NAMES)
+    check_recording(emulation, _KEY_NAMES)
     return PrismSection(emulation=emulation, topology=topology,
                         pipe_activations=_pipe_activations(section.get("pipe_activations")),
                         graph=Path(graph) if graph is not None else None, ds_config=config)

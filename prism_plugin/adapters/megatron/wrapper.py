@@ -12,8 +12,10 @@ shared watch loop of `prism_plugin.runtime.lifecycle`, as ``prism run`` does.)
 
 What it does, in order, before the script runs:
 1. strips the ``--prism-*`` flags (anywhere in the argv, ``--flag value`` or ``--flag=value``);
-2. checks them and the job's Megatron arguments (parsed by Megatron's own parser): the layout must
-   divide N, refused features (`refusals`) fail here, before any process group exists;
+2. checks them (`preflight`: the script exists, the output / record / trace paths can be directories, the graph
+   and the recording describe N; once, in a self-launching parent, before any process starts) and the job's
+   Megatron arguments (parsed by Megatron's own parser): the layout must divide N, refused features
+   (`refusals`) fail here, before any process group exists;
 3. torchrun process i (its RANK) plays virtual rank ``r_{i+1}``: the environment the script sees
    becomes RANK = that virtual rank and WORLD_SIZE = N; LOCAL_RANK stays the physical index i;
 4. activates the emulation with a store shared by the K real processes only (torchrun's own
@@ -179,6 +181,25 @@ def _check_layout(config: EmulationConfig, ns: Any) -> None:
             raise ConfigError(f"--prism-graph: {exc}") from None
 
 
+_FLAG_NAMES = {"world_size": "--prism-world-size", "output_dir": "--prism-output", "record_dir": "--prism-record",
+               "replay_dir": "--prism-replay", "trace_dir": "--prism-trace", "graph": "--prism-graph"}
+
+
+def preflight(script_argv: list[str], config: EmulationConfig) -> None:
+    """The launch's pre-checks, named by the ``--prism-*`` flags (`runtime.preflight.check_launch`): the script
+    exists, the output / record / trace directories can be created, the graph and the recording describe N.
+
+    A self-launching parent runs them once before it starts the K processes; each process runs them again
+    (cheap) before Megatron parses the job's arguments.
+    """
+    from prism_plugin.runtime.preflight import check_launch
+
+    usage = "name the training script first: python -m prism_plugin.megatron pretrain_gpt.py <args>"
+    if not script_argv or script_argv[0].startswith("-"):
+        raise ConfigError(usage)
+    check_launch(config, script_argv[:1], _FLAG_NAMES, usage=usage)
+
+
 def _self_launch(argv: list[str], config: EmulationConfig) -> int:
     """Run K copies of this wrapper as local processes (torchrun-like env, FileStore rendezvous) through the
     shared watch loop (`lifecycle.launch_processes`): signals reach every copy, a failure stops the others."""
@@ -239,9 +260,8 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
     """Run the script in this process as the real rank torchrun's RANK selects; returns the summary."""
     import torch
 
-    if not script_argv:
-        raise ConfigError("name the training script: python -m prism_plugin.megatron pretrain_gpt.py <args>")
     config = flags.to_config()
+    preflight(script_argv, config)
     job_timeout = job_timeout_s(script_argv[1:])
     if job_timeout is not None and "timeout" not in flags.values:  # the job's own collective timeout
         from dataclasses import replace
@@ -269,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         script_argv, flags = split_prism_flags(argv)
         config = flags.to_config()
         if "RANK" not in os.environ and config.world.num_real > 1:
+            preflight(script_argv, config)  # once, in the parent: one message, no process started
             return _self_launch(argv, config)
         run(script_argv, flags)
     except ConfigError as exc:
