@@ -63,7 +63,8 @@ def install_init_hook() -> EmulatedRun:
             )
         dist.init_process_group = c10d.init_process_group = original
         called.append(True)
-        run.start(init_timeout_s=timeout.total_seconds() if timeout is not None else None)
+        run.start(init_timeout_s=timeout.total_seconds() if timeout is not None else None,
+                  backend=_requested_backend(backend))
 
     dist.init_process_group = c10d.init_process_group = init_process_group
     atexit.register(_finish_at_exit, run, called)  # after the script's own atexit handlers
@@ -88,6 +89,17 @@ def report_not_initialized(run: EmulatedRun, extra: dict[str, Any] | None = None
     write_summary({"rank": run.rank, "world_size": world.world_size, "real_ranks": list(world.real_ranks),
                    "emulated": False, **(extra or {}), "exit_code": code, "note": note},
                   run.config.output_dir, rank=run.rank)
+
+
+def _requested_backend(backend: Any) -> str | None:
+    """The backend name the script asked for ("nccl", "gloo", "cpu:gloo,cuda:nccl" -> its device's), or None."""
+    if backend is None:
+        return None
+    text = str(backend).lower()
+    if ":" in text:  # device:backend pairs: the one for the program's device
+        pairs = dict(item.split(":", 1) for item in text.split(",") if ":" in item)
+        return pairs.get("cuda") or pairs.get("cpu") or next(iter(pairs.values()), None)
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:

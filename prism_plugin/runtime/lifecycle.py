@@ -64,6 +64,8 @@ RUN_ID_ENV = "PRISM_RUN_ID"
 """The launch's id, recorded in every summary as ``run_id`` (`write_summary`)."""
 GRAPH_MISMATCH_EXIT_CODE = 3
 """Exit status of a process whose program succeeded but whose ops did not follow its execution graph."""
+FAULT_NEVER_FIRED_EXIT_CODE = 4
+"""Exit status of a process whose program succeeded but whose ``strict=true`` hang or crash fault never fired."""
 
 DEFAULT_GRACE_S = 5.0
 """Seconds between the SIGTERM a stopping launcher sends and its SIGKILL (torchrun's agent waits 30 s)."""
@@ -216,8 +218,10 @@ class EmulatedRun:
         """The virtual rank this process plays."""
         return self.config.world.real_ranks[self.process_index]
 
-    def start(self, *, init_timeout_s: float | None = None) -> Session:
-        """Activate the emulation (`prism_plugin.activate`) and turn SIGTERM into ``SystemExit(143)``."""
+    def start(self, *, init_timeout_s: float | None = None, backend: str | None = None) -> Session:
+        """Activate the emulation (`prism_plugin.activate`) and turn SIGTERM into ``SystemExit(143)``.
+
+        `backend`: what the program asked ``init_process_group`` for (its groups report and refuse as it does)."""
         from prism_plugin.runtime import session as session_mod
 
         if self.session is not None or self._finished:
@@ -228,7 +232,8 @@ class EmulatedRun:
 
             self._max_outside = max_outside_fraction(os.environ)  # a malformed override fails here
         self.session = session_mod.activate(self.config, self.process_index, self.store,
-                                            init_timeout_s=init_timeout_s, num_processes=self.num_processes)
+                                            init_timeout_s=init_timeout_s, num_processes=self.num_processes,
+                                            backend=backend)
         _exit_on_sigterm(self.cleanup)
         return self.session
 
@@ -271,16 +276,17 @@ class EmulatedRun:
         atexit.register(self.finish_or_exit)
 
     def finish_or_exit(self) -> dict[str, Any] | None:
-        """`finish`; a `GraphMismatchError` ends the process with `GRAPH_MISMATCH_EXIT_CODE` (for atexit, where
-        an exception would not change the exit status)."""
+        """`finish`; a `GraphMismatchError` ends the process with `GRAPH_MISMATCH_EXIT_CODE`, a strict fault that never
+        fired with `FAULT_NEVER_FIRED_EXIT_CODE` (for atexit, where an exception would not change the exit status)."""
         from prism_plugin.runtime.arrivals import GraphMismatchError
+        from prism_plugin.runtime.live_faults import FaultNeverFiredError
 
         try:
             return self.finish()
-        except GraphMismatchError as exc:
+        except (GraphMismatchError, FaultNeverFiredError) as exc:
             print(f"prism: rank {self.rank}: {exc}", file=sys.stderr, flush=True)
             sys.stdout.flush()
-            os._exit(GRAPH_MISMATCH_EXIT_CODE)
+            os._exit(GRAPH_MISMATCH_EXIT_CODE if isinstance(exc, GraphMismatchError) else FAULT_NEVER_FIRED_EXIT_CODE)
 
     def finish(self) -> dict[str, Any] | None:
         """Deactivate and write the summary (once; later calls return it). None when never started.
@@ -295,13 +301,18 @@ class EmulatedRun:
             self.cleanup.close()
             return None
         from prism_plugin.runtime import session as session_mod
+        from prism_plugin.runtime.live_faults import FaultNeverFiredError
 
+        never_fired: FaultNeverFiredError | None = None
         try:
             try:
                 for fn in self._on_stop:
                     fn()
             finally:
-                summary = session_mod.deactivate() or {}
+                try:
+                    summary = session_mod.deactivate() or {}
+                except FaultNeverFiredError as exc:  # strict=true: written below, then raised
+                    never_fired, summary = exc, dict(exc.summary or {})
             for part in self._parts:
                 summary.update(part())
         finally:
@@ -311,6 +322,9 @@ class EmulatedRun:
             if error is not None:
                 summary["error"] = f"{type(error).__name__}: {error}"
         refusal = self._judge_graph(summary)
+        program_ok = self._exit is None or self._exit[0] in (0, None)
+        if never_fired is not None and program_ok and refusal is None:
+            summary["error"] = f"FaultNeverFiredError: {never_fired}"
         self.summary = summary
         write_summary(summary, self.config.output_dir, rank=self.rank, stdout=self.print_summary)
         sys.stderr.flush()
@@ -318,6 +332,8 @@ class EmulatedRun:
             from prism_plugin.runtime.arrivals import GraphMismatchError
 
             raise GraphMismatchError(refusal)
+        if never_fired is not None and program_ok:
+            raise never_fired
         return summary
 
     def _judge_graph(self, summary: dict[str, Any]) -> str | None:

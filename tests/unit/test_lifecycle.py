@@ -141,7 +141,7 @@ def test_run_order_and_clean_exit(fake_session: list[str], tmp_path: Path, capsy
     run.cleanup.callback(fake_session.append, "uninstall")
     with run:
         raise SystemExit(0)  # a clean exit is absorbed
-    assert fake_session == ["activate 1 {'init_timeout_s': 9.0, 'num_processes': 2}", "stop tracker",
+    assert fake_session == ["activate 1 {'init_timeout_s': 9.0, 'num_processes': 2, 'backend': None}", "stop tracker",
                             "deactivate", "part", "uninstall"]
     expected = {"rank": 3, "world_size": 4, "megatron": {"cpu_mode": True}, "exit_code": 0}
     assert run.summary == expected
