@@ -121,6 +121,20 @@ def check_topology(axes: tuple[str, ...], dims: tuple[int, ...], world_size: int
             raise ConfigError(f"the pipeline topology {sizes} contradicts prism.topology {declared}; make them agree")
 
 
+_GRID_GROUPS = (("dp_proc_group", "data"), ("pp_proc_group", "pipe"), ("slice_proc_group", "slice"),
+                ("ds_model_proc_group", "model"))
+"""PipelineParallelGrid's process groups and the names fault specs give them (``group=dp`` matches "data")."""
+
+
+def _describe_groups(grid: Any) -> None:
+    """Name the grid's groups as DeepSpeed's topology does (DeepSpeed gives them no description), so faults
+    select them in the user's words (`prism_plugin.config.faults`: ``group=dp`` / ``pp`` / ``mp``)."""
+    for attr, desc in _GRID_GROUPS:
+        group = getattr(grid, attr, None)
+        if group is not None and hasattr(group, "_set_group_desc") and not getattr(group, "group_desc", ""):
+            group._set_group_desc(desc)
+
+
 def install(emulation: DeepSpeedEmulation) -> None:
     """Route the topology queries above to the closed forms until the emulation closes."""
     global _STOCK_BUILD_P2P
@@ -135,6 +149,7 @@ def install(emulation: DeepSpeedEmulation) -> None:
         if topology is not None:
             check_topology(tuple(topology.axes), tuple(topology.dims), world_size, declared)
         stock_init(self, topology=topology, process_group=process_group)
+        _describe_groups(self)
 
     emulation.patches.setattr(ds_topology.PipelineParallelGrid, "__init__", grid_init)
     cls = ds_topology.ProcessTopology
