@@ -3,7 +3,10 @@
 `MegatronAdapter(session).install()` runs after `prism_plugin.activate` and before the training
 program builds its model. Every seam is explicit, listed here, and undone by `uninstall()`:
 
-1. **CPU mode** (torch without CUDA): the numbered `cpu_shim` patches.
+1. **CPU mode** (torch without CUDA): the numbered `cpu_shim` patches, and Megatron's GPU-only
+   fusion defaults switched off on every namespace megatron.training's ``parse_args`` returns
+   (`refusals.cpu_switch_offs`: one printed line each, ``switched_off`` in the summary; the native
+   patch, already inside ``parse_args``, calls `MegatronAdapter.switch_off_cpu_fusions` itself).
 2. **Device mapping**: physical process i uses physical device ``world.device_of(i)`` (CUDA) or
    the CPU; a virtual rank's LOCAL_RANK never selects a device. Megatron's own
    ``torch.cuda.set_device(args.local_rank)`` is skipped because torch.distributed is already
@@ -58,19 +61,22 @@ def current_adapter() -> MegatronAdapter | None:
 
 
 def rebind_everywhere(original: Any, replacement: Any, patches: Patches,
-                      prefixes: tuple[str, ...] = ("megatron",)) -> int:
-    """Replace `original` by `replacement` in every loaded module under `prefixes` that holds it.
+                      prefixes: tuple[str, ...] | None = None) -> int:
+    """Replace `original` by `replacement` in every loaded module that holds it (under `prefixes` if given).
 
-    Megatron imports helpers by name (``from megatron.training.utils import is_last_rank``), so a
-    patch of the defining module alone misses them. Each replacement is undone when `patches` closes.
-    Returns how many bindings were replaced.
+    Megatron imports helpers by name (``from megatron.training.utils import is_last_rank``), and so do
+    launch scripts written like upstream's (``from megatron.core.utils import get_batch_on_this_tp_rank``
+    at module level of ``__main__``, bound before the native patch activates the emulation inside
+    ``parse_args``), so a patch of the defining module alone misses them. By default every loaded module
+    is searched (``__main__`` and the program's own modules included); only bindings that *are* `original`
+    (identity) change. Each replacement is undone when `patches` closes. Returns how many were replaced.
     """
     count = 0
     for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(prefixes):
+        if module is None or (prefixes is not None and not name.startswith(prefixes)):
             continue
         namespace = getattr(module, "__dict__", None)
-        if not namespace:
+        if not isinstance(namespace, dict) or not namespace:
             continue
         for attr, value in list(namespace.items()):
             if value is original:
@@ -95,6 +101,9 @@ class MegatronAdapter:
         self.device: torch.device = torch.device("cpu")
         self._patches = Patches()
         self._p2p_fills = [0]
+        self._tp_fills = [0]
+        self.switched_off: list[str] = []
+        """The flags of the CPU-mode switch-offs applied (`refusals.cpu_switch_offs`), in order."""
 
     # -- install / uninstall -------------------------------------------------------------------------
     def install(self) -> MegatronAdapter:
@@ -111,6 +120,7 @@ class MegatronAdapter:
             self._select_device()
             if self.cpu_mode:
                 self.shim = CpuShim().install()
+                self._hook_parse_args()
             self._hook_schedules()
             from prism_plugin.adapters.megatron import pipeline
 
@@ -118,7 +128,7 @@ class MegatronAdapter:
             if self.fix_tp_data:
                 from prism_plugin.adapters.megatron import data
 
-                data.install(self.session, self._patches)
+                self._tp_fills = data.install(self.session, self._patches)
             if self.redirect_logs:
                 from prism_plugin.adapters.megatron import logs
 
@@ -174,6 +184,39 @@ class MegatronAdapter:
             functools.update_wrapper(marked, original)
             rebind_everywhere(original, marked, self._patches)
 
+    def _hook_parse_args(self) -> None:
+        """megatron.training's ``parse_args`` (wherever bound): its namespace gets the CPU-mode switch-offs."""
+        arguments = sys.modules.get("megatron.training.arguments")
+        if arguments is None:
+            return
+        original = arguments.parse_args
+
+        @functools.wraps(original)
+        def parse_args(*args: Any, **kwargs: Any) -> Any:
+            namespace = original(*args, **kwargs)
+            self.switch_off_cpu_fusions(namespace)
+            return namespace
+
+        rebind_everywhere(original, parse_args, self._patches)
+
+    def switch_off_cpu_fusions(self, args: Any) -> list[str]:
+        """Set the CPU-mode switch-offs on Megatron's parsed `args` (nothing on a CUDA host); returns their flags.
+
+        Each is printed once, by the first real process, and recorded for the summary.
+        """
+        if not self.cpu_mode:
+            return []
+        from prism_plugin.adapters.megatron.refusals import cpu_switch_offs
+
+        offs = cpu_switch_offs(args)
+        for off in offs:
+            setattr(args, off.dest, False)
+            if off.flag not in self.switched_off:
+                self.switched_off.append(off.flag)
+                if self.session.process_index == 0:
+                    print(off.line(), flush=True)
+        return [off.flag for off in offs]
+
     def summary(self) -> dict[str, Any]:
         return {
             "cpu_mode": self.cpu_mode,
@@ -181,4 +224,6 @@ class MegatronAdapter:
             "device": str(self.device),
             "last_rank_logs_by": self.log_rank,
             "p2p_virtual_receives_filled": self._p2p_fills[0],
+            "tp_batches_filled": self._tp_fills[0],
+            "switched_off": list(self.switched_off),
         }

@@ -72,14 +72,16 @@ def fill_valid_batch(batch: dict[str, Any], vocab_size: int) -> None:
         mask.triu_(1)
 
 
-def install(session: Any, patches: Patches) -> None:
-    """Wrap ``get_batch_on_this_tp_rank`` wherever Megatron bound it."""
+def install(session: Any, patches: Patches) -> list[int]:
+    """Wrap ``get_batch_on_this_tp_rank`` wherever it is bound: Megatron's modules and the program's own
+    (a launch script's module-level import included); returns the live count of batches filled."""
     import megatron.core.utils as mutils
 
     from prism_plugin.adapters.megatron.adapter import rebind_everywhere
 
+    filled = [0]
     if session.config.data_policy is not DataPolicy.MIRROR:
-        return
+        return filled
     world = session.config.world
     original = mutils.get_batch_on_this_tp_rank
     signature = inspect.signature(original)
@@ -91,11 +93,13 @@ def install(session: Any, patches: Patches) -> None:
         tp_rank, src = bound.get("tp_rank"), bound.get("broadcast_src_rank")
         if tp_rank not in (None, 0) and src is not None and not world.is_real(src) and isinstance(result, dict):
             fill_valid_batch(result, _vocab_size(int(bound.get("seq_length") or 1)))
+            filled[0] += 1
         return result
 
     rebind_everywhere(original, get_batch_on_this_tp_rank, patches)
     if not world.is_real(0) and "megatron.training.training" in sys.modules:
         _install_run_flags(patches)
+    return filled
 
 
 def _install_run_flags(patches: Patches) -> None:

@@ -12,7 +12,8 @@ flags set, ``_initialize_distributed`` calls `activate_from_args` (a no-op when 
 instead of ``init_process_group``.
 
 Same behaviour as the wrapper (`wrapper`, whose `start_run` it shares), minus its argv handling; the
-summary is written at exit (without ``exit_code``: the program's exit is not seen here).
+CPU-mode fusion switch-offs are set on this very namespace (the adapter's ``parse_args`` hook only sees
+later calls). The summary is written at exit (without ``exit_code``: the program's exit is not seen here).
 """
 
 from __future__ import annotations
@@ -64,4 +65,9 @@ def activate_from_args(args: argparse.Namespace) -> Any:
     args.world_size = config.world.world_size
     run = start_run(config, process_index, k, cpu_mode, cuda_peak=False)
     run.finish_at_exit()
+    from prism_plugin.adapters.megatron.adapter import current_adapter
+
+    adapter = current_adapter()
+    if adapter is not None:  # this parse_args call is already under way: the adapter's hook misses it
+        adapter.switch_off_cpu_fusions(args)
     return run.session

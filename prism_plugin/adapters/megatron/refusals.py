@@ -19,15 +19,37 @@ Refused in CPU mode only (no CUDA device; see `cpu_shim`):
 - ``--transformer-impl transformer_engine`` (Megatron's default): TransformerEngine needs CUDA;
   pass ``--transformer-impl local``.
 - ``--cuda-graph-impl`` other than ``none`` / ``--enable-cuda-graph``: CUDA graphs.
+- GPU-only kernels the job asks for explicitly: ``--moe-permute-fusion`` and ``--moe-router-fusion``
+  (TransformerEngine kernels), ``--moe-grouped-gemm`` (grouped-GEMM CUDA kernels). The user chose
+  them, so they are refused (the flag to drop named) rather than silently replaced.
+
+Switched off in CPU mode (`cpu_switch_offs`; Megatron's *defaults*, which select a CUDA kernel on a
+CPU host and fail deep in Megatron, one at a time): the adapter sets them off on the parsed
+arguments before Megatron builds anything, prints one line each and lists them in the summary
+(``megatron.switched_off``: the memory figures are those of the unfused path):
+- gradient-accumulation fusion (default on): the weight gradient is accumulated into ``main_grad``
+  by apex's ``fused_weight_gradient_mlp_cuda`` (``RuntimeError`` in ``ColumnParallelLinear``);
+  as ``--no-gradient-accumulation-fusion``.
+- masked-softmax fusion (default on) with ``--bf16`` / ``--fp16``: ``scaled_masked_softmax_cuda``
+  (``ModuleNotFoundError``); as ``--no-masked-softmax-fusion``. In fp32 Megatron never selects the
+  kernel, so nothing is switched.
+- RoPE fusion (default on) with ``--position-embedding-type rope``: TransformerEngine's fused RoPE
+  (``ValueError: apply_rope_fusion is not available``); as ``--no-rope-fusion``.
+The other fusions run on CPU as they are: bias-GeLU / bias-SwiGLU / bias-dropout (Megatron's
+``jit_fuser`` functions, eager in CPU mode), ``--use-fused-weighted-squared-relu``,
+``--cross-entropy-loss-fusion`` with the native implementation, and the persistent layer norm
+(cpu_shim patch 10); the TransformerEngine-only ``--fused-residual-rmsnorm`` and
+``--use-te-activation-func`` have no effect with the local implementation.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Refusal", "refusals_for", "check_args", "parse_megatron_argv"]
+__all__ = ["Refusal", "SwitchOff", "refusals_for", "cpu_switch_offs", "check_args", "parse_megatron_argv"]
 
 
 class Refusal(NotImplementedError):
@@ -71,6 +93,52 @@ def refusals_for(options: Mapping[str, Any] | argparse.Namespace, *, cpu_mode: b
         if _get(options, "cuda_graph_impl", "none") not in (None, "none") or _get(options, "enable_cuda_graph"):
             out.append("--cuda-graph-impl / --enable-cuda-graph: CUDA graphs need a GPU; pass "
                        "--cuda-graph-impl none for CPU mode")
+        for dest, flag, kernel in _GPU_ONLY_OPT_INS:
+            if _get(options, dest):
+                out.append(f"{flag}: {kernel} and this host has no GPU; drop {flag} for CPU mode")
+    return out
+
+
+_GPU_ONLY_OPT_INS = (
+    ("moe_permute_fusion", "--moe-permute-fusion", "the fused MoE permutation is a TransformerEngine kernel"),
+    ("moe_router_fusion", "--moe-router-fusion", "the fused MoE router top-k is a TransformerEngine kernel"),
+    ("moe_grouped_gemm", "--moe-grouped-gemm", "grouped GEMM needs CUDA kernels (compute capability >= 8.0)"),
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SwitchOff:
+    """A Megatron default that selects a CUDA kernel, switched off in CPU mode (see the module docstring)."""
+
+    dest: str
+    """The argument's dest in Megatron's namespace (set to False)."""
+    flag: str
+    """The flag that switches it off on Megatron's command line (what the summary lists)."""
+    reason: str
+    """Which kernel the default selects."""
+
+    def line(self) -> str:
+        """The one line printed when it is switched off."""
+        return (f"prism: CPU mode: {self.reason}; switched off (as {self.flag}), so the memory figures are "
+                "those of the unfused path")
+
+
+def cpu_switch_offs(options: Mapping[str, Any] | argparse.Namespace) -> list[SwitchOff]:
+    """The CPU-mode switch-offs that apply to `options` (Megatron arg dests -> values); empty when none."""
+    out: list[SwitchOff] = []
+    if _get(options, "gradient_accumulation_fusion", True):
+        out.append(SwitchOff(dest="gradient_accumulation_fusion", flag="--no-gradient-accumulation-fusion",
+                             reason="gradient-accumulation fusion needs the CUDA extension "
+                                    "fused_weight_gradient_mlp_cuda (apex)"))
+    half = _get(options, "bf16") or _get(options, "fp16")
+    if half and _get(options, "masked_softmax_fusion", True):
+        out.append(SwitchOff(dest="masked_softmax_fusion", flag="--no-masked-softmax-fusion",
+                             reason="masked-softmax fusion with --bf16/--fp16 needs the CUDA extension "
+                                    "scaled_masked_softmax_cuda"))
+    rope = _get(options, "position_embedding_type") == "rope" or _get(options, "use_rotary_position_embeddings")
+    if rope and _get(options, "apply_rope_fusion", True):
+        out.append(SwitchOff(dest="apply_rope_fusion", flag="--no-rope-fusion",
+                             reason="RoPE fusion needs TransformerEngine's fused rotary kernel"))
     return out
 
 
