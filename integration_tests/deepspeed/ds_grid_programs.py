@@ -8,6 +8,7 @@ groups this rank holds, and the answers of every topology query for every rank.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -18,8 +19,10 @@ _PATCHED = ("get_coord", "get_axis_list", "filter_match", "get_axis_comm_lists")
 
 
 def _prism_config(world_size: int, rank: int) -> dict[str, Any]:
+    # nodes of gcd(N, 8) ranks: a node size that divides the job (a partial last node is refused); the groups
+    # compared here do not depend on placement
     return {"train_micro_batch_size_per_gpu": 1, "prism": {"world_size": world_size, "real_ranks": [rank],
-                                                           "timing": False}}
+                                                           "timing": False, "gpus_per_node": math.gcd(world_size, 8)}}
 
 
 def _record_grid(topo_args: tuple[int, int, int]) -> dict[str, Any]:
