@@ -78,6 +78,9 @@ class Setup:
     """Timeout of the real gloo groups (the default group in GLOO mode, inner groups in PRISM)."""
     label: str = ""
     """Free text to make otherwise-equal setups distinct (e.g. to force a fresh world)."""
+    backend: str | None = None
+    """PRISM: the backend the program asks for, which the emulation reports and whose refusals it makes (None:
+    gloo); "prism" emulates no backend's refusals (every path prism implements is reachable)."""
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -192,7 +195,7 @@ class _Worker:
                 replay_dir=setup.replay_dir, timing=setup.timing, timeout_s=setup.timeout_s,
             )
             store = dist.FileStore(store_path, setup.num_workers) if setup.num_workers > 1 else None
-            session = P.activate(cfg, process_index=self.index, real_store=store)
+            session = P.activate(cfg, process_index=self.index, real_store=store, backend=setup.backend)
         ctx = Ctx(setup=setup, process_index=self.index, rank=dist.get_rank(),
                   world_size=dist.get_world_size(), session=session)
         ctx.groups["world"] = dist.group.WORLD
