@@ -49,11 +49,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prism_plugin.config.errors import ConfigError
+
 __all__ = ["Refusal", "SwitchOff", "refusals_for", "cpu_switch_offs", "check_args", "parse_megatron_argv"]
 
 
-class Refusal(NotImplementedError):
-    """A Megatron feature the emulation cannot honour; the message names the flag to change."""
+class Refusal(ConfigError, NotImplementedError):
+    """A Megatron feature the emulation cannot honour; the message names the flag to change. A `ConfigError`
+    (user input: the CLI prints it and exits 2) and a `NotImplementedError` (what the emulation cannot do)."""
 
 
 def _get(options: Mapping[str, Any] | argparse.Namespace, name: str, default: Any = None) -> Any:

@@ -292,10 +292,10 @@ def main(argv: list[str] | None = None) -> int:
             preflight(script_argv, config)  # once, in the parent: one message, no process started
             return _self_launch(argv, config)
         run(script_argv, flags)
+    except Refusal as exc:  # a ConfigError too; its message already says what prism cannot emulate
+        print(f"prism: {exc}", file=sys.stderr, flush=True)
+        return 2
     except ConfigError as exc:
         print(f"prism: invalid input: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except Refusal as exc:
-        print(f"prism: {exc}", file=sys.stderr, flush=True)
         return 2
     return 0
