@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from prism_plugin.config.kinds import DeviceMode
 from prism_plugin.recipes.schema import (
     Emulation,
     Expect,
@@ -76,7 +77,11 @@ def recipe_from_mapping(data: Any, *, source: Path | None = None) -> Recipe:
         if not isinstance(data, Mapping):
             raise RecipeError(f"a recipe is a YAML mapping (name:, framework:, ...), got {type(data).__name__}")
         top = dict(data)
+        if top.get("real") == "none":
+            top["real"] = RealRun.none()  # `real: none`: an emulation-only recipe (virtual GPUs)
         for key, cls in _NESTED.items():
+            if key == "real" and isinstance(top.get(key), RealRun):
+                continue
             if key in top:
                 top[key] = _build(cls, top[key], key)
         if "emulated" in top:
@@ -144,7 +149,10 @@ def load_recipe(path: str | Path) -> Recipe:
 
     for emu in recipe.emulated:
         try:
-            load_profile(recipe.resolve_profile(emu))
+            profile = load_profile(recipe.resolve_profile(emu))
         except ProfileError as exc:
             raise RecipeError(f"{p}: emulated[{emu.name}].profile: {exc}") from None
+        if emu.device is DeviceMode.VIRTUAL_GPU and emu.gpu is None and profile.gpu is None:
+            raise RecipeError(f"{p}: emulated[{emu.name}]: device virtual-gpu needs a GPU model: profile "
+                              f"{profile.name!r} names none; use a GPU profile (dgx-h100) or set gpu: h100-sxm")
     return recipe

@@ -15,6 +15,10 @@ Every process runs the recipe's program unmodified under the metrics probe
   ``prism_plugin.deepspeed.init_distributed(config)``): k processes; the ds_config written next to the
   run carries a ``"prism"`` section for emulations and none for a plain real run.
 
+A ``device: virtual-gpu`` emulation (program: llama, ``prism_plugin/programs/llama_ddp.py``) is one ``prism run
+--device virtual-gpu`` launcher per real-rank set running the program itself, without the probe
+(`virtual_gpu_plan`); its figures are prism's summary.
+
 An emulation's `faults` travel as ``prism run --fault SPEC`` (torch), ``--prism-fault SPEC`` (megatron) or
 the section's ``"faults": [...]`` (deepspeed), each repeated per spec; its `timeout_s` as ``--timeout`` /
 ``--prism-timeout`` (a DeepSpeed program sets its own).
@@ -33,11 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import prism_plugin
-from prism_plugin.config.kinds import DataPolicy
+from prism_plugin.config.kinds import DataPolicy, DeviceMode
 from prism_plugin.recipes.schema import Emulation, Framework, RealLauncher, Recipe, RecipeError
+from prism_plugin.recipes.virtual_gpu import TorchProgram, program_module
 
 __all__ = ["DEEPSPEED_SCRIPT", "MEGATRON_SCRIPT", "ProcessSpec", "RunPlan", "deepspeed_args", "deepspeed_config",
-           "deepspeed_program", "emulation_plan", "logged_first_loss", "megatron_args", "real_plan", "toy_args"]
+           "deepspeed_program", "emulation_plan", "llama_args", "logged_first_loss", "megatron_args", "real_plan",
+           "toy_args", "virtual_gpu_plan"]
 
 PACKAGE_DIR = Path(prism_plugin.__file__).resolve().parent
 MEGATRON_SCRIPT = PACKAGE_DIR / "programs" / "pretrain_gpt.py"
@@ -68,6 +74,8 @@ class RunPlan:
     """Where prism writes rank<R>.summary.json (prism runs)."""
     files: dict[str, str] = field(default_factory=dict)
     """Files to write before starting (path -> text), e.g. a ds_config."""
+    probe: bool = True
+    """Its processes run under the metrics probe (False: virtual-GPU runs, figures from prism's summary)."""
     loss_from_log: bool = False
     """Take each process's first-step loss from Megatron's training log (`logged_first_loss`) instead of the
     probe: with pipeline parallelism Megatron hands autograd the last stage's loss after overwriting its data
@@ -92,6 +100,36 @@ def toy_args(recipe: Recipe) -> list[str]:
     m = recipe.model
     return ["-m", "prism_plugin.programs.toy_train", "--tp", str(recipe.layout.tp), "--hidden", str(m.hidden_size),
             "--batch", str(m.micro_batch_size), "--steps", str(recipe.steps.total), "--json", *m.extra_args]
+
+
+def llama_args(recipe: Recipe) -> list[str]:
+    """``-m prism_plugin.programs.llama_ddp`` and its model flags (program: llama)."""
+    m = recipe.model
+    return ["-m", program_module(TorchProgram.LLAMA), "--hidden", str(m.hidden_size), "--layers", str(m.num_layers),
+            "--heads", str(m.num_attention_heads), "--kv-heads", str(m.num_query_groups or m.num_attention_heads),
+            "--ffn", str(m.ffn_hidden_size), "--vocab", str(m.vocab_size), "--seq", str(m.seq_length),
+            "--micro-batch", str(m.micro_batch_size), "--steps", str(recipe.steps.total), *m.extra_args]
+
+
+def virtual_gpu_plan(recipe: Recipe, emu: Emulation, index: int, out: Path) -> RunPlan:
+    """Run `index` of a ``device: virtual-gpu`` emulation: ``prism run --device virtual-gpu`` with the program
+    itself, no probe (the process ends with ``os._exit`` after prism's summary, and a virtual GPU's step time is
+    not modelled): its figures are the summary's ``virtual_gpu`` memory. ``oom`` travels as
+    ``PRISM_VIRTUAL_GPU_OOM``."""
+    ranks, summary_dir = emu.runs[index], out / "prism"
+    cmd = [sys.executable, "-m", "prism_plugin.cli.main", "run", "--world-size", str(emu.world_size),
+           "--real-ranks", _rank_text(ranks), "--profile", recipe.resolve_profile(emu),
+           "--gpus-per-node", str(emu.gpus_per_node), "--data-policy", emu.data_policy.value,
+           "--device", emu.device.value, "--output", str(summary_dir)]
+    if emu.gpu is not None:
+        cmd += ["--gpu", emu.gpu]
+    if emu.timeout_s is not None:
+        cmd += ["--timeout", f"{emu.timeout_s:g}"]
+    cmd += ["--", *llama_args(recipe)]
+    env = {"PRISM_VIRTUAL_GPU_OOM": emu.oom.value, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = ProcessSpec(argv=tuple(cmd), env=env, log=out / "launcher.log")
+    return RunPlan(label=f"{emu.name}/run{index}", processes=(proc,), probe_dir=out / "metrics", ranks=ranks,
+                   summary_dir=summary_dir, probe=False)
 
 
 def megatron_args(recipe: Recipe, world_size: int) -> list[str]:
@@ -180,6 +218,8 @@ def _rank_text(ranks: tuple[int, ...]) -> str:
 
 def real_plan(recipe: Recipe, out: Path, record_dir: Path | None = None) -> RunPlan:
     """The paired real run: every rank a process; `record_dir` makes it a recording (prism launcher)."""
+    if not recipe.real.exists:
+        raise RecipeError(f"recipe {recipe.name} has real: none (an emulation-only recipe): there is no real run")
     k = recipe.real.world_size
     ranks = tuple(range(k))
     if recipe.real.launcher is RealLauncher.PRISM:
@@ -209,6 +249,8 @@ def real_plan(recipe: Recipe, out: Path, record_dir: Path | None = None) -> RunP
 
 def emulation_plan(recipe: Recipe, emu: Emulation, index: int, out: Path, replay_dir: Path | None) -> RunPlan:
     """Run `index` of emulation `emu` (its real ranks ``emu.runs[index]``)."""
+    if emu.device is DeviceMode.VIRTUAL_GPU:
+        return virtual_gpu_plan(recipe, emu, index, out)
     policy = emu.data_policy
     return _prism_plan(recipe, f"{emu.name}/run{index}", out, emu.world_size, emu.runs[index],
                        profile=recipe.resolve_profile(emu), gpus_per_node=emu.gpus_per_node, policy=policy,

@@ -16,11 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.console import Group, RenderableType
 from rich.table import Table
 
+from prism_plugin.recipes.memory import gib
 from prism_plugin.recipes.runner import RecipeResult
 
-__all__ = ["expect_table", "plot_recipe", "result_table", "write_index", "write_summary"]
+__all__ = ["expect_table", "memory_table", "plot_recipe", "result_table", "write_index", "write_summary"]
 
 
 def _ms(x: float | None) -> str:
@@ -71,20 +73,44 @@ def result_table(result: RecipeResult) -> Table:
     return table
 
 
-def expect_table(result: RecipeResult) -> Table | None:
-    """One row per fault expectation (`prism_plugin.recipes.expect`); None when the recipe states none."""
-    if not result.expectations:
+def memory_table(result: RecipeResult) -> Table | None:
+    """Virtual-GPU memory, one row per rank and device (GiB and bytes); None without virtual-GPU emulations."""
+    if not result.memory:
         return None
+    table = Table(title=f"recipe {result.recipe.name}: virtual-GPU memory (modelled caching allocator)")
+    for c in ("emulation", "rank", "device", "peak allocated", "peak reserved", "fragmentation", "device total",
+              "GPU", "fits", "OOMs"):
+        table.add_column(c, justify="left" if c in ("emulation", "GPU") else "right")
+    for m in result.memory:
+        table.add_row(m.emulation, str(m.rank), f"cuda:{m.device}" + ("" if m.own_device else " (other)"),
+                      f"{gib(m.peak_allocated_bytes)} GiB\n{m.peak_allocated_bytes:,} B",
+                      f"{gib(m.peak_reserved_bytes)} GiB\n{m.peak_reserved_bytes:,} B",
+                      f"{100 * m.fragmentation_at_peak:.2f}%",
+                      f"{gib(m.device_total_bytes)} GiB\n{m.device_total_bytes:,} B",
+                      f"{m.gpu}\n{gib(m.gpu_memory_bytes)} GiB", "[green]yes[/]" if m.fits else "[bold red]no[/]",
+                      str(m.ooms))
+    table.caption = ("device total = peak reserved + CUDA context; fits = device total <= the GPU's memory and no "
+                     "OOM; step time is not modelled on virtual GPUs")
+    return table
+
+
+def expect_table(result: RecipeResult) -> RenderableType | None:
+    """One row per expectation (`prism_plugin.recipes.expect`, `.memory`), below the virtual-GPU memory table when
+    there is one (`memory_table`); None when the recipe states none."""
+    memory = memory_table(result)
+    if not result.expectations:
+        return memory
     verdict = "PASS" if result.passed else "FAIL"
-    table = Table(title=f"recipe {result.recipe.name}: what the faults must produce ({verdict})")
+    what = "the faults" if any(e.faults for e in result.recipe.emulated) else "the emulations"
+    table = Table(title=f"recipe {result.recipe.name}: what {what} must produce ({verdict})")
     for c in ("emulation", "rank", "check", "expected", "measured", "verdict"):
         table.add_column(c)
     for e in result.expectations:
         table.add_row(e.emulation, "run" if e.rank is None else str(e.rank), e.check, e.expected, e.measured,
                       _verdict(e.passed))
     faults = "; ".join(f"{emu.name}: {', '.join(emu.faults)}" for emu in result.recipe.emulated if emu.faults)
-    table.caption = f"faults {faults}"
-    return table
+    table.caption = f"faults {faults}" if faults else None
+    return table if memory is None else Group(memory, table)
 
 
 def _pyplot() -> Any:
@@ -243,9 +269,21 @@ def write_summary(result: RecipeResult, plots: Sequence[Path]) -> Path:
                      + (f"; faults `{'`, `'.join(emu.faults)}`" if emu.faults else "")
                      + ("" if emu.timeout_s is None else f"; timeout {emu.timeout_s:g} s"))
     lines += ["", *(_md_rows(result) if result.comparisons else ["(nothing compared: every emulation was expected "
-                                                                 "to fail)"]), ""]
+                                                                 "to fail or states its own figures)"]), ""]
+    if result.memory:
+        lines += ["## Virtual-GPU memory", "", "| emulation | rank | device | peak allocated | peak reserved | "
+                  "fragmentation at peak | device total | GPU | fits | OOMs |", "|" + "---|" * 10]
+        lines += [f"| {m.emulation} | {m.rank} | cuda:{m.device}{'' if m.own_device else ' (other)'} | "
+                  f"{gib(m.peak_allocated_bytes)} GiB ({m.peak_allocated_bytes:,} B) | "
+                  f"{gib(m.peak_reserved_bytes)} GiB ({m.peak_reserved_bytes:,} B) | "
+                  f"{100 * m.fragmentation_at_peak:.2f}% | "
+                  f"{gib(m.device_total_bytes)} GiB ({m.device_total_bytes:,} B) | "
+                  f"{m.gpu}, {gib(m.gpu_memory_bytes)} GiB | {'yes' if m.fits else 'NO'} | {m.ooms} |"
+                  for m in result.memory]
+        lines += ["", "device total = peak reserved + CUDA context; step time is not modelled on virtual GPUs.", ""]
     if result.expectations:
-        lines += ["## Fault expectations", "", "| emulation | rank | check | expected | measured | pass |",
+        heading = "## Fault expectations" if any(e.faults for e in r.emulated) else "## Expectations"
+        lines += [heading, "", "| emulation | rank | check | expected | measured | pass |",
                   "|" + "---|" * 6]
         lines += [f"| {e.emulation} | {'run' if e.rank is None else e.rank} | {e.check} | {e.expected} | "
                   f"{e.measured} | {'yes' if e.passed else 'NO'} |" for e in result.expectations]

@@ -13,7 +13,9 @@ states a failure (a hang, crash or kill fault) is run by `execute_failing` inste
 checked (`prism_plugin.recipes.expect`), not raised, and it has no figures to compare; one that does
 not fail in time fails the recipe. Figure expectations (straggler waits, modelled-communication
 factors) are checked after every run, and `RecipeResult.passed` needs them too. `measure_noise` repeats the
-real run to measure its run-to-run noise (``prism recipe noise``).
+real run to measure its run-to-run noise (``prism recipe noise``). A recipe with ``real: none`` runs only its
+emulations; ``device: virtual-gpu`` runs have no probe: their figures are prism's summaries, checked against
+the stated memory (`prism_plugin.recipes.memory`) and kept as `RecipeResult.memory`.
 
 Limitations: one machine; on a machine with fewer cores than processes, step times depend on the
 load (see the recipe's `runs` and the recorded noise); runs are sequential (real first).
@@ -37,8 +39,9 @@ from typing import Any
 from prism_plugin.config.kinds import DataPolicy
 from prism_plugin.recipes.compare import Comparison, RankFigures, compare, noise_spread, rank_figures, summarise
 from prism_plugin.recipes.expect import ExpectCheck, FailedRun, check_failure, check_figures
+from prism_plugin.recipes.memory import MemoryRow, check_memory, memory_rows
 from prism_plugin.recipes.plans import RunPlan, emulation_plan, logged_first_loss, real_plan
-from prism_plugin.recipes.schema import Recipe
+from prism_plugin.recipes.schema import Recipe, RecipeError
 
 __all__ = ["RecipeResult", "RunFailed", "RunOutcome", "execute", "execute_failing", "measure_noise", "run_recipe"]
 
@@ -73,6 +76,8 @@ class RecipeResult:
     machine: dict[str, Any] = field(default_factory=dict)
     expectations: list[ExpectCheck] = field(default_factory=list)
     """What the emulations' faults had to produce (`prism_plugin.recipes.expect`), one row per check."""
+    memory: list[MemoryRow] = field(default_factory=list)
+    """Virtual-GPU memory per rank and device (`prism_plugin.recipes.memory`); empty without virtual GPUs."""
 
     @property
     def passed(self) -> bool:
@@ -93,6 +98,7 @@ class RecipeResult:
             "summary": self.summary,
             "comparisons": [c.to_dict() for c in self.comparisons],
             "expectations": [e.to_dict() for e in self.expectations],
+            "virtual_gpu_memory": [m.to_dict() for m in self.memory],
             "runs": {label: [{"label": o.label, "wall_s": round(o.wall_s, 3), "folder": str(o.folder),
                               "ranks": sorted(o.docs)} for o in outs] for label, outs in self.outcomes.items()},
             "figures": {label: {str(rank): {"median_step_s": f.median_step_s, "mean_step_s": f.mean_step_s,
@@ -250,7 +256,7 @@ def _progress_count(folder: Path) -> int:
 
 def _collect(plan: RunPlan, wall_s: float) -> RunOutcome:
     docs: dict[int, dict[str, Any]] = {}
-    for rank in plan.ranks:
+    for rank in plan.ranks if plan.probe else ():
         path = plan.probe_dir / f"rank{rank}.metrics.json"
         if not path.exists():
             logs = ", ".join(str(p.log) for p in plan.processes)
@@ -266,6 +272,9 @@ def _collect(plan: RunPlan, wall_s: float) -> RunOutcome:
             path = plan.summary_dir / f"rank{rank}.summary.json"
             if path.exists():
                 summaries[rank] = json.loads(path.read_text())
+            elif not plan.probe:
+                logs = ", ".join(str(p.log) for p in plan.processes)
+                raise RunFailed(f"run {plan.label}: rank {rank} wrote no prism summary ({path}); see {logs}")
     return RunOutcome(label=plan.label, wall_s=wall_s, docs=docs, summaries=summaries, folder=plan.probe_dir.parent)
 
 
@@ -309,8 +318,10 @@ def run_recipe(recipe: Recipe, output: Path, *, timeout_s: float = 900.0, repeat
         base = output if repeats == 1 else output / f"repeat{rep}"
         real_dir = base / "real"
         record_dir = real_dir / "recording" if needs_recording else None  # execute() empties real_dir first
-        plan = real_plan(recipe, real_dir, record_dir=record_dir)
-        outcomes["real"] += execute([plan], steps_total=recipe.steps.total, timeout_s=timeout_s, progress=progress)
+        if recipe.real.exists:
+            plan = real_plan(recipe, real_dir, record_dir=record_dir)
+            outcomes["real"] += execute([plan], steps_total=recipe.steps.total, timeout_s=timeout_s,
+                                        progress=progress)
         for emu in recipe.emulated:
             plans = [emulation_plan(recipe, emu, i, base / emu.name / f"run{i}", record_dir)
                      for i in range(len(emu.runs))]
@@ -328,10 +339,12 @@ def run_recipe(recipe: Recipe, output: Path, *, timeout_s: float = 900.0, repeat
     comparisons = compare(recipe, figures)
     summaries = {label: _per_rank(o.summaries for o in outs) for label, outs in outcomes.items()}
     docs = {label: _per_rank(o.docs for o in outs) for label, outs in outcomes.items()}
+    memory = memory_rows(recipe, summaries)
     for emu in recipe.emulated:
         checks += check_figures(recipe, emu, summaries, docs)
+        checks += check_memory(recipe, emu, memory)
     result = RecipeResult(recipe=recipe, output=output, outcomes=outcomes, figures=figures, comparisons=comparisons,
-                          summary=summarise(comparisons), machine=machine, expectations=checks)
+                          summary=summarise(comparisons), machine=machine, expectations=checks, memory=memory)
     (output / "result.json").write_text(json.dumps(result.to_dict(), indent=2))
     return result
 
@@ -342,6 +355,8 @@ def measure_noise(recipe: Recipe, output: Path, *, repeats: int, timeout_s: floa
     (with >= 5 repeats the run farthest from the median is discarded: see `noise_spread`)."""
     if repeats < 3:
         raise ValueError("noise: repeats must be >= 3")
+    if not recipe.real.exists:
+        raise RecipeError(f"recipe {recipe.name} has real: none: no real run to measure the noise of")
     ranks = sorted({ref for emu in recipe.emulated if emu.compare_with == "real"
                     for ref, _ in (emu.ranks or tuple((r, r) for r in emu.real_ranks))})
     medians: dict[int, list[float]] = {r: [] for r in ranks}

@@ -33,6 +33,11 @@ Semantics:
   tighter than the run-to-run noise of the real run recorded in `noise` (``prism recipe noise``
   measures it); loss relative error (0: exact, the recorded data policy), or null to report only.
 
+- Virtual GPUs (`prism_plugin.recipes.virtual_gpu`): an emulation with ``device: virtual-gpu`` runs a CUDA
+  program (``program: llama``) on fake cuda tensors; with ``compare_with: none`` its `expect` states the exact
+  modelled memory (peak allocated / reserved bytes, fits, OOMs); ``real: none`` when no emulation compares
+  with a real run.
+
 - Faults: an emulation's `faults` (`prism_plugin.config.faults` specs, checked against its world size) go to its
   run as ``--fault`` / ``--prism-fault`` / the DeepSpeed section's ``"faults"``; its `expect` (`Expect`)
   states what they must produce: a failure (error text, within a time) or figures (who is waited on and
@@ -43,17 +48,28 @@ Reading YAML: `prism_plugin.recipes.load` (`load_recipe`). Pure: stdlib and the 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from prism_plugin.config.emulation import VirtualWorld, check_fault_nodes
-from prism_plugin.config.errors import ConfigError, coerce_enum, int_at_least
+from prism_plugin.config.errors import ConfigError
 from prism_plugin.config.faults import check_fault_ranks, parse_faults
-from prism_plugin.config.kinds import DataPolicy, Framework
+from prism_plugin.config.kinds import DataPolicy, DeviceMode, Framework
+from prism_plugin.recipes.expect_schema import Expect
+from prism_plugin.recipes.schema_common import RecipeError
+from prism_plugin.recipes.schema_common import enum_field as _enum
+from prism_plugin.recipes.schema_common import fraction as _fraction
+from prism_plugin.recipes.schema_common import positive_int as _positive_int
+from prism_plugin.recipes.virtual_gpu import (
+    NO_REFERENCE,
+    OomMode,
+    TorchProgram,
+    check_device,
+    check_virtual_gpu_recipe,
+)
 
 __all__ = [
     "Emulation", "Expect", "Framework", "Layout", "ModelSpec", "Noise", "RealLauncher", "RealRun", "Recipe",
@@ -61,16 +77,10 @@ __all__ = [
 ]
 
 
-class RecipeError(ConfigError):
-    """A recipe that cannot run; the message names the file, the field and the fix."""
-
-
-E = TypeVar("E", bound=StrEnum)
-
-
 class RealLauncher(StrEnum):
     PLAIN = "plain"  # the unmodified program on gloo, every rank a process (no prism at all)
     PRISM = "prism"  # every rank a real process under the prism backend (needed for recordings)
+    NONE = "none"  # no real run (``real: none``): every emulation states its own figures (virtual GPUs)
 
 
 class StepAdjust(StrEnum):
@@ -83,20 +93,7 @@ class Tier(StrEnum):
     SMALL = "small"  # small CPU recipe (well under a minute or two here), run by hand: not in CI's time budget
     BENCHMARK = "benchmark"  # scale recipes: run by the benchmark (benchmarks/recipes.py), not in CI
     FAULTS = "faults"  # fault demonstrations (recipes/fault-*.yaml), run by test_fault_recipes_end_to_end.py
-
-
-def _positive_int(value: Any, where: str, *, zero: bool = False) -> int:
-    return int_at_least(where, value, 0 if zero else 1, error=RecipeError)
-
-
-def _enum(cls: type[E], value: Any, where: str) -> E:
-    return coerce_enum(cls, value, where, error=RecipeError)
-
-
-def _fraction(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise RecipeError(f"{where} must be a finite number >= 0 (a fraction: 0.25 = 25%), got {value!r}")
-    return float(value)
+    VIRTUAL_GPU = "virtual-gpu"  # real-size jobs on virtual GPUs (recipes/virtual-gpu-*.yaml), emulation only
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,13 +111,16 @@ class ModelSpec:
     """Micro-batches per data-parallel replica per step (Megatron: global batch = micro x this x dp;
     DeepSpeed: gradient_accumulation_steps). Fixed per replica so real and emulated ranks do equal work."""
     num_experts: int | None = None
+    num_query_groups: int | None = None
+    """Key/value heads of grouped-query attention (program: llama; None: one per attention head)."""
     extra_args: tuple[str, ...] = ()
     """Passed verbatim to the program (e.g. ``[--sequence-parallel]``)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "micro_batch_size", "microbatches_per_step"):
             _positive_int(getattr(self, name), f"model.{name}")
-        for name in ("num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size", "num_experts"):
+        for name in ("num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size", "num_experts",
+                     "num_query_groups"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), f"model.{name}")
         if isinstance(self.extra_args, str) or not all(isinstance(a, str) for a in self.extra_args):
@@ -194,100 +194,27 @@ class Steps:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RealRun:
-    """The paired real run: every one of its `world_size` ranks is a local process."""
+    """The paired real run: every one of its `world_size` ranks is a local process (``real: none``: no real run,
+    `RealRun.none()`, world_size 0)."""
 
     world_size: int
     launcher: RealLauncher = RealLauncher.PLAIN
 
     def __post_init__(self) -> None:
-        _positive_int(self.world_size, "real.world_size")
         object.__setattr__(self, "launcher", _enum(RealLauncher, self.launcher, "real.launcher"))
-
-
-def _range(value: Any, where: str) -> tuple[float, float]:
-    if isinstance(value, str) or not isinstance(value, list | tuple) or len(value) != 2:
-        raise RecipeError(f"{where} must be a [low, high] pair of numbers, got {value!r}")
-    low, high = (_fraction(v, where) for v in value)
-    if low > high:
-        raise RecipeError(f"{where}: low {low:g} is above high {high:g}; write [low, high]")
-    return low, high
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Expect:
-    """What an emulation's `faults` must produce; `prism_plugin.recipes.expect` checks it after the run.
-
-    Either a failure (hang, crash, kill: the run must fail, quickly, with the backend's error)::
-
-        expect: {failure: "Timed out waiting 3000ms", within_s: 25, after_s: 3}
-
-    or figures of a run that completes, on every compared emulated rank (straggler, link, jitter)::
-
-        expect: {blame_root: 1, wait_rel: [1, 3], from_step: 3}       # straggler: who is waited on, how long
-        expect: {comm_factor: [3.99, 4.01]}                            # link: comm per step with / without it
-        expect: {comm_factor: [0.4, 2.5], min_comm_spread: 0.1}        # jitter: it varies from step to step
-    """
-
-    failure: str | None = None
-    """Text the run's output must contain; the run must exit non-zero (no metrics are compared)."""
-    within_s: float | None = None
-    """With `failure` (required): every process must have ended this many seconds after the start (the run is
-    stopped then: a hang that never raises fails the recipe instead of blocking it)."""
-    after_s: float = 0.0
-    """With `failure`: the run must not end earlier (a hang raises only after the job's timeout)."""
-    blame_root: int | None = None
-    """The rank every delayed step's blame chain (the compared rank's ``faults`` summary) must end at."""
-    wait_ms: tuple[float, float] | None = None
-    """[low, high]: the median, over measured steps >= from_step, of the per-step wait on `blame_root` (ms)."""
-    wait_rel: tuple[float, float] | None = None
-    """[low, high]: that median wait / the reference run's median step time (a machine's speed cancels out:
-    a straggler of factor f costs about (f - 1) x the compute before the op that waits for it)."""
-    from_step: int = 0
-    """Steps before it must show no wait at all (the fault's own ``from_step``)."""
-    comm_factor: tuple[float, float] | None = None
-    """[low, high]: every measured step's modelled communication with the faults (links, jitter) / without
-    them (the session models each op's cost; the faults scale it: the probe records both per step)."""
-    min_comm_spread: float = 0.0
-    """The highest minus the lowest of those per-step factors must reach this (jitter varies; a link does not)."""
-
-    def check(self, where: str) -> None:
-        """RecipeError naming `where` (``emulated[<name>].expect``) for an inconsistent block."""
-        if self.failure is not None:
-            if not isinstance(self.failure, str) or not self.failure.strip():
-                raise RecipeError(f"{where}.failure must be the text of the expected error, e.g. "
-                                  "\"Timed out waiting\", got {self.failure!r}")
-            if self.within_s is None:
-                raise RecipeError(f"{where}.within_s is required with failure: the seconds after which a run that "
-                                  "has not failed is stopped and the recipe fails, e.g. 25")
-            within = _fraction(self.within_s, f"{where}.within_s")
-            after = _fraction(self.after_s, f"{where}.after_s")
-            if within <= after:
-                raise RecipeError(f"{where}: within_s={within:g} must exceed after_s={after:g}")
-            object.__setattr__(self, "within_s", within)
-            object.__setattr__(self, "after_s", after)
-            if (self.blame_root, self.wait_ms, self.wait_rel, self.comm_factor) != (None,) * 4:
-                raise RecipeError(f"{where}: a failure expectation compares no figures; remove blame_root/wait_ms/"
-                                  "wait_rel/comm_factor (or drop failure)")
+        if self.launcher is RealLauncher.NONE:
+            if self.world_size != 0:
+                raise RecipeError("real: launcher none is no real run: write real: none")
             return
-        if self.within_s is not None or self.after_s:
-            raise RecipeError(f"{where}.within_s/after_s go with failure: add failure: \"<error text>\" or remove them")
-        if (self.blame_root is None) != (self.wait_ms is None and self.wait_rel is None):
-            raise RecipeError(f"{where}: blame_root goes with wait_ms and/or wait_rel (who is waited on, and how "
-                              "long: wait_ms: [low, high] per step, wait_rel: [low, high] x the reference's step)")
-        if self.blame_root is not None:
-            _positive_int(self.blame_root, f"{where}.blame_root", zero=True)
-            for name in ("wait_ms", "wait_rel"):
-                if getattr(self, name) is not None:
-                    object.__setattr__(self, name, _range(getattr(self, name), f"{where}.{name}"))
-        _positive_int(self.from_step, f"{where}.from_step", zero=True)
-        if self.comm_factor is not None:
-            object.__setattr__(self, "comm_factor", _range(self.comm_factor, f"{where}.comm_factor"))
-        object.__setattr__(self, "min_comm_spread", _fraction(self.min_comm_spread, f"{where}.min_comm_spread"))
-        if self.min_comm_spread and self.comm_factor is None:
-            raise RecipeError(f"{where}.min_comm_spread needs comm_factor: [low, high]")
-        if self.blame_root is None and self.comm_factor is None:
-            raise RecipeError(f"{where} states nothing to check: give failure (+ within_s), blame_root + "
-                              "wait_ms/wait_rel, or comm_factor")
+        _positive_int(self.world_size, "real.world_size")
+
+    @classmethod
+    def none(cls) -> RealRun:
+        return cls(world_size=0, launcher=RealLauncher.NONE)
+
+    @property
+    def exists(self) -> bool:
+        return self.launcher is not RealLauncher.NONE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -312,7 +239,13 @@ class Emulation:
     timeout_s: float | None = None
     """The job's collective timeout (``--timeout`` / ``--prism-timeout``; None: the launcher's default)."""
     expect: Expect | None = None
-    """What the faults must produce (`Expect`); None: the run must succeed, compared as usual."""
+    """What the faults (or a virtual GPU) must produce (`Expect`); None: the run must succeed, compared as usual."""
+    device: DeviceMode = DeviceMode.REAL
+    """``virtual-gpu``: ``prism run --device virtual-gpu`` (`prism_plugin.recipes.virtual_gpu`)."""
+    gpu: str | None = None
+    """The virtual GPUs' model (``prism run --gpu``), e.g. h100-sxm; None: the profile's."""
+    oom: OomMode = OomMode.RAISE
+    """virtual-gpu: ``report`` counts allocations past the GPU's memory and runs on (PRISM_VIRTUAL_GPU_OOM)."""
 
     def __post_init__(self) -> None:
         where = f"emulated[{self.name}]"
@@ -323,6 +256,8 @@ class Emulation:
         object.__setattr__(self, "data_policy", _enum(DataPolicy, self.data_policy, f"{where}.data_policy"))
         object.__setattr__(self, "step_time_adjust", _enum(StepAdjust, self.step_time_adjust,
                                                            f"{where}.step_time_adjust"))
+        object.__setattr__(self, "device", _enum(DeviceMode, self.device, f"{where}.device"))
+        object.__setattr__(self, "oom", _enum(OomMode, self.oom, f"{where}.oom"))
         if isinstance(self.runs, str) or not self.runs:
             raise RecipeError(f"{where}.runs must be a non-empty list of real-rank lists, e.g. [[0], [3]]")
         runs = tuple(tuple(_rank_list(r, f"{where}.runs")) for r in self.runs)
@@ -351,6 +286,7 @@ class Emulation:
         if not isinstance(self.profile, str) or not self.profile:
             raise RecipeError(f"{where}.profile must be a profile name (see `prism profiles`) or a YAML path")
         self._check_faults(where, world)
+        check_device(self, where, RecipeError)
 
     def _check_faults(self, where: str, world: VirtualWorld) -> None:
         if isinstance(self.faults, str) or not all(isinstance(f, str) for f in self.faults):
@@ -371,7 +307,8 @@ class Emulation:
             return
         if not isinstance(self.expect, Expect):
             raise RecipeError(f"{where}.expect must be a mapping (failure/within_s, blame_root/wait_ms, comm_factor)")
-        if not faults:
+        if not faults and not (self.device is DeviceMode.VIRTUAL_GPU
+                               and (self.expect.states_memory or self.expect.failure is not None)):
             raise RecipeError(f"{where}.expect needs faults: the expectation states what the faults produce")
         self.expect.check(f"{where}.expect")
         if self.expect.blame_root is not None and self.expect.blame_root >= self.world_size:
@@ -457,6 +394,8 @@ class Recipe:
     tier: Tier = Tier.CI
     repeats: int = 1
     """Times the whole sequence (real run, emulations) runs, interleaved; measured steps are pooled."""
+    program: TorchProgram = TorchProgram.TOY
+    """framework torch: ``toy`` (toy_train) or ``llama`` (llama_ddp, a CUDA program for virtual GPUs)."""
     source: Path | None = None
     """The YAML file this recipe came from (relative profile paths resolve against its folder)."""
 
@@ -465,8 +404,10 @@ class Recipe:
             raise RecipeError(f"name must be a non-empty string without spaces or slashes, got {self.name!r}")
         object.__setattr__(self, "framework", _enum(Framework, self.framework, "framework"))
         object.__setattr__(self, "tier", _enum(Tier, self.tier, "tier"))
+        object.__setattr__(self, "program", _enum(TorchProgram, self.program, "program"))
         _positive_int(self.repeats, "repeats")
-        self.layout.dp(self.real.world_size, "real")
+        if self.real.exists:
+            self.layout.dp(self.real.world_size, "real")
         if not self.emulated:
             raise RecipeError("emulated must list at least one emulation (name, world_size, runs)")
         names: dict[str, Emulation] = {}
@@ -474,25 +415,30 @@ class Recipe:
             self._check_emulation(emu, names)
             names[emu.name] = emu
         self._check_framework()
+        check_virtual_gpu_recipe(self, RecipeError)
 
     def _check_emulation(self, emu: Emulation, earlier: Mapping[str, Emulation]) -> None:
         where = f"emulated[{emu.name}]"
         if emu.name in earlier or emu.name == "real":
             raise RecipeError(f"{where}.name is used twice (or is 'real'); give each emulation its own name")
         self.layout.dp(emu.world_size, where)
+        if emu.compare_with == NO_REFERENCE:
+            return
+        if emu.compare_with == "real" and not self.real.exists:
+            raise RecipeError(f"{where}.compare_with: real, but real: none; compare with none or give a real run")
         if emu.compare_with == "real":
             ref_world = self.real.world_size
             if emu.step_time_adjust is not StepAdjust.NONE:
                 raise RecipeError(f"{where}.step_time_adjust: the real run has no modelled communication; "
                                   "adjust only against another emulation (compare_with: <its name>)")
         elif emu.compare_with in earlier:
-            if earlier[emu.compare_with].expects_failure:
+            if earlier[emu.compare_with].expects_failure or earlier[emu.compare_with].compare_with == NO_REFERENCE:
                 raise RecipeError(f"{where}.compare_with={emu.compare_with!r} is expected to fail (no figures); "
                                   "compare with real or a run that completes")
             ref_world = earlier[emu.compare_with].world_size
         else:
             raise RecipeError(f"{where}.compare_with={emu.compare_with!r}: use 'real' or the name of an earlier "
-                              f"emulation ({', '.join(earlier) or 'none yet'})")
+                              f"emulation ({', '.join(earlier) or 'none yet'}), or none (device: virtual-gpu)")
         if emu.ranks is None and emu.world_size != ref_world:
             raise RecipeError(f"{where}.ranks is needed: world sizes differ ({ref_world} vs {emu.world_size}), so say "
                               "which reference rank each emulated rank is compared with, e.g. [[0, 0], [3, 8191]]")

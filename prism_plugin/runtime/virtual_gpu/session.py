@@ -3,7 +3,10 @@
 `resolve_gpu` picks the model (``EmulationConfig.gpu``, else the hardware profile's ``gpu``) and refuses a
 virtual-GPU run without one before any process starts; `start_virtual_gpu` starts this process's virtual
 GPUs: one node's worth (``gpus_per_node``, at most 8), the current one ``LOCAL_RANK`` modulo that, with the
-allocator options of ``PYTORCH_CUDA_ALLOC_CONF`` as torch would read them.
+allocator options of ``PYTORCH_CUDA_ALLOC_CONF`` as torch would read them. ``PRISM_VIRTUAL_GPU_OOM=report``
+reports an allocation that crosses the GPU's memory (counted in the summary's ``ooms``, served beyond the device)
+instead of raising torch's ``OutOfMemoryError`` there (the default, ``raise``): a job that does not fit still
+runs to its end and reports how much it needs.
 """
 
 from __future__ import annotations
@@ -36,4 +39,9 @@ def start_virtual_gpu(config: EmulationConfig, process_index: int) -> VirtualGpu
     num_devices = min(cuda_runtime.MAX_DEVICES, config.world.gpus_per_node)
     device = int(os.environ.get("LOCAL_RANK", process_index)) % num_devices
     allocator = AllocatorConfig.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-    return VirtualGpu(resolve_gpu(config), num_devices=num_devices, device=device, allocator=allocator).start()
+    oom = os.environ.get("PRISM_VIRTUAL_GPU_OOM", "raise")
+    if oom not in ("raise", "report"):
+        raise ConfigError(f"PRISM_VIRTUAL_GPU_OOM={oom!r}: use raise (torch's OutOfMemoryError, the default) or "
+                          "report (count each OOM in the summary and run on)")
+    return VirtualGpu(resolve_gpu(config), num_devices=num_devices, device=device, allocator=allocator,
+                      raise_oom=oom == "raise").start()
