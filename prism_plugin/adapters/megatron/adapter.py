@@ -7,6 +7,10 @@ program builds its model. Every seam is explicit, listed here, and undone by `un
    fusion defaults switched off on every namespace megatron.training's ``parse_args`` returns
    (`refusals.cpu_switch_offs`: one printed line each, ``switched_off`` in the summary; the native
    patch, already inside ``parse_args``, calls `MegatronAdapter.switch_off_cpu_fusions` itself).
+   **Virtual-GPU mode** (``virtual_gpu=True``, device mode virtual-gpu: the runtime's virtual GPU is
+   started): no CPU shim (Megatron takes its GPU paths on fake ``cuda`` tensors), the same switch-offs
+   (the host has no apex, no softmax extension, no TransformerEngine), the device is the virtual GPU's
+   current one; the other seams below are the same.
 2. **Device mapping**: physical process i uses physical device ``world.device_of(i)`` (CUDA) or
    the CPU; a virtual rank's LOCAL_RANK never selects a device. Megatron's own
    ``torch.cuda.set_device(args.local_rank)`` is skipped because torch.distributed is already
@@ -89,9 +93,10 @@ class MegatronAdapter:
     """Installs the Megatron seams for the active session (see the module docstring)."""
 
     def __init__(self, session: Any, *, cpu_mode: bool | None = None, redirect_logs: bool = True,
-                 fix_tp_data: bool = True, import_training: bool | None = None) -> None:
+                 fix_tp_data: bool = True, import_training: bool | None = None, virtual_gpu: bool = False) -> None:
         self.session = session
-        self.cpu_mode = (not torch.cuda.is_available()) if cpu_mode is None else cpu_mode
+        self.virtual_gpu = virtual_gpu
+        self.cpu_mode = False if virtual_gpu else (not torch.cuda.is_available()) if cpu_mode is None else cpu_mode
         self.redirect_logs = redirect_logs
         self.fix_tp_data = fix_tp_data
         self.import_training = import_training
@@ -120,6 +125,7 @@ class MegatronAdapter:
             self._select_device()
             if self.cpu_mode:
                 self.shim = CpuShim().install()
+            if self.cpu_mode or self.virtual_gpu:
                 self._hook_parse_args()
             self._hook_schedules()
             from prism_plugin.adapters.megatron import pipeline
@@ -154,7 +160,10 @@ class MegatronAdapter:
     # -- seams -----------------------------------------------------------------------------------------
     def _select_device(self) -> None:
         """Physical device of this real process: ``devices[i]`` or ``i mod local count``; never LOCAL_RANK
-        of a virtual rank (the launchers set LOCAL_RANK to the physical index i)."""
+        of a virtual rank (the launchers set LOCAL_RANK to the physical index i). A virtual GPU: its current one."""
+        if self.virtual_gpu:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            return
         if self.cpu_mode or not torch.cuda.is_available():
             self.device = torch.device("cpu")
             return
@@ -200,26 +209,27 @@ class MegatronAdapter:
         rebind_everywhere(original, parse_args, self._patches)
 
     def switch_off_cpu_fusions(self, args: Any) -> list[str]:
-        """Set the CPU-mode switch-offs on Megatron's parsed `args` (nothing on a CUDA host); returns their flags.
-
-        Each is printed once, by the first real process, and recorded for the summary.
+        """Set the CPU-mode switch-offs on Megatron's parsed `args` (nothing on a CUDA host; the same ones on a
+        virtual GPU); returns their flags. Each is printed once, by the first real process, and recorded for the
+        summary.
         """
-        if not self.cpu_mode:
+        if not (self.cpu_mode or self.virtual_gpu):
             return []
         from prism_plugin.adapters.megatron.refusals import cpu_switch_offs
 
-        offs = cpu_switch_offs(args)
+        offs = cpu_switch_offs(args, virtual_gpu=self.virtual_gpu)
         for off in offs:
-            setattr(args, off.dest, False)
+            setattr(args, off.dest, off.value)
             if off.flag not in self.switched_off:
                 self.switched_off.append(off.flag)
                 if self.session.process_index == 0:
-                    print(off.line(), flush=True)
+                    print(off.line("virtual GPU" if self.virtual_gpu else "CPU mode"), flush=True)
         return [off.flag for off in offs]
 
     def summary(self) -> dict[str, Any]:
         return {
             "cpu_mode": self.cpu_mode,
+            "virtual_gpu": self.virtual_gpu,
             "cpu_patches": list(self.shim.applied) if self.shim is not None else [],
             "device": str(self.device),
             "last_rank_logs_by": self.log_rank,

@@ -35,6 +35,13 @@ arguments before Megatron builds anything, prints one line each and lists them i
   kernel, so nothing is switched.
 - RoPE fusion (default on) with ``--position-embedding-type rope``: TransformerEngine's fused RoPE
   (``ValueError: apply_rope_fusion is not available``); as ``--no-rope-fusion``.
+Device mode virtual-gpu (`virtual_gpu_refusals`): the GPU is fake tensors, so CUDA extensions cannot
+run there either: TransformerEngine, CUDA graphs and the GPU-only opt-ins above are refused as in CPU
+mode, and so are ``--save`` / ``--load`` (a checkpoint of fake tensors holds no values); the same three
+defaults are switched off (apex / the softmax extension / TransformerEngine's RoPE are absent on the
+host), and a fourth: the persistent layer norm (default on; apex's kernel; the local spec's torch norm
+asserts it is off: ``persist_layer_norm not supported by torch LayerNorm``), as
+``--no-persist-layer-norm`` (CPU mode lets the norm accept it instead: cpu_shim patch 10).
 The other fusions run on CPU as they are: bias-GeLU / bias-SwiGLU / bias-dropout (Megatron's
 ``jit_fuser`` functions, eager in CPU mode), ``--use-fused-weighted-squared-relu``,
 ``--cross-entropy-loss-fusion`` with the native implementation, and the persistent layer norm
@@ -51,7 +58,8 @@ from typing import Any
 
 from prism_plugin.config.errors import ConfigError
 
-__all__ = ["Refusal", "SwitchOff", "refusals_for", "cpu_switch_offs", "check_args", "parse_megatron_argv"]
+__all__ = ["Refusal", "SwitchOff", "refusals_for", "virtual_gpu_refusals", "cpu_switch_offs", "check_args",
+           "parse_megatron_argv"]
 
 
 class Refusal(ConfigError, NotImplementedError):
@@ -65,8 +73,11 @@ def _get(options: Mapping[str, Any] | argparse.Namespace, name: str, default: An
     return options.get(name, default)
 
 
-def refusals_for(options: Mapping[str, Any] | argparse.Namespace, *, cpu_mode: bool) -> list[str]:
-    """Messages for every refused feature `options` (Megatron arg dests -> values) turns on."""
+def refusals_for(options: Mapping[str, Any] | argparse.Namespace, *, cpu_mode: bool,
+                 virtual_gpu: bool = False) -> list[str]:
+    """Messages for every refused feature `options` (Megatron arg dests -> values) turns on (`virtual_gpu`:
+    device mode virtual-gpu, where the GPU is fake tensors: the CPU-mode refusals apply too, see
+    `virtual_gpu_refusals`)."""
     out: list[str] = []
     if _get(options, "tp_comm_overlap"):
         out.append("--tp-comm-overlap: TransformerEngine userbuffers exchange tensor-parallel data outside "
@@ -89,7 +100,9 @@ def refusals_for(options: Mapping[str, Any] | argparse.Namespace, *, cpu_mode: b
     if _get(options, "fake_process_group"):
         out.append("--fake-process-group: torch's fake backend would replace the prism backend; drop the flag "
                    "(the prism flags already emulate the other ranks)")
-    if cpu_mode:
+    if virtual_gpu:
+        out.extend(virtual_gpu_refusals(options))
+    elif cpu_mode:
         if _get(options, "transformer_impl", "transformer_engine") == "transformer_engine":
             out.append("--transformer-impl transformer_engine (Megatron's default): TransformerEngine needs CUDA "
                        "and this host has none; pass --transformer-impl local for CPU mode")
@@ -99,6 +112,30 @@ def refusals_for(options: Mapping[str, Any] | argparse.Namespace, *, cpu_mode: b
         for dest, flag, kernel in _GPU_ONLY_OPT_INS:
             if _get(options, dest):
                 out.append(f"{flag}: {kernel} and this host has no GPU; drop {flag} for CPU mode")
+    return out
+
+
+def virtual_gpu_refusals(options: Mapping[str, Any] | argparse.Namespace) -> list[str]:
+    """What device mode virtual-gpu refuses: code that needs real CUDA kernels or real values.
+
+    TransformerEngine (Megatron's default ``--transformer-impl``) and the GPU-only kernels a job opts into are
+    CUDA extensions that fake tensors cannot run; CUDA graphs capture real kernels; a checkpoint of fake
+    tensors holds no values (``--save``) and loading one would write values nowhere (``--load``).
+    """
+    out: list[str] = []
+    if _get(options, "transformer_impl", "transformer_engine") == "transformer_engine":
+        out.append("--transformer-impl transformer_engine (Megatron's default): TransformerEngine modules are "
+                   "CUDA extensions, which virtual GPUs (fake tensors) cannot run; pass --transformer-impl local")
+    if _get(options, "cuda_graph_impl", "none") not in (None, "none") or _get(options, "enable_cuda_graph"):
+        out.append("--cuda-graph-impl / --enable-cuda-graph: CUDA graphs capture real kernels, which virtual "
+                   "GPUs do not run; pass --cuda-graph-impl none")
+    for dest, flag, kernel in _GPU_ONLY_OPT_INS:
+        if _get(options, dest):
+            out.append(f"{flag}: {kernel}, which virtual GPUs (fake tensors) cannot run; drop {flag}")
+    for dest, flag in (("save", "--save"), ("load", "--load")):
+        if _get(options, dest):
+            out.append(f"{flag} {_get(options, dest)}: virtual GPUs hold no tensor values, so a checkpoint "
+                       f"would be empty (save) or go nowhere (load); drop {flag} in device mode virtual-gpu")
     return out
 
 
@@ -114,21 +151,28 @@ class SwitchOff:
     """A Megatron default that selects a CUDA kernel, switched off in CPU mode (see the module docstring)."""
 
     dest: str
-    """The argument's dest in Megatron's namespace (set to False)."""
+    """The argument's dest in Megatron's namespace (set to `value`)."""
     flag: str
     """The flag that switches it off on Megatron's command line (what the summary lists)."""
     reason: str
     """Which kernel the default selects."""
+    value: bool = False
+    """What `dest` is set to (True for a ``--no-...`` flag's own dest)."""
 
-    def line(self) -> str:
-        """The one line printed when it is switched off."""
-        return (f"prism: CPU mode: {self.reason}; switched off (as {self.flag}), so the memory figures are "
+    def line(self, mode: str = "CPU mode") -> str:
+        """The one line printed when it is switched off (`mode`: "CPU mode" or "virtual GPU")."""
+        return (f"prism: {mode}: {self.reason}; switched off (as {self.flag}), so the memory figures are "
                 "those of the unfused path")
 
 
-def cpu_switch_offs(options: Mapping[str, Any] | argparse.Namespace) -> list[SwitchOff]:
-    """The CPU-mode switch-offs that apply to `options` (Megatron arg dests -> values); empty when none."""
+def cpu_switch_offs(options: Mapping[str, Any] | argparse.Namespace, *, virtual_gpu: bool = False) -> list[SwitchOff]:
+    """The CPU-mode (or, `virtual_gpu`, virtual-GPU) switch-offs that apply to `options` (Megatron arg dests ->
+    values); empty when none."""
     out: list[SwitchOff] = []
+    if virtual_gpu and not _get(options, "no_persist_layer_norm", False):
+        out.append(SwitchOff(dest="no_persist_layer_norm", value=True, flag="--no-persist-layer-norm",
+                             reason="the persistent layer norm is apex's CUDA kernel (the local spec's torch norm "
+                                    "refuses it)"))
     if _get(options, "gradient_accumulation_fusion", True):
         out.append(SwitchOff(dest="gradient_accumulation_fusion", flag="--no-gradient-accumulation-fusion",
                              reason="gradient-accumulation fusion needs the CUDA extension "
@@ -145,9 +189,9 @@ def cpu_switch_offs(options: Mapping[str, Any] | argparse.Namespace) -> list[Swi
     return out
 
 
-def check_args(options: Mapping[str, Any] | argparse.Namespace, *, cpu_mode: bool) -> None:
+def check_args(options: Mapping[str, Any] | argparse.Namespace, *, cpu_mode: bool, virtual_gpu: bool = False) -> None:
     """Raise `Refusal` listing every refused feature (nothing is created before this runs)."""
-    messages = refusals_for(options, cpu_mode=cpu_mode)
+    messages = refusals_for(options, cpu_mode=cpu_mode, virtual_gpu=virtual_gpu)
     if messages:
         raise Refusal("prism cannot emulate this Megatron job as configured:\n  - " + "\n  - ".join(messages))
 

@@ -5,7 +5,7 @@
         [--prism-output DIR] [--prism-gpus-per-node G] [--prism-data-policy mirror|recorded|zeros] \\
         [--prism-record DIR] [--prism-replay DIR] [--prism-trace DIR] [--prism-trace-iterations K] \
         [--prism-iteration-marker auto|explicit|optimizer-step] [--prism-no-timing] \
-        [--prism-fault SPEC ...] [--prism-timeout S]
+        [--prism-fault SPEC ...] [--prism-timeout S] [--prism-device real|virtual-gpu] [--prism-gpu MODEL]
 
 (or ``prism megatron ...``; without torchrun, K > 1 real ranks are launched as K local processes by the
 shared watch loop of `prism_plugin.runtime.lifecycle`, as ``prism run`` does.)
@@ -30,6 +30,10 @@ virtual participant arrives at each op when the graph's replay says (re-anchored
 Megatron's optimizer step). ``--prism-trace DIR`` writes each real rank's per-iteration trace (the input
 of ``prism graph build``); ``prism profile`` runs a slicing plan's profiling runs with it.
 
+``--prism-device virtual-gpu`` (``--prism-gpu MODEL``, else the profile's GPU) trains on virtual GPUs: fake
+``cuda`` tensors, exact per-device memory, no CPU shim (`virtual`: how the process is started fresh with the
+device library, what is refused and switched off).
+
 ``--prism-fault SPEC`` (repeatable; `prism_plugin.config.faults`) injects a fault on virtual participants
 (straggler, link, jitter, hang, crash) or kills a real rank. The collective timeout is the job's own:
 Megatron's ``--distributed-timeout-minutes`` (default 10), unless ``--prism-timeout S`` overrides it, so a
@@ -41,13 +45,22 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-import tempfile
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from prism_plugin.adapters.megatron.refusals import Refusal
-from prism_plugin.config.emulation import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
+_PRELOADED = False
+if os.environ.get("PRISM_VIRTUAL_CUDA_LIB") and "torch" not in sys.modules:  # --prism-device virtual-gpu
+    from prism_plugin.runtime.virtual_gpu import cuda_runtime
+
+    cuda_runtime.preload()  # before torch is imported (see `virtual`)
+    _PRELOADED = True
+
+import tempfile  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
+from prism_plugin.adapters.megatron.refusals import Refusal  # noqa: E402
+from prism_plugin.config.emulation import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list  # noqa: E402
+from prism_plugin.config.kinds import DeviceMode  # noqa: E402
 
 if TYPE_CHECKING:
     from prism_plugin.runtime.lifecycle import EmulatedRun
@@ -55,7 +68,8 @@ if TYPE_CHECKING:
 __all__ = ["PrismFlags", "split_prism_flags", "main"]
 
 _VALUE_FLAGS = ("world-size", "real-ranks", "profile", "graph", "output", "gpus-per-node", "data-policy",
-                "record", "replay", "trace", "trace-iterations", "iteration-marker", "fault", "timeout")
+                "record", "replay", "trace", "trace-iterations", "iteration-marker", "fault", "timeout",
+                "device", "gpu")
 _REPEATABLE = ("fault",)  # given several times: joined with ";"
 _MEGATRON_TIMEOUT_MIN = 10.0  # megatron.training.arguments: --distributed-timeout-minutes default
 _BOOL_FLAGS = ("no-timing",)
@@ -94,7 +108,8 @@ class PrismFlags:
                                trace_dir=v.get("trace"), trace_max_iterations=trace_iterations, graph=graph,
                                iteration_marker=v.get("iteration-marker", "auto"),
                                faults=tuple(f for f in v.get("fault", "").split(";") if f.strip()),
-                               timeout_s=_timeout_s(v.get("timeout")))
+                               timeout_s=_timeout_s(v.get("timeout")), device=v.get("device", "real"),
+                               gpu=v.get("gpu"))
 
 
 def _timeout_s(text: str | None) -> float:
@@ -156,7 +171,7 @@ def _check_job(config: EmulationConfig, script_args: list[str], cpu_mode: bool) 
     from prism_plugin.adapters.megatron.refusals import check_args, parse_megatron_argv
 
     ns = parse_megatron_argv(script_args)
-    check_args(ns, cpu_mode=cpu_mode)
+    check_args(ns, cpu_mode=cpu_mode, virtual_gpu=config.device is DeviceMode.VIRTUAL_GPU)
     _check_layout(config, ns)
     return ns
 
@@ -200,7 +215,7 @@ def preflight(script_argv: list[str], config: EmulationConfig) -> None:
     check_launch(config, script_argv[:1], _FLAG_NAMES, usage=usage)
 
 
-def _self_launch(argv: list[str], config: EmulationConfig) -> int:
+def _self_launch(argv: list[str], config: EmulationConfig, extra_env: dict[str, str] | None = None) -> int:
     """Run K copies of this wrapper as local processes (torchrun-like env, FileStore rendezvous) through the
     shared watch loop (`lifecycle.launch_processes`): signals reach every copy, a failure stops the others."""
     from prism_plugin.runtime.lifecycle import RealProcess, launch_processes
@@ -209,7 +224,8 @@ def _self_launch(argv: list[str], config: EmulationConfig) -> int:
     store_dir = Path(tempfile.mkdtemp(prefix="prism-megatron-"))
     processes = [
         RealProcess(argv=(sys.executable, "-m", "prism_plugin.megatron", *argv),
-                    env=dict(os.environ, RANK=str(i), LOCAL_RANK=str(i), WORLD_SIZE=str(k), LOCAL_WORLD_SIZE=str(k),
+                    env=dict(os.environ, **(extra_env or {}), RANK=str(i), LOCAL_RANK=str(i), WORLD_SIZE=str(k),
+                             LOCAL_WORLD_SIZE=str(k),
                              PRISM_STORE_FILE=str(store_dir / "store")),
                     virtual_rank=config.world.real_ranks[i], process_index=i)
         for i in range(k)
@@ -218,7 +234,7 @@ def _self_launch(argv: list[str], config: EmulationConfig) -> int:
 
 
 def start_run(config: EmulationConfig, process_index: int, k: int, cpu_mode: bool, *,
-              cuda_peak: bool) -> EmulatedRun:
+              cuda_peak: bool, virtual_gpu: bool = False) -> EmulatedRun:
     """The real processes' store, this process's environment (RANK = its virtual rank, WORLD_SIZE = N), the
     emulation, the Megatron adapter and, in CPU mode, the tensor-storage tracker; shared with `native`.
 
@@ -239,7 +255,8 @@ def start_run(config: EmulationConfig, process_index: int, k: int, cpu_mode: boo
     run = EmulatedRun(config, process_index, store, num_processes=k)
     session = run.start()
     try:
-        adapter = current_adapter() or MegatronAdapter(session, cpu_mode=cpu_mode, import_training=True).install()
+        adapter = current_adapter() or MegatronAdapter(session, cpu_mode=cpu_mode, import_training=True,
+                                                           virtual_gpu=virtual_gpu).install()
         run.add_summary(lambda: {"megatron": adapter.summary()})
         run.cleanup.callback(adapter.uninstall)
         if cpu_mode:
@@ -267,13 +284,18 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
         from dataclasses import replace
 
         config = replace(config, timeout_s=job_timeout)
-    cpu_mode = not torch.cuda.is_available()
+    virtual_gpu = config.device is DeviceMode.VIRTUAL_GPU
+    cpu_mode = not virtual_gpu and not torch.cuda.is_available()
     _check_job(config, script_argv[1:], cpu_mode)
     process_index = int(os.environ.get("RANK", "0"))
     k = int(os.environ.get("WORLD_SIZE", "1"))
     if k != config.world.num_real:
         raise ConfigError(f"--prism-real-ranks lists {config.world.num_real} ranks but {k} processes were "
                           f"launched; use torchrun --nproc-per-node {config.world.num_real}")
+    if virtual_gpu:
+        from prism_plugin.adapters.megatron.virtual import run_script
+
+        run_script(config, script_argv, process_index, k)  # ends the process (os._exit) after the summary
     emulated = start_run(config, process_index, k, cpu_mode, cuda_peak=True)
     with emulated:  # the program's exit status and error go into the summary; its exception propagates
         sys.argv = list(script_argv)
@@ -288,6 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         script_argv, flags = split_prism_flags(argv)
         config = flags.to_config()
+        if config.device is DeviceMode.VIRTUAL_GPU:  # the Megatron process starts fresh with the device library
+            from prism_plugin.adapters.megatron import virtual
+
+            if "RANK" not in os.environ:
+                preflight(script_argv, config)
+                return _self_launch(argv, config, extra_env=virtual.library_env(config))
+            if not _PRELOADED:
+                virtual.reexec(argv, config)
         if "RANK" not in os.environ and config.world.num_real > 1:
             preflight(script_argv, config)  # once, in the parent: one message, no process started
             return _self_launch(argv, config)

@@ -1,0 +1,98 @@
+"""megatron.training on virtual H100s through the drop-in: ``--prism-device virtual-gpu`` (issue 12, item 1).
+
+The repo's upstream-style ``pretrain_gpt.py`` trains Llama-3-8B-width GPT (2 layers, TP8, bf16, distributed
+optimizer, mock data) for 2 iterations as one real rank of 64: Megatron takes its GPU paths on fake ``cuda``
+tensors (no CPU shim), prints its own iteration and ``memory (MB)`` log lines (the memory figures are the
+allocator model's, the loss the value policy's), and the summary carries the virtual GPU's memory. Rank 7 is TP
+rank 7 of a group whose TP rank 0 is virtual (the valid-batch fill); rank 63 is the last rank (Megatron's logs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "prism_plugin" / "programs" / "pretrain_gpt.py"
+H, FFN, HEADS, GROUPS, VOCAB, TP, SEQ = 4096, 14336, 32, 8, 128256, 8, 4096
+ARGS = ["--transformer-impl", "local", "--tensor-model-parallel-size", str(TP), "--num-layers", "2",
+        "--hidden-size", str(H), "--ffn-hidden-size", str(FFN), "--num-attention-heads", str(HEADS),
+        "--group-query-attention", "--num-query-groups", str(GROUPS), "--seq-length", str(SEQ),
+        "--max-position-embeddings", str(SEQ), "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+        "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--micro-batch-size", "1",
+        "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-4", "--mock-data", "--tokenizer-type",
+        "NullTokenizer", "--vocab-size", str(VOCAB), "--bf16", "--use-distributed-optimizer", "--log-interval", "1",
+        "--eval-iters", "0", "--eval-interval", "1000", "--disable-gloo-process-groups"]
+
+
+def _run(tmp_path: Path, rank: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    out = tmp_path / "out"
+    return subprocess.run([sys.executable, "-m", "prism_plugin.megatron", str(SCRIPT), *ARGS, *extra,
+                           "--prism-world-size", "64", "--prism-real-ranks", str(rank), "--prism-profile", "dgx-h100",
+                           "--prism-device", "virtual-gpu", "--prism-output", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+
+
+def _parameters_per_tp_rank() -> int:
+    padded_vocab = -(-VOCAB // (128 * TP)) * 128 * TP  # Megatron pads to --make-vocab-size-divisible-by 128 x TP
+    embedding = padded_vocab // TP * H  # 16128 x 4096, the vocab-parallel shard; the untied output layer is the same
+    layer = ((HEADS + 2 * GROUPS) * (H // HEADS) // TP * H  # fused QKV: 32 query heads + 2 x 8 key/value groups
+             + H // TP * H  # attention output projection
+             + 2 * FFN // TP * H + FFN // TP * H  # SwiGLU fc1 (gate and up) and fc2
+             + 2 * H)  # the two RMSNorms
+    return 2 * embedding + 2 * layer + H  # + the final norm
+
+
+@pytest.mark.parametrize("rank", [7, 63])
+def test_pretrain_gpt_trains_llama3_8b_width_tp8_on_a_virtual_h100(tmp_path: Path, rank: int) -> None:
+    proc = _run(tmp_path, rank)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    log = proc.stdout
+    params = _parameters_per_tp_rank()
+    assert params == 186_667_008
+    counted = re.findall(r"number of parameters on \(tensor, gtp_remat, pipeline\) model parallel rank "
+                         rf"\({rank % TP}, 0, 0\): (\d+)", log)
+    # Megatron prints the count and its memory line on data-parallel rank 0 only (rank 7: DP 0; rank 63: DP 7)
+    assert counted == ([str(params)] if rank == 7 else [])
+    iterations = re.findall(r"iteration\s+(\d)/\s+2 \|.*\| lm loss: ([0-9.E+-]+) \|.*grad norm: ([0-9.]+) \|", log)
+    assert [i for i, _, _ in iterations] == ["1", "2"]
+    assert float(iterations[0][1]) == 1.0  # the value policy's finite loss (no value is computed)
+    assert all(float(grad) == 1.0 for _, _, grad in iterations)
+    memory = re.findall(r"\(after (\d) iterations\) memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+) "
+                        r"\| reserved: ([\d.]+) \| max reserved: ([\d.]+)", log)
+    assert [m[0] for m in memory] == (["1", "2"] if rank == 7 else [])
+    summary = json.loads((tmp_path / "out" / f"rank{rank}.summary.json").read_text())
+    assert summary["device_mode"] == "virtual-gpu" and summary["exit_code"] == 0
+    assert summary["iterations_marked"] == 2
+    device = summary["virtual_gpu"]["devices"][0]
+    mib = 2 ** 20
+    if memory:  # Megatron's own memory line reads torch.cuda.memory_allocated & co: the allocator model's figures
+        assert float(memory[-1][1]) == round(device["allocated_bytes"] / mib, 2)
+        assert float(memory[-1][2]) == round(device["peak_allocated_bytes"] / mib, 2)
+        assert float(memory[-1][4]) == round(device["peak_reserved_bytes"] / mib, 2)
+    # at least the bf16 weights, their fp32 main-grad buffer and this DP rank's fp32 Adam state (1/8 of 3 copies)
+    assert device["peak_allocated_bytes"] >= params * (2 + 4) + params * 12 // 8
+    assert device["peak_reserved_bytes"] >= device["peak_allocated_bytes"] and device["fits"]
+    megatron = summary["megatron"]
+    assert megatron["virtual_gpu"] and not megatron["cpu_mode"] and megatron["cpu_patches"] == []
+    assert megatron["switched_off"] == ["--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+                                        "--no-masked-softmax-fusion", "--no-rope-fusion"]
+    # rank 7: TP rank 7 whose TP rank 0 (rank 0) is virtual gets a valid batch per micro-batch; rank 63 likewise
+    assert megatron["tp_batches_filled"] == 2
+    assert megatron["last_rank_logs_by"] == (None if rank == 63 else rank)
+
+
+def test_checkpointing_is_refused_up_front_on_virtual_gpus(tmp_path: Path) -> None:
+    proc = _run(tmp_path, 7, "--save", str(tmp_path / "ckpt"))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "--save" in proc.stderr and "virtual GPUs hold no tensor values" in proc.stderr
+    assert "Traceback" not in proc.stderr
