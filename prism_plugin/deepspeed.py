@@ -8,9 +8,21 @@
     summary = prism_ds.shutdown()               # optional: also runs at exit
 
 The implementation lives in `prism_plugin.adapters.deepspeed`; this module only re-exports it.
+
+``python -m prism_plugin.deepspeed script.py args`` is the virtual-GPU entry that ``init_distributed`` re-executes
+a process through for ``"device": "virtual-gpu"`` (`prism_plugin.adapters.deepspeed.virtual_gpu`): it loads the
+CUDA device library before torch is imported.
 """
 
-from prism_plugin.adapters.deepspeed import (
+import os
+import sys
+
+if __name__ == "__main__" and os.environ.get("PRISM_VIRTUAL_CUDA_LIB"):  # before anything imports torch
+    from prism_plugin.runtime.virtual_gpu import cuda_runtime
+
+    cuda_runtime.preload()
+
+from prism_plugin.adapters.deepspeed import (  # noqa: E402
     ALLOWED_KEYS,
     DeepSpeedEmulation,
     PrismSection,
@@ -24,3 +36,8 @@ from prism_plugin.adapters.deepspeed import (
 
 __all__ = ["ALLOWED_KEYS", "DeepSpeedEmulation", "PrismSection", "TensorSpec", "active", "init_distributed",
            "maybe_init_distributed", "parse_section", "shutdown"]
+
+if __name__ == "__main__":
+    from prism_plugin.adapters.deepspeed.virtual_gpu import main
+
+    main(sys.argv[1:])

@@ -16,7 +16,8 @@ Seams (each installed here, held by one `Patches` and undone by `shutdown`):
   pre-set, initialised cdb). Its shared-memory all-reduce op is not built: it would initialise shared
   memory for N local ranks and wait for the absent ones (it only serves ``inference_all_reduce``,
   which then falls back to ``torch.distributed.all_reduce``).
-- device: ``deepspeed.accelerator.set_accelerator`` pins the detected accelerator (CPU here), and the
+- device: ``deepspeed.accelerator.set_accelerator`` pins the detected accelerator (CPU here; CUDA on virtual GPUs,
+  ``"device": "virtual-gpu"``, see `virtual_gpu`: the process is re-executed once through its entry), and the
   process's physical device is ``LOCAL_RANK`` (set when the launcher did not). Environment seen by
   the program afterwards: RANK = virtual rank, WORLD_SIZE = N, LOCAL_RANK = physical index.
 - pipeline: `grid` (closed-form topology queries; same groups, linear set-up) and `pipe` (tensor-meta
@@ -46,6 +47,7 @@ import torch.distributed as dist
 import prism_plugin.runtime.session as session_mod
 from prism_plugin.adapters.deepspeed.section import PrismSection, parse_section
 from prism_plugin.config.emulation import ConfigError
+from prism_plugin.config.kinds import DeviceMode
 from prism_plugin.runtime.lifecycle import EmulatedRun, real_store
 
 __all__ = ["DeepSpeedEmulation", "init_distributed", "shutdown", "active", "maybe_init_distributed"]
@@ -101,6 +103,10 @@ class DeepSpeedEmulation:
         if "LOCAL_RANK" not in os.environ or world.devices is not None:
             self._set_env("LOCAL_RANK", str(device_index))
         accel = ds_accelerator.get_accelerator()
+        if self.section.emulation.device is DeviceMode.VIRTUAL_GPU and accel.device_name() != "cuda":
+            from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+            accel = CUDA_Accelerator()  # virtual GPUs answer torch.cuda: DeepSpeed's CUDA code paths
         ds_accelerator.set_accelerator(accel)
         if accel.device_name() != "cpu":
             accel.set_device(int(os.environ["LOCAL_RANK"]))
@@ -108,6 +114,10 @@ class DeepSpeedEmulation:
         grid.install(self)
         pipe.install(self)
         zero.install(self)
+        if self.section.emulation.device is DeviceMode.VIRTUAL_GPU:
+            from prism_plugin.adapters.deepspeed import virtual_gpu
+
+            virtual_gpu.install(self.patches, virtual_gpu.active_gpu())
 
     def close(self) -> dict[str, Any] | None:
         """End the session, undo every seam, reset DeepSpeed's cached groups; returns the session summary."""
@@ -221,9 +231,14 @@ def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, st
         raise ConfigError(f"init_distributed(rank={rank}) but this process plays rank {world.real_ranks[index]}")
     if timeout is not None:
         section = replace(section, emulation=replace(section.emulation, timeout_s=timeout.total_seconds()))
+    vgpu = _virtual_gpu(section)
     emulation = DeepSpeedEmulation(section, index, real_store(world.num_real, index, store=store,
                                                               init_method=init_method))
     emulation.run.start()
+    if vgpu is not None:
+        from prism_plugin.adapters.deepspeed.virtual_gpu import summary_part
+
+        emulation.run.add_summary(lambda: summary_part(vgpu))
     try:
         emulation.install(int(os.environ.get("LOCAL_WORLD_SIZE", world.num_real)))
     except BaseException:
@@ -234,6 +249,20 @@ def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, st
         atexit.register(shutdown)
         _ATEXIT_REGISTERED = True
     return emulation
+
+
+def _virtual_gpu(section: PrismSection) -> Any | None:
+    """``"device": "virtual-gpu"``: the entry's virtual GPU; re-executes the process through the entry when it
+    has none (`virtual_gpu.reexec`, before any process group exists). None for ``"device": "real"``."""
+    if section.emulation.device is not DeviceMode.VIRTUAL_GPU:
+        return None
+    from prism_plugin.adapters.deepspeed import virtual_gpu
+
+    virtual_gpu.check_config(section.ds_config or {})
+    vgpu = virtual_gpu.active_gpu()
+    if vgpu is None:
+        virtual_gpu.reexec(section.emulation)
+    return vgpu
 
 
 def maybe_init_distributed(config: Any) -> bool:

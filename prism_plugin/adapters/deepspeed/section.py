@@ -18,7 +18,9 @@ A DeepSpeed config (a dict, or a path to a JSON/HJSON file) turns emulation on w
         "timing": true,                  # hold each op until its emulated completion time
         "faults": ["straggler:ranks=4-7,factor=1.3"],   # faults and what-ifs (prism_plugin.config.faults), optional
         "topology": {"pipe": 4, "data": 2048, "model": 1},   # optional: checked against world_size
-        "pipe_activations": {"shape": [2, 64], "dtype": "float32"}   # optional, see below
+        "pipe_activations": {"shape": [2, 64], "dtype": "float32"},  # optional, see below
+        "device": "real",                # real | virtual-gpu: fake cuda tensors on virtual GPUs (`virtual_gpu`)
+        "gpu": null                      # virtual-gpu: the GPU model (default: the profile's), e.g. "h100-sxm"
     }
 
 Checks (each a `ConfigError` naming the key and the fix): unknown keys; missing world_size/real_ranks;
@@ -56,7 +58,7 @@ SECTION_KEY = "prism"
 ALLOWED_KEYS: tuple[str, ...] = (
     "world_size", "real_ranks", "profile", "graph", "output", "gpus_per_node", "data_policy",
     "record_dir", "replay_dir", "timing", "topology", "pipe_activations", "trace", "trace_iterations",
-    "iteration_marker", "faults",
+    "iteration_marker", "faults", "device", "gpu",
 )
 _TOPOLOGY_AXES = ("pipe", "data", "model")
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
@@ -335,6 +337,7 @@ def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool =
             replay_dir=section.get("replay_dir"), timing=timing, output_dir=section.get("output"),
             graph=graph, trace_dir=section.get("trace"), trace_max_iterations=section.get("trace_iterations", 64),
             iteration_marker=section.get("iteration_marker", "auto"), faults=section.get("faults") or (),
+            device=section.get("device", "real"), gpu=section.get("gpu"),
         )
     except ConfigError as exc:
         raise ConfigError(f'"prism" section: {exc}') from None

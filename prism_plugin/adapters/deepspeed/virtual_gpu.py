@@ -1,0 +1,249 @@
+"""DeepSpeed on virtual GPUs: ``"device": "virtual-gpu"`` in the ``"prism"`` section (DESIGN.md section 10).
+
+What a DeepSpeed user does: add ``"device": "virtual-gpu"`` (and optionally ``"gpu": "h100-sxm"``; default
+the profile's GPU) to the section and launch the script as before (``python``, ``torchrun`` or ``deepspeed``).
+The device library must load before torch is imported (`cuda_runtime`), and a DeepSpeed script imports torch
+before it reaches ``prism_plugin.deepspeed.init_distributed``, so that call re-executes the process once
+(`reexec`, same pid, same environment plus the device library) as::
+
+    python -m prism_plugin.deepspeed script.py args     # or: -m module args
+
+`main`, that entry, preloads the library, starts the virtual GPU (shim + FakeTensorMode, `VirtualGpu`) and
+then runs the script from the top: ``import deepspeed`` auto-detects CUDA (``torch.cuda.device_count() > 0 and
+torch.cuda.is_available()``, answered by the shim) and selects DeepSpeed's ``CUDA_Accelerator``, whose calls
+into torch.cuda the shim answers (``see_memory_usage`` prints the emulated allocator's figures). Everything the
+script did before ``init_distributed`` runs twice (the first time on the CPU, discarded by the exec). When the
+script ends, the entry ends the emulation (the summary gets ``device_mode`` and ``virtual_gpu``) and the process
+with ``os._exit`` (`cuda_runtime.exit_now`: the program's own atexit handlers do not run).
+
+Refused (`ConfigError`): a script started with ``python -c``; a process the re-exec did not give a virtual
+device; ``prism run`` (its bootstrap runs its own emulation: use ``prism run --device virtual-gpu`` without a
+"prism" section, or the section without ``prism run``); no GPU model. Interpreter options of the first
+start (``python -X ...``) are not repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+from prism_plugin.config.emulation import ConfigError, EmulationConfig
+from prism_plugin.config.kinds import DeviceMode
+
+__all__ = ["ENTRY_ENV", "active_gpu", "main", "reexec"]
+
+ENTRY_ENV = "PRISM_DS_VIRTUAL_GPU"
+"""Set by `reexec` for the entry: the GPU model and the devices per process, as JSON."""
+_ENTRY_MODULE = "prism_plugin.deepspeed"
+_GPU: list[Any] = []  # the entry's VirtualGpu (one per process)
+
+
+def active_gpu() -> Any | None:
+    """The `VirtualGpu` the entry started in this process, or None."""
+    return _GPU[0] if _GPU else None
+
+
+def _target_argv() -> list[str]:
+    """The program's own arguments from ``sys.orig_argv``: ``[script, args...]`` or ``["-m", module, args...]``."""
+    argv = list(getattr(sys, "orig_argv", []))[1:]
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-m", "-c", "-"):
+        i += 2 if argv[i] in ("-X", "-W") else 1  # interpreter options; the ones with a value take two
+    rest = argv[i:]
+    if not rest or rest[0] in ("-c", "-"):
+        raise ConfigError('"prism.device": "virtual-gpu" re-executes the script with the virtual CUDA device; a '
+                          "program given with python -c or on stdin cannot be re-executed: put it in a file")
+    return rest
+
+
+_EXTENSION_OPTIMIZERS = ("lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muon")
+"""DeepSpeed optimizers that exist only as CUDA extensions (FusedLamb, the 1-bit family, FusedLion, ...)."""
+
+
+def check_config(ds_config: Mapping[str, Any]) -> None:
+    """Refuse what fake execution cannot run, naming the key: DeepSpeed's custom CUDA extensions (DESIGN.md 10).
+
+    Adam/AdamW is FusedAdam (a CUDA extension) unless ``"torch_adam": true`` selects ``torch.optim.Adam(W)``
+    (the same state: two moments of each parameter's size, a step counter); optimizer offload is DeepSpeedCPUAdam.
+    """
+    optimizer = ds_config.get("optimizer") or {}
+    name = str(optimizer.get("type", "")).lower()
+    params = optimizer.get("params") or {}
+    if name in ("adam", "adamw") and params.get("torch_adam") is not True:
+        raise ConfigError(f'"prism.device": "virtual-gpu" with optimizer {optimizer.get("type")!r}: DeepSpeed runs '
+                          "it as FusedAdam, a CUDA extension that fake execution cannot run; set "
+                          '"optimizer": {"params": {"torch_adam": true}} (torch.optim.AdamW, the same state)')
+    if name in _EXTENSION_OPTIMIZERS:
+        raise ConfigError(f'"prism.device": "virtual-gpu" with optimizer {optimizer.get("type")!r}: DeepSpeed runs '
+                          'it as a CUDA extension that fake execution cannot run; use "AdamW" with "torch_adam": true')
+    zero = ds_config.get("zero_optimization") or {}
+    offload = zero.get("offload_optimizer") or {}
+    if str(offload.get("device", "none")).lower() not in ("none", ""):
+        raise ConfigError('"prism.device": "virtual-gpu" with "zero_optimization.offload_optimizer": DeepSpeed '
+                          "steps it with DeepSpeedCPUAdam, a C++ extension that fake execution cannot run; drop it")
+
+
+def reexec(config: EmulationConfig) -> None:
+    """Start this process again through the entry, with the device library named (does not return)."""
+    from prism_plugin.runtime.virtual_gpu import cuda_runtime
+    from prism_plugin.runtime.virtual_gpu.session import resolve_gpu
+
+    if "PRISM_CONFIG" in os.environ:
+        raise ConfigError('"prism.device": "virtual-gpu" in a script started by `prism run`: prism run emulates '
+                          'the job itself; drop the "prism" section and use `prism run --device virtual-gpu`, or '
+                          "launch the script with python/torchrun/deepspeed")
+    if os.environ.get(ENTRY_ENV):
+        raise ConfigError('"prism.device": "virtual-gpu": this process was re-executed for a virtual GPU but has '
+                          "none (was the script started some other way than `python -m prism_plugin.deepspeed`?)")
+    from prism_plugin.cost.gpu import GPUS
+
+    gpu = resolve_gpu(config)  # no GPU model: refused before the exec
+    model = next(key for key, spec in GPUS.items() if spec == gpu)
+    path = cuda_runtime.library_path()
+    if path is None or not path.exists():
+        path = cuda_runtime.build()
+    num_devices = min(cuda_runtime.MAX_DEVICES, config.world.gpus_per_node)
+    env = dict(os.environ, PRISM_VIRTUAL_CUDA_LIB=str(path),
+               **{ENTRY_ENV: json.dumps({"gpu": model, "num_devices": num_devices})})
+    argv = [sys.executable, "-m", _ENTRY_MODULE, *_target_argv()]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, env)
+
+
+def _start_gpu() -> Any:
+    from prism_plugin.cost.allocator_config import AllocatorConfig
+    from prism_plugin.cost.gpu import gpu_spec
+    from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+
+    spec = json.loads(os.environ[ENTRY_ENV])
+    num_devices = int(spec["num_devices"])
+    device = int(os.environ.get("LOCAL_RANK", "0")) % num_devices
+    allocator = AllocatorConfig.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    vgpu = VirtualGpu(gpu_spec(spec["gpu"]), num_devices=num_devices, device=device, allocator=allocator)
+    vgpu.start()
+    _skip_no_op_swaps(vgpu)
+    _GPU.append(vgpu)
+    return vgpu
+
+
+def _skip_no_op_swaps(vgpu: Any) -> None:
+    """``Module.to`` / ``_apply`` swap every fake parameter (`torch.utils.swap_tensors`), even when the conversion
+    changes nothing and the new parameter aliases the old one; the swap refuses a tensor with a weak reference,
+    and DeepSpeed's engine puts one on every parameter (``deepspeed.utils.debug.param_names``, a `WeakIdNameMap`
+    with finalizers), so its ``module.to(device)`` of a model already there failed ("Couldn't swap
+    Linear.weight"). Such a swap (same storage, same metadata) is skipped: it would exchange two equal tensors."""
+    import torch
+
+    swap = torch.utils.swap_tensors
+
+    def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        if (isinstance(t1, torch.Tensor) and isinstance(t2, torch.Tensor) and t1.device == t2.device
+                and t1.dtype == t2.dtype and t1.shape == t2.shape and t1.stride() == t2.stride()
+                and t1.storage_offset() == t2.storage_offset() and t1.requires_grad == t2.requires_grad
+                and t1.untyped_storage()._cdata == t2.untyped_storage()._cdata):
+            return
+        swap(t1, t2)
+
+    vgpu.shim._patches.setattr(torch.utils, "swap_tensors", swap_tensors)  # undone by vgpu.stop()
+
+
+def install(patches: Any, vgpu: Any) -> None:
+    """DeepSpeed's seams on a virtual GPU (held by the emulation's `patches`): ZeRO's overflow flags are answered.
+
+    ZeRO 1/2 and 3 sum ``isinf/isnan`` of the gradient partitions into a flag, all-reduce it (MAX) over the
+    data-parallel group and read it (``overflow_gpu[0].item()``, a uint8). The value policy answers "no inf/NaN
+    found" for the checks themselves, but the flag passes through ops that carry no answer (``add_`` on a zeros
+    tensor, indexing), so the read would be refused. The stated answer is derivable: under the policy every
+    rank's gradients are finite, so every rank's flag is 0 and their MAX is 0 (no overflow: the optimizer steps).
+    The whole check still runs, collectives included; the answer is counted at DeepSpeed's call site like the
+    policy's own answers. Likewise ``is_invalid_grad_norm(norm)`` (``~isfinite(norm) | (norm < 0)``): the policy's
+    grad norm is finite and positive (1.0), so the flag is False. Any other refused read there is still refused.
+    """
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    from prism_plugin.runtime.virtual_gpu import values as values_mod
+
+    policy = vgpu.values
+    read = policy.read
+
+    def read_overflow_flag(tensor: Any) -> Any:
+        try:
+            return read(tensor)
+        except values_mod.NoValueError:
+            if str(tensor.dtype) not in ("torch.uint8", "torch.bool"):
+                raise
+            policy.answers[(values_mod._call_site(), "0 (ZeRO overflow / invalid-norm flag)")] += 1
+            return 0
+
+    def answering(original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            policy.read = read_overflow_flag
+            try:
+                return original(*args, **kwargs)
+            finally:
+                policy.read = read
+
+        return call
+
+    for cls in (stage_1_and_2.DeepSpeedZeroOptimizer, stage3.DeepSpeedZeroOptimizer_Stage3):
+        patches.setattr(cls, "has_overflow", answering(cls.has_overflow))
+    for module in (stage_1_and_2, stage3):  # each binds utils.is_invalid_grad_norm by name
+        patches.setattr(module, "is_invalid_grad_norm", answering(module.is_invalid_grad_norm))
+
+
+def summary_part(vgpu: Any) -> dict[str, Any]:
+    return {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary()}
+
+
+def _run_target(args: list[str]) -> None:
+    if args[0] == "-m":
+        if len(args) < 2:
+            raise SystemExit("prism: -m needs a module name")
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+        runpy.run_path(args[0], run_name="__main__")
+
+
+def main(args: list[str]) -> None:
+    """The entry (after `cuda_runtime.preload`): the script on a virtual GPU, then the summary and ``os._exit``."""
+    from prism_plugin.adapters.deepspeed import runtime
+    from prism_plugin.runtime.virtual_gpu import cuda_runtime
+
+    if not args:
+        raise SystemExit("usage: python -m prism_plugin.deepspeed script.py [args] | -m module [args]")
+    if not os.environ.get(ENTRY_ENV):
+        raise SystemExit(f"prism: python -m {_ENTRY_MODULE} is started by init_distributed for "
+                         '"device": "virtual-gpu"; launch the script itself')
+    vgpu = _start_gpu()
+    code: int = 0
+    error: BaseException | None = None
+    try:
+        _run_target(args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        error = exc
+    except BaseException as exc:
+        traceback.print_exc()
+        code, error = 1, exc
+    emulation = runtime.active()
+    if emulation is not None:
+        emulation.run.record_exit(error)
+        try:
+            runtime.shutdown()
+        except BaseException:
+            traceback.print_exc()
+            code = code or 1
+    else:
+        print("prism: the script never called prism_plugin.deepspeed.init_distributed: nothing was emulated",
+              file=sys.stderr, flush=True)
+    vgpu.stop()
+    cuda_runtime.exit_now(code)
