@@ -96,3 +96,22 @@ def test_checkpointing_is_refused_up_front_on_virtual_gpus(tmp_path: Path) -> No
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "--save" in proc.stderr and "virtual GPUs hold no tensor values" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_pipeline_last_stage_trains_on_a_virtual_h100(tmp_path: Path) -> None:
+    """TP8 PP2 as rank 63 of 64: the last stage, whose activations come from a virtual first stage."""
+    proc = _run(tmp_path, 63, "--pipeline-model-parallel-size", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    iterations = re.findall(r"iteration\s+(\d)/\s+2 \|.*\| lm loss: ([0-9.E+-]+) \|", proc.stdout)
+    assert [i for i, _ in iterations] == ["1", "2"] and float(iterations[0][1]) == 1.0
+    summary = json.loads((tmp_path / "out" / "rank63.summary.json").read_text())
+    assert summary["device_mode"] == "virtual-gpu" and summary["exit_code"] == 0
+    assert summary["iterations_marked"] == 2
+    # global batch 8 over DP 64 / (8 x 2) = 4 ranks: 2 micro-batches per iteration, each filled (TP rank 0 virtual)
+    assert summary["megatron"]["tp_batches_filled"] == 4
+    assert summary["megatron"]["p2p_virtual_receives_filled"] == 0  # fake tensors: nothing to un-degenerate
+    padded_vocab = -(-VOCAB // (128 * TP)) * 128 * TP
+    stage = (_parameters_per_tp_rank() - 2 * padded_vocab // TP * H - H) // 2 + padded_vocab // TP * H + H
+    assert stage == 93_335_552  # one layer, the final norm and the output layer
+    device = summary["virtual_gpu"]["devices"][0]
+    assert device["peak_allocated_bytes"] >= stage * (2 + 4) + stage * 12 // 4

@@ -10,7 +10,8 @@ program builds its model. Every seam is explicit, listed here, and undone by `un
    **Virtual-GPU mode** (``virtual_gpu=True``, device mode virtual-gpu: the runtime's virtual GPU is
    started): no CPU shim (Megatron takes its GPU paths on fake ``cuda`` tensors), the same switch-offs
    (the host has no apex, no softmax extension, no TransformerEngine), the device is the virtual GPU's
-   current one; the other seams below are the same.
+   current one; the other seams below are the same, but for 5 (a fake tensor has no values to be
+   degenerate, and the all-zero test would be a data-dependent read).
 2. **Device mapping**: physical process i uses physical device ``world.device_of(i)`` (CUDA) or
    the CPU; a virtual rank's LOCAL_RANK never selects a device. Megatron's own
    ``torch.cuda.set_device(args.local_rank)`` is skipped because torch.distributed is already
@@ -128,9 +129,10 @@ class MegatronAdapter:
             if self.cpu_mode or self.virtual_gpu:
                 self._hook_parse_args()
             self._hook_schedules()
-            from prism_plugin.adapters.megatron import pipeline
+            if not self.virtual_gpu:  # fake tensors hold no values: a virtual GPU's receive is never all-zero
+                from prism_plugin.adapters.megatron import pipeline
 
-            self._p2p_fills = pipeline.install(self.session, self._patches)
+                self._p2p_fills = pipeline.install(self.session, self._patches)
             if self.fix_tp_data:
                 from prism_plugin.adapters.megatron import data
 
