@@ -115,3 +115,20 @@ def test_pipeline_last_stage_trains_on_a_virtual_h100(tmp_path: Path) -> None:
     assert stage == 93_335_552  # one layer, the final norm and the output layer
     device = summary["virtual_gpu"]["devices"][0]
     assert device["peak_allocated_bytes"] >= stage * (2 + 4) + stage * 12 // 4
+
+
+def test_torchrun_form_reexecutes_once_with_the_device_library(tmp_path: Path) -> None:
+    """Under torchrun the worker re-executes itself (same pid) with PRISM_VIRTUAL_CUDA_LIB set, before torch."""
+    out = tmp_path / "out"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                           "localhost:0", "-m", "prism_plugin.megatron", str(SCRIPT), *ARGS, "--prism-world-size", "64",
+                           "--prism-real-ranks", "7", "--prism-profile", "dgx-h100", "--prism-device", "virtual-gpu",
+                           "--prism-output", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    summary = json.loads((out / "rank7.summary.json").read_text())
+    assert summary["device_mode"] == "virtual-gpu" and summary["exit_code"] == 0
+    peak = re.findall(r"\(after 2 iterations\) memory \(MB\) \| allocated: [\d.]+ \| max allocated: ([\d.]+)",
+                      proc.stdout)
+    assert [float(p) for p in peak] == [round(summary["virtual_gpu"]["devices"][0]["peak_allocated_bytes"] / 2**20, 2)]
