@@ -151,6 +151,19 @@ def _skip_no_op_swaps(vgpu: Any) -> None:
         swap(t1, t2)
 
     vgpu.shim._patches.setattr(torch.utils, "swap_tensors", swap_tensors)  # undone by vgpu.stop()
+    record_stream = torch.Tensor.record_stream
+
+    def record_stream_on_virtual_gpu(self: torch.Tensor, stream: Any) -> None:
+        """ZeRO-3's ``free_param`` records the current stream (the shim's stream object, which torch's C++ call
+        refuses: "unknown parameter type"). Without virtual time every stream's work is complete when the block
+        is freed, so recording it changes nothing: a no-op for fake tensors."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(self, FakeTensor):
+            return None
+        return record_stream(self, stream)
+
+    vgpu.shim._patches.setattr(torch.Tensor, "record_stream", record_stream_on_virtual_gpu)
 
 
 def install(patches: Any, vgpu: Any) -> None:
@@ -193,8 +206,40 @@ def install(patches: Any, vgpu: Any) -> None:
 
     for cls in (stage_1_and_2.DeepSpeedZeroOptimizer, stage3.DeepSpeedZeroOptimizer_Stage3):
         patches.setattr(cls, "has_overflow", answering(cls.has_overflow))
+    _answer_rank0_lists(patches, policy, read)
     for module in (stage_1_and_2, stage3):  # each binds utils.is_invalid_grad_norm by name
         patches.setattr(module, "is_invalid_grad_norm", answering(module.is_invalid_grad_norm))
+
+
+def _answer_rank0_lists(patches: Any, policy: Any, read: Any) -> None:
+    """ZeRO-3's order checks (``assert_lst_len_same_as_other_ranks``, ``get_lst_from_rank0``) broadcast rank 0's
+    list into a cuda tensor and read it back; a fake tensor carries no values. Answer: this rank's own list (the
+    mirror rule of `zero`: rank 0 traced what this rank traced). The broadcasts still run. Limitation: on virtual
+    GPUs a real rank 0 that traced another order is not detected."""
+    from deepspeed.runtime.zero import utils as zero_utils
+
+    from prism_plugin.runtime.virtual_gpu import values as values_mod
+
+    def answering(original: Any, answers_of: Any) -> Any:
+        def call(lst: list[int]) -> Any:
+            answers = iter(answers_of(lst))
+
+            def read_mirror(tensor: Any) -> Any:
+                value = next(answers)
+                policy.answers[(values_mod._call_site(), "rank 0's list = this rank's (mirror)")] += 1
+                return value
+
+            policy.read = read_mirror
+            try:
+                return original(lst)
+            finally:
+                policy.read = read
+
+        return call
+
+    patches.setattr(zero_utils, "assert_lst_len_same_as_other_ranks",
+                    answering(zero_utils.assert_lst_len_same_as_other_ranks, lambda lst: [len(lst)]))
+    patches.setattr(zero_utils, "get_lst_from_rank0", answering(zero_utils.get_lst_from_rank0, list))
 
 
 def summary_part(vgpu: Any) -> dict[str, Any]:
