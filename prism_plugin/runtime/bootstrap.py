@@ -24,7 +24,6 @@ if os.environ.get("PRISM_VIRTUAL_CUDA_LIB"):  # device virtual-gpu: the CUDA dev
 
 import atexit  # noqa: E402
 import functools  # noqa: E402
-import runpy  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 from datetime import timedelta  # noqa: E402
@@ -35,7 +34,7 @@ import torch.distributed.distributed_c10d as c10d  # noqa: E402
 
 from prism_plugin.config.kinds import DeviceMode  # noqa: E402
 from prism_plugin.runtime.launch import config_from_env  # noqa: E402
-from prism_plugin.runtime.lifecycle import EmulatedRun, real_store, write_summary  # noqa: E402
+from prism_plugin.runtime.lifecycle import EmulatedRun, real_store, run_target, write_summary  # noqa: E402
 
 __all__ = ["install_init_hook", "main", "run_target"]
 
@@ -135,19 +134,6 @@ def _run_on_virtual_gpu(run: EmulatedRun, args: list[str]) -> None:
         report_not_initialized(run, {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary()}, code)
     vgpu.stop()
     cuda_runtime.exit_now(code)
-
-
-def run_target(args: list[str]) -> None:
-    """Run ``script.py args`` or ``-m module args`` as ``__main__``, as ``python`` would."""
-    if args[0] == "-m":
-        if len(args) < 2:
-            raise SystemExit("prism: -m needs a module name")
-        sys.argv = [args[1], *args[2:]]
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(args)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
-        runpy.run_path(args[0], run_name="__main__")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import runpy
 import shutil
 import signal
 import subprocess
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_GRACE_S", "GRAPH_MISMATCH_EXIT_CODE", "RUN_ID_ENV", "EmulatedRun", "RealProcess",
            "available_memory_bytes", "check_memory", "exit_code_of", "launch_processes", "real_store",
-           "write_summary"]
+           "run_target", "write_summary"]
 
 RUN_ID_ENV = "PRISM_RUN_ID"
 """The launch's id, recorded in every summary as ``run_id`` (`write_summary`)."""
@@ -555,3 +556,16 @@ def launch_processes(processes: Sequence[RealProcess], *, launcher: str, timeout
             else:
                 with contextlib.suppress(OSError):
                     path.unlink(missing_ok=True)
+
+
+def run_target(args: list[str]) -> None:
+    """Run ``script.py args`` or ``-m module args`` as ``__main__``, as ``python`` would."""
+    if args[0] == "-m":
+        if len(args) < 2:
+            raise SystemExit("prism: -m needs a module name")
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+        runpy.run_path(args[0], run_name="__main__")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import sys
 import traceback
 from collections.abc import Mapping
@@ -246,18 +245,6 @@ def summary_part(vgpu: Any) -> dict[str, Any]:
     return {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary()}
 
 
-def _run_target(args: list[str]) -> None:
-    if args[0] == "-m":
-        if len(args) < 2:
-            raise SystemExit("prism: -m needs a module name")
-        sys.argv = [args[1], *args[2:]]
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(args)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
-        runpy.run_path(args[0], run_name="__main__")
-
-
 def main(args: list[str]) -> None:
     """The entry (after `cuda_runtime.preload`): the script on a virtual GPU, then the summary and ``os._exit``."""
     from prism_plugin.adapters.deepspeed import runtime
@@ -272,7 +259,9 @@ def main(args: list[str]) -> None:
     code: int = 0
     error: BaseException | None = None
     try:
-        _run_target(args)
+        from prism_plugin.runtime.lifecycle import run_target  # after the device library: imports torch
+
+        run_target(args)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         error = exc
