@@ -37,6 +37,7 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -205,9 +206,15 @@ class Session:
             if self.replayed is not None:  # the graph's replay already delays virtual stragglers' arrivals
                 self.faults.role_of = self.replayed._role
                 self.faults.live_stragglers = False
+        self.timeline = None  # the per-rank Chrome/Perfetto timeline (PRISM_TIMELINE=<dir>), an op observer
+        if os.environ.get("PRISM_TIMELINE"):
+            from prism_plugin.runtime.timeline import Timeline
+
+            self.timeline = Timeline(self.rank, world.world_size, Path(os.environ["PRISM_TIMELINE"]),
+                                     now_s=self.op_clock.now_s, time_name="wall")
         # the op observers, in the order of prism_plugin.comm.context (which says why)
         observers: list[OpObserver] = [o for o in (self.replayed, self.faults, self.replayer, self.recorder,
-                                                   self.tracer) if o is not None]
+                                                   self.tracer, self.timeline) if o is not None]
         observers.append(self.counters)
         if isinstance(self.op_clock, OpObserver):  # an emulated clock advances with each op; the wall clock does not
             observers.append(self.op_clock)
@@ -313,6 +320,7 @@ class Session:
                                "timing error"},
             **({"graph": self.replayed.summary()} if self.replayed is not None else {}),
             **({"trace": self.tracer.summary()} if self.tracer is not None else {}),
+            **({"timeline": self.timeline.summary()} if self.timeline is not None else {}),
             **({"faults": self._faults_summary()} if self.faults is not None else {}),
         }
 
@@ -341,6 +349,8 @@ class Session:
             self.replayed.on_iteration(self.clock.iteration)
         if self.faults is not None:
             self.faults.on_mark(self.clock.iteration)
+        if self.timeline is not None:
+            self.timeline.on_mark(self.clock.iteration, self.clock.iteration_start_s)
 
     # -- process-wide seams ------------------------------------------------------------------------
     def install(self) -> None:
@@ -500,6 +510,8 @@ def deactivate() -> dict[str, Any] | None:
                 session.recorder.close()
             if session.tracer is not None:
                 session.tracer.close()
+            if session.timeline is not None:
+                session.timeline.write()
             _CURRENT = None
         summary = session.summary()
         if session.faults is not None:
