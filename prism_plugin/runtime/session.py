@@ -92,6 +92,16 @@ def emulated_backend(requested: Any, config: EmulationConfig) -> str:
         raise ConfigError(f"backend={requested!r}: {exc}; name the backend the program uses (gloo, nccl)") from None
 
 
+def _virtual_time(config: EmulationConfig) -> Any:
+    """The active virtual GPU's emulated clock (`prism_plugin.runtime.virtual_gpu.clock.VirtualTime`), if any."""
+    if getattr(config, "device", None) is not DeviceMode.VIRTUAL_GPU:
+        return None
+    from prism_plugin.runtime.virtual_gpu.shim import CudaShim
+
+    shim = CudaShim._ACTIVE
+    return None if shim is None else shim.clock
+
+
 def _record_backend(pg: Any, name: str) -> None:
     """Make torch's ``get_backend(pg)`` / ``get_backend_config(pg)`` answer `name` (module docstring)."""
     world = c10d._world
@@ -163,7 +173,17 @@ class Session:
         self.cost_model = CostModel(self.profile)
         self.gpus_per_node = world.gpus_per_node
         self.arrivals = ArrivalAssumption.SYMMETRIC
-        self.op_clock = WallClock()  # the one line an emulated (virtual-time) clock replaces
+        self.op_clock: Any = WallClock()
+        self.timing = config.timing
+        """Whether ops take their modelled time (sleeping on the wall clock, advancing a virtual one)."""
+        self.virtual_time = _virtual_time(config)
+        if self.virtual_time is not None:  # virtual GPUs with virtual time: the emulated clock, nothing sleeps
+            if world.num_real > 1:
+                raise ConfigError(f"virtual time with {world.num_real} real processes: each real rank's clock would "
+                                  "have to travel with its ops, which is not implemented; run one real rank, or "
+                                  "PRISM_VIRTUAL_TIME=off (memory only, no step time)")
+            self.op_clock = self.virtual_time
+            self.timing = True
         self.clock = EmulationClock(self.op_clock.now_s)
         self.recorder = Recorder(config.record_dir, self.rank, world.world_size) if config.record_dir else None
         self.replayer = (
@@ -193,7 +213,7 @@ class Session:
 
             self.replayed = load_arrivals(config.graph, self.cost_model, self.rank, world.real_ranks,
                                           world.world_size, self.clock, config.faults)  # GraphError on bad input
-            self.replayed.timing = config.timing
+            self.replayed.timing = self.timing
             self.arrivals = ArrivalAssumption.REPLAYED
         self.faults = None  # faults and what-ifs (prism_plugin.config.faults), an op observer
         if config.faults:
@@ -202,7 +222,7 @@ class Session:
 
             self.faults = LiveFaults(FaultSet(config.faults, world.world_size, world.gpus_per_node), self.rank,
                                      self.clock, config.timeout_s)
-            self.faults.timing = config.timing
+            self.faults.timing = self.timing
             if self.replayed is not None:  # the graph's replay already delays virtual stragglers' arrivals
                 self.faults.role_of = self.replayed._role
                 self.faults.live_stragglers = False
@@ -211,7 +231,10 @@ class Session:
             from prism_plugin.runtime.timeline import Timeline
 
             self.timeline = Timeline(self.rank, world.world_size, Path(os.environ["PRISM_TIMELINE"]),
-                                     now_s=self.op_clock.now_s, time_name="wall")
+                                     now_s=self.op_clock.now_s,
+                                     time_name="wall" if self.virtual_time is None else "emulated")
+            if self.virtual_time is not None:  # each kernel and op on its emulated stream's row
+                self.virtual_time.record = self.timeline.add_span
         # the op observers, in the order of prism_plugin.comm.context (which says why)
         observers: list[OpObserver] = [o for o in (self.replayed, self.faults, self.replayer, self.recorder,
                                                    self.tracer, self.timeline) if o is not None]
@@ -271,7 +294,7 @@ class Session:
         """Emulated duration of an op on `vg` (0 when the group has no virtual member or timing is off).
 
         A cached lookup: the op counters add each op's cost to `modelled_comm_s`."""
-        if vg.all_real or not self.config.timing:
+        if vg.all_real or not self.timing:
             return 0.0
         key = (id(vg), kind, size_bytes, peer)
         cost = self._costs.get(key)
@@ -314,6 +337,7 @@ class Session:
             "op_counts": {k.value: v for k, v in self.op_counts.items()},
             "op_bytes": {k.value: v for k, v in self.op_bytes.items()},
             "modelled_comm_s": round(self.modelled_comm_s, 9),
+            "clock": "wall" if self.virtual_time is None else "emulated",
             "communicator_memory": self.communicator_memory(),
             "emulated_waits": {**self.wakeups.summary(), "note": "how late each wait() that slept until an "
                                "op's emulated completion woke past it: this host's scheduling, the emulator's own "
@@ -351,6 +375,8 @@ class Session:
             self.faults.on_mark(self.clock.iteration)
         if self.timeline is not None:
             self.timeline.on_mark(self.clock.iteration, self.clock.iteration_start_s)
+        if self.virtual_time is not None:
+            self.virtual_time.on_mark(self.clock.iteration, self.clock.iteration_start_s)
 
     # -- process-wide seams ------------------------------------------------------------------------
     def install(self) -> None:

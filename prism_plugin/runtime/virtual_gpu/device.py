@@ -18,6 +18,7 @@ step time is modelled (virtual time is a separate layer) and nothing here sleeps
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import GpuSpec
 from prism_plugin.runtime.memory import StorageTracker
 from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
 from prism_plugin.runtime.virtual_gpu.shim import CudaShim
 from prism_plugin.runtime.virtual_gpu.values import ValuePolicy
 
@@ -120,6 +122,18 @@ def _move(t: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
     return out.requires_grad_(t.requires_grad) if out.is_floating_point() else out
 
 
+KernelTime = Callable[[Any, tuple, dict, Any], "float | None"]
+"""An op's modelled duration in seconds, from ``(func, args, kwargs, out)``; None: no kernel (views, metadata)."""
+
+
+def _cuda_index(args: tuple, out: Any) -> int | None:
+    """The cuda device an op runs on: its first cuda output's, else its first cuda input's (None: no cuda tensor)."""
+    for x in (*tree_flatten(out)[0], *tree_flatten(args)[0]):
+        if isinstance(x, torch.Tensor) and x.device.type == "cuda":
+            return x.device.index or 0
+    return None
+
+
 def _host_only(args: tuple, kwargs: dict | None) -> bool:
     """Whether an op touches no fake tensor and no cuda device: its inputs are real host tensors (or none) and it
     creates nothing on a GPU."""
@@ -166,17 +180,23 @@ class _AllocatorTracker(StorageTracker):
             with _disable_current_modes():
                 return func(*args, **(kwargs or {}))
         if func is aten._local_scalar_dense.default:
+            if self.gpu.clock is not None and args[0].device.type == "cuda":  # .item(): the host waits for the value
+                self.gpu.clock.sync_stream(self.gpu.shim.current_stream(args[0].device.index).key)
             return self.gpu.values.read(args[0])
+        to_host = False
         if func is aten._to_copy.default:
             kwargs = kwargs or {}
             device = kwargs.get("device")
             if device is not None and torch.device(device).type != args[0].device.type:
+                to_host = torch.device(device).type == "cpu" and not kwargs.get("non_blocking", False)
                 # a cross-device copy: FakeTensorMode on the CPU wheel refuses cpu <-> cuda; no values move anyway
                 func, args, kwargs = aten.empty_like.default, (args[0],), {
                     "dtype": kwargs.get("dtype") or args[0].dtype, "device": device,
                     "memory_format": kwargs.get("memory_format") or torch.preserve_format}
         out = super().__torch_dispatch__(func, types, args, kwargs)
         self.gpu.values.observe(func, args, kwargs or {}, out)
+        if self.gpu.clock is not None:
+            self.gpu.time_kernel(func, args, kwargs or {}, out, to_host)
         return out
 
 
@@ -232,6 +252,30 @@ class VirtualGpu:
         self.tracker = _AllocatorTracker(self)
         self._int_devices = _DeviceCalls(self.values)
         self._started = False
+        self.clock: VirtualTime | None = None
+        """Virtual time (`start_time`): each GPU op a kernel of modelled duration on its stream; None: no time."""
+        self.kernel_time: KernelTime | None = None
+
+    def start_time(self, kernel_time: KernelTime, launch_overhead_s: float) -> VirtualTime:
+        """Give these GPUs virtual time: `kernel_time(func, args, kwargs, out)` is an op's modelled seconds (None:
+        not a kernel, e.g. a view), each launch costs the host `launch_overhead_s`."""
+        self.kernel_time = kernel_time
+        self.clock = self.shim.start_clock(launch_overhead_s)
+        return self.clock
+
+    def time_kernel(self, func: Any, args: tuple, kwargs: dict, out: Any, to_host: bool = False) -> None:
+        """Place the op just run on the current stream of its device, as a kernel of its modelled duration."""
+        assert self.clock is not None and self.kernel_time is not None
+        duration = self.kernel_time(func, args, kwargs, out)
+        if duration is None:
+            return
+        device = _cuda_index(args, out)
+        if device is None:
+            return
+        stream = self.shim.current_stream(device).key
+        self.clock.kernel(stream, duration, str(func))
+        if to_host:  # a blocking copy to the host: the host has the data when the copy ends
+            self.clock.sync_stream(stream)
 
     def _swap_tensors(self, t1: torch.Tensor, t2: torch.Tensor) -> None:
         """``torch.utils.swap_tensors`` (Module.to/cuda swaps fake parameters) once the fake mode's converter memo

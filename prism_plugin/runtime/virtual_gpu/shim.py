@@ -8,9 +8,11 @@ memory API (``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``,
 ``reset_peak_memory_stats``, ``mem_get_info``, ``empty_cache``, ``memory_snapshot``) answered by
 `prism_plugin.cost.allocator.CachingAllocatorModel`.
 
-Streams and events keep their order relations only: nothing runs on them yet, so ``synchronize`` returns
-at once and ``Event.elapsed_time`` is 0.0 (virtual time gives them durations; the summary says step time is
-not modelled). Non-goals: CUDA graphs, IPC, peer access, ``torch.cuda.jiterator``.
+Streams and events: with virtual time (`start_clock`, `prism_plugin.runtime.virtual_gpu.clock.VirtualTime`)
+each stream has an emulated clock, events complete when their stream reaches them, ``wait_event`` /
+``wait_stream`` hold a stream, and ``synchronize`` / ``Event.synchronize`` move the host clock; without it they
+keep their order relations only (``synchronize`` returns at once, ``Event.elapsed_time`` is 0.0).
+Non-goals: CUDA graphs, IPC, peer access, ``torch.cuda.jiterator``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from prism_plugin.cost.allocator import CachingAllocatorModel
 from prism_plugin.cost.gpu import GpuSpec
 from prism_plugin.runtime.undo import Patches
 from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
 
 __all__ = ["CudaShim", "VirtualEvent", "VirtualStream", "device_index"]
 
@@ -56,11 +59,18 @@ class VirtualStream:
         self.stream_id = next(_STREAM_IDS) if stream_id is None else stream_id
         self._context: list[VirtualStream] = []
 
+    @property
+    def key(self) -> tuple[int, int]:
+        """This stream's clock in virtual time (`prism_plugin.runtime.virtual_gpu.clock.VirtualTime`)."""
+        return (self.device_index, self.stream_id)
+
     def wait_stream(self, stream: VirtualStream) -> None:
-        pass
+        clock = self._shim.clock
+        if clock is not None:
+            clock.wait_until(self.key, clock.position(stream.key))
 
     def wait_event(self, event: VirtualEvent) -> None:
-        pass
+        event.wait(self)
 
     def record_event(self, event: VirtualEvent | None = None) -> VirtualEvent:
         event = event or VirtualEvent()
@@ -68,10 +78,13 @@ class VirtualStream:
         return event
 
     def query(self) -> bool:
-        return True
+        clock = self._shim.clock
+        return clock is None or clock.ends.get(self.key, 0.0) <= clock.host_s
 
     def synchronize(self) -> None:
-        pass
+        clock = self._shim.clock
+        if clock is not None:
+            clock.sync_stream(self.key)
 
     @property
     def cuda_stream(self) -> int:
@@ -96,27 +109,41 @@ class VirtualStream:
 
 
 class VirtualEvent:
-    """A CUDA event of a virtual GPU: recorded on a stream; waiting and timing are instantaneous for now."""
+    """A CUDA event of a virtual GPU: recorded on a stream, it completes when that stream reaches it (virtual time:
+    `VirtualTime.position`); without virtual time every event is complete at once and ``elapsed_time`` is 0.0."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
                  external: bool = False) -> None:
         self.enable_timing = enable_timing
         self.stream: VirtualStream | None = None
+        self.time_s: float | None = None
+        """The emulated time the event completes at (None: not recorded, or no virtual time)."""
 
     def record(self, stream: VirtualStream | None = None) -> None:
-        self.stream = stream or CudaShim.active().current_stream()
+        shim = CudaShim.active()
+        self.stream = stream or shim.current_stream()
+        if shim.clock is not None:
+            self.time_s = shim.clock.position(self.stream.key)
 
     def wait(self, stream: VirtualStream | None = None) -> None:
-        pass
+        shim = CudaShim.active()
+        if shim.clock is not None and self.time_s is not None:
+            shim.clock.wait_until((stream or shim.current_stream()).key, self.time_s)
 
     def query(self) -> bool:
-        return True
+        clock = CudaShim.active().clock
+        return clock is None or self.time_s is None or self.time_s <= clock.host_s
 
     def synchronize(self) -> None:
-        pass
+        clock = CudaShim.active().clock
+        if clock is not None and self.time_s is not None:
+            clock.sync_host(self.time_s)
 
     def elapsed_time(self, end_event: VirtualEvent) -> float:
-        return 0.0  # no modelled time yet: virtual time (issue 13) gives events their times
+        """Milliseconds from this event to `end_event` (torch's unit); 0.0 without virtual time."""
+        if self.time_s is None or end_event.time_s is None:
+            return 0.0
+        return 1e3 * (end_event.time_s - self.time_s)
 
 
 class _Properties:
@@ -154,6 +181,8 @@ class CudaShim:
         self._default = [VirtualStream(i, stream_id=0, shim=self) for i in range(len(allocators))]
         self._streams = list(self._default)
         self._patches = Patches()
+        self.clock: VirtualTime | None = None
+        """Virtual time (`start_clock`); None: streams keep their order only and nothing takes time."""
 
     @classmethod
     def active(cls) -> CudaShim:
@@ -198,6 +227,16 @@ class CudaShim:
             yield
         finally:
             self.current = previous
+
+    def start_clock(self, launch_overhead_s: float) -> VirtualTime:
+        """Give this GPU virtual time: streams, events and synchronize follow `VirtualTime`'s clocks."""
+        self.clock = VirtualTime(launch_overhead_s=launch_overhead_s,
+                                 current_stream=lambda: self._streams[self.current].key)
+        return self.clock
+
+    def synchronize(self, device: Any = None) -> None:
+        if self.clock is not None:
+            self.clock.sync_device(self._index(device))
 
     def allocator(self, device: Any = None) -> CachingAllocatorModel:
         return self.allocators[self._index(device)]
@@ -270,7 +309,7 @@ class CudaShim:
             "get_device_name": lambda device=None: self.gpu.name,
             "is_initialized": lambda: True, "init": lambda: None, "_lazy_init": lambda: None,
             "_lazy_call": lambda callable, **kwargs: callable(),
-            "synchronize": lambda device=None: None, "is_bf16_supported": lambda including_emulation=True: True,
+            "synchronize": self.synchronize, "is_bf16_supported": lambda including_emulation=True: True,
             "current_stream": self.current_stream, "default_stream": self.default_stream,
             "set_stream": self.set_stream, "stream": self.stream, "device": self.device,
             "Stream": VirtualStream, "Event": VirtualEvent, "default_generators": self.generators,

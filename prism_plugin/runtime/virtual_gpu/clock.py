@@ -1,0 +1,158 @@
+"""Virtual time: the emulated clock of one virtual-GPU process (DESIGN.md section 11).
+
+`VirtualTime` keeps an emulated **host** clock and one clock per CUDA stream (the program's streams, keyed by
+``(device, stream id)``, and one communication stream per process group, as NCCL keeps one per communicator).
+Nothing sleeps and the wall clock is never read, so the same job gives the same times to the nanosecond on any
+host:
+
+- a kernel (an ATen op on a device tensor, `kernel`) starts at max(its launch on the host, the end of its
+  stream's previous kernel) and lasts its modelled duration (`prism_plugin.runtime.virtual_gpu.kernels`); each
+  launch advances the host by the profile's per-launch overhead;
+- a stream's position is max(host, the end of its last kernel): an event recorded there completes then;
+  ``wait_event`` / ``wait_stream`` hold the stream until that time; ``query`` compares with the host;
+- host-blocking calls (``torch.cuda.synchronize``, ``Stream.synchronize``, ``Event.synchronize``, ``.item()``,
+  a blocking copy to the host) move the host to the device time they wait for (`sync_*`);
+- as comm's `OpClock` (`prism_plugin.comm.context`): ``now_s`` is where the current stream stands (a
+  collective enqueued now starts after everything before it on that stream); ``sleep_until(t)`` is ``work.wait()``:
+  the current stream waits for the op's completion, the host does not block (CUDA semantics); a fault's raise
+  (``record=False``: a timeout the host sees) moves the host;
+- as the last `OpObserver`: each op runs on its group's communication stream, after that stream's previous op
+  (``arrival_s`` moves to the stream's end) and occupies it until ``arrival_s + cost_s``; the launch costs the
+  host one launch overhead.
+
+So DP gradient reduction overlapping backward, TP collectives on the compute stream, and pipeline bubbles
+follow from the program's own stream use. `on_mark` records iteration starts: the summary gives each step's
+emulated time.
+
+Limitations: one real process per group (real peers' clocks do not travel with their ops yet: refused by the
+session); ops of a stream other than the current one are issued on the current one; CUDA graphs are not
+modelled; the host's own Python time is not modelled (only launches): a host-bound program is predicted too fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prism_plugin.comm.context import OpEvent, OpWork
+from prism_plugin.runtime.clock import WakeupStats
+
+__all__ = ["KernelRecord", "VirtualTime"]
+
+StreamKey = tuple[int, int] | tuple[str, str]
+"""``(device, stream id)`` for a program stream, ``("comm", group name)`` for a communication stream."""
+
+KernelRecord = Callable[[str, str, float, float], None]
+"""``(row, name, start_s, end_s)``: where a timeline receives each kernel and op (None: nothing records)."""
+
+
+class VirtualTime:
+    """The emulated host and stream clocks of this process; comm's op clock and its last op observer."""
+
+    name = "emulated"
+
+    def __init__(self, *, launch_overhead_s: float, current_stream: Callable[[], tuple[int, int]]) -> None:
+        if launch_overhead_s < 0:
+            raise ValueError(f"launch_overhead_s={launch_overhead_s!r} must be >= 0")
+        self.launch_overhead_s = launch_overhead_s
+        self.current_stream = current_stream
+        """The key of the current stream of the current device (the shim answers)."""
+        self.host_s = 0.0
+        self.ends: dict[Any, float] = {}
+        self.wakeups = WakeupStats()  # nothing sleeps: stays empty (the wall clock's figure, for the summary)
+        self.kernels = 0
+        self.kernel_s = 0.0
+        self.launches = 0
+        self.comm_ops = 0
+        self.host_syncs = 0
+        self.marks: list[tuple[int, float]] = []
+        self.record: KernelRecord | None = None
+
+    # -- streams ---------------------------------------------------------------------------------------------
+    def position(self, stream: Any) -> float:
+        """When work enqueued on `stream` now would start: max(host, the stream's last end)."""
+        end = self.ends.get(stream, 0.0)
+        return end if end > self.host_s else self.host_s
+
+    def kernel(self, stream: Any, duration_s: float, name: str = "") -> float:
+        """Launch a kernel of `duration_s` on `stream`; returns its end."""
+        start = self.position(stream)
+        end = start + duration_s
+        self.ends[stream] = end
+        self.host_s += self.launch_overhead_s
+        self.kernels += 1
+        self.launches += 1
+        self.kernel_s += duration_s
+        if self.record is not None:
+            self.record(_row(stream), name, start, end)
+        return end
+
+    def wait_until(self, stream: Any, t_s: float) -> None:
+        """`stream` runs nothing before `t_s` (an event it waits on, another stream's position)."""
+        if t_s > self.ends.get(stream, 0.0):
+            self.ends[stream] = t_s
+
+    def sync_host(self, t_s: float) -> None:
+        """The host blocks until device time `t_s`."""
+        self.host_syncs += 1
+        if t_s > self.host_s:
+            self.host_s = t_s
+
+    def sync_stream(self, stream: Any) -> None:
+        self.sync_host(self.ends.get(stream, 0.0))
+
+    def sync_device(self, device: int) -> None:
+        """``torch.cuda.synchronize(device)``: every stream of `device` and every communication stream."""
+        ends = [t for key, t in self.ends.items() if key[0] == device or key[0] == "comm"]
+        self.sync_host(max(ends, default=0.0))
+
+    # -- comm's op clock ---------------------------------------------------------------------------------------
+    def now_s(self) -> float:
+        return self.position(self.current_stream())
+
+    def sleep_until(self, deadline_s: float, record: bool = True) -> None:
+        if record:  # work.wait(): the current stream waits for the op; the host goes on
+            self.wait_until(self.current_stream(), deadline_s)
+        else:  # a fault raises on the host at its time (a timeout the host sees)
+            self.sync_host(deadline_s)
+
+    # -- the last op observer ---------------------------------------------------------------------------------
+    def on_op(self, event: OpEvent) -> None:
+        stream = ("comm", event.group.name)
+        end = self.ends.get(stream, 0.0)
+        if end > event.arrival_s:  # the group's communication stream is busy with its previous op
+            event.arrival_s = end
+        completion = event.arrival_s + event.cost_s
+        self.ends[stream] = completion
+        self.host_s += self.launch_overhead_s
+        self.launches += 1
+        self.comm_ops += 1
+        if self.record is not None:
+            self.record(_row(stream), event.kind.value, event.arrival_s, completion)
+
+    def on_issued(self, event: OpEvent, work: OpWork) -> None:
+        pass
+
+    # -- iterations and report -------------------------------------------------------------------------------
+    def on_mark(self, iteration: int, start_s: float) -> None:
+        self.marks.append((iteration, start_s))
+
+    def step_times_s(self) -> list[float]:
+        """Emulated duration of each marked iteration that has a successor mark."""
+        return [b[1] - a[1] for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+    def summary(self) -> dict[str, Any]:
+        steps = self.step_times_s()
+        return {"clock": self.name, "host_s": round(self.host_s, 9),
+                "device_s": round(max(self.ends.values(), default=0.0), 9),
+                "kernels": self.kernels, "kernel_s": round(self.kernel_s, 9), "launches": self.launches,
+                "launch_overhead_us": round(1e6 * self.launch_overhead_s, 6), "comm_ops": self.comm_ops,
+                "host_syncs": self.host_syncs, "streams": len([k for k in self.ends if k[0] != "comm"]),
+                "comm_streams": len([k for k in self.ends if k[0] == "comm"]),
+                "step_times_s": [round(s, 9) for s in steps]}
+
+
+def _row(stream: Any) -> str:
+    if stream[0] == "comm":
+        return f"comm stream {stream[1]}"
+    return f"cuda:{stream[0]} stream {stream[1]}"
