@@ -21,7 +21,8 @@ on integer sizes and made-up device addresses (nothing is allocated):
 Statistics carry torch's names (``allocated_bytes.all.current``, ``reserved_bytes.all.peak``, ...).
 Non-goals: CUDA graph private pools, ``recordStream`` events (a freed block is reusable at once), IPC,
 ``release_lock_on_cudamalloc``, and memory outside the allocator (context, cuBLAS workspaces, NCCL
-buffers: the device total adds those separately). Pure: no torch.
+buffers: the device total adds those separately). Pure: no torch. With `history` set
+(`allocator_history.AllocatorHistory`) each action is also recorded as torch's ``_record_memory_history`` does.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from prism_plugin.cost.allocator_config import (
     LARGE_BUFFER,
@@ -161,6 +163,7 @@ class CachingAllocatorModel:
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._next_ptr = 0x7F0000000000
         self._gc = self.allowed is not None and self.config.garbage_collection_threshold > 0
+        self.history: Any = None  # an allocator_history.AllocatorHistory (which imports this module) when recording
 
     # -- statistics -----------------------------------------------------------------------------------
     def _add(self, name: str, small: bool, amount: int) -> None:
@@ -202,8 +205,11 @@ class CachingAllocatorModel:
                          and self._alloc_block(pool, stream, rounded, alloc, retry=False))
                      or (self._release_cached()
                          and self._alloc_block(pool, stream, rounded, alloc, retry=True))
-                     or self._out_of_memory(pool, stream, alloc))
-        return self._alloc_found(block, pool, stream, rounded, size, self._should_split(block, rounded))
+                     or self._out_of_memory(pool, stream, alloc, rounded))
+        block = self._alloc_found(block, pool, stream, rounded, size, self._should_split(block, rounded))
+        if self.history is not None:
+            self.history.on_alloc(block, size)
+        return block
 
     def free(self, block: Block) -> None:
         """Return `block` to its pool (torch's ``free``: no stream uses, so at once)."""
@@ -213,6 +219,8 @@ class CachingAllocatorModel:
         self._add("allocated_bytes", block.small, -block.size)
         if block.size >= self.config.max_split_size_bytes:
             self._counters["oversize_allocations"] -= 1
+        if self.history is not None:
+            self.history.on_free(block)
         self._free_block(block)
 
     def empty_cache(self) -> None:
@@ -275,10 +283,14 @@ class CachingAllocatorModel:
         if block.size >= self.config.max_split_size_bytes:
             self._counters["oversize_segments"] += 1
         self._counters["num_device_alloc"] += 1
+        if self.history is not None:
+            self.history.on_segment_alloc(block)
         return block
 
-    def _out_of_memory(self, pool: _Pool, stream: int, alloc: int) -> Block:
+    def _out_of_memory(self, pool: _Pool, stream: int, alloc: int, rounded: int = 0) -> Block:
         self._counters["num_ooms"] += 1
+        if self.history is not None:
+            self.history.on_oom(rounded or alloc, stream, max(0, self.capacity - self.reserved))
         allocated, reserved = self.stat("allocated_bytes"), self.stat("reserved_bytes")
         self.ooms.append({"alloc_size": alloc, "allocated_bytes": allocated, "reserved_bytes": reserved})
         if self.raise_oom:
@@ -393,6 +405,8 @@ class CachingAllocatorModel:
         self._add("reserved_bytes", block.small, -block.size)
         if block.size >= self.config.max_split_size_bytes:
             self._counters["oversize_segments"] -= 1
+        if self.history is not None:
+            self.history.on_segment_free(block)
         pool.remove(block)
 
     def _release_available(self, pool: _Pool, stream: int, size: int) -> bool:
@@ -497,6 +511,8 @@ class CachingAllocatorModel:
             block.next = rest
             pool.unmapped[rest.ptr] = rest
             block.size = mapped
+        if self.history is not None:
+            self.history.on_segment_map(block, mapped)
         self._try_merge(block, block.prev, pool)
         self._try_merge(block, block.next, pool)
         pool.insert(block)
@@ -542,6 +558,8 @@ class CachingAllocatorModel:
             block.next = tail
             pool.insert(tail)
         block.ptr, block.size, block.mapped = begin, end - begin, False
+        if self.history is not None:
+            self.history.on_segment_unmap(begin, end - begin, block.stream)
         self._try_merge(block, block.prev, pool)
         self._try_merge(block, block.next, pool)
         pool.unmapped[block.ptr] = block
