@@ -2,20 +2,25 @@
 
 A `GpuSpec` is the device a virtual-GPU rank believes it runs on: its name, memory, compute capability and
 SM count (what `torch.cuda.get_device_properties` answers), and the device memory outside the caching
-allocator (CUDA context) and inside it before the first kernel (cuBLAS workspaces). Figures are datasheet
-and torch-default values, named per field; a profile may override them. Non-goal: kernel speed (the
-virtual-time kernel model has its own figures). Pure: no torch.
+allocator (CUDA context) and inside it before the first kernel (cuBLAS workspaces), and the two roofline
+figures the virtual-time kernel model (`prism_plugin.cost.kernels`) divides by: dense peak FLOP/s per dtype and
+HBM bandwidth. Figures are datasheet and torch-default values, named per field; a profile may override them.
+Non-goal: achieved kernel speed (the kernel model's efficiencies, in the profile's ``kernels:`` section).
+Pure: no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prism_plugin.config.errors import ConfigError, positive_int
 
-__all__ = ["GPUS", "GpuSpec", "cublas_workspace_bytes", "gpu_spec"]
+__all__ = ["GPUS", "PEAK_DTYPES", "GpuSpec", "cublas_workspace_bytes", "gpu_spec"]
 
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
+
+PEAK_DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
+"""Keys of `GpuSpec.peak_flops_per_s`: float32 is the CUDA-core (non-tensor) rate, the others tensor-core rates."""
 
 
 def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
@@ -45,27 +50,57 @@ class GpuSpec:
     """Device memory the CUDA context and driver hold outside the caching allocator: a policy default (512 MiB,
     the order of an H100 context with cuBLAS and NCCL loaded), to be measured on a device and set in the profile."""
 
+    peak_flops_per_s: dict[str, float] = field(default_factory=dict)
+    """Dense (no 2:4 sparsity) peak FLOP/s per dtype name of `PEAK_DTYPES` (datasheet figures; a dtype the GPU
+    has no rate for is absent, e.g. float8 on an A100). Empty: unknown, and the roofline kernel model refuses
+    the GPU."""
+    hbm_bytes_per_s: float = 0.0
+    """Peak HBM bandwidth in bytes/s (datasheet). 0: unknown, and the roofline kernel model refuses the GPU."""
+
     def __post_init__(self) -> None:
         positive_int("total_memory_bytes", self.total_memory_bytes)
         positive_int("multi_processor_count", self.multi_processor_count)
         if self.context_bytes < 0 or self.context_bytes >= self.total_memory_bytes:
             raise ConfigError(f"context_bytes={self.context_bytes!r} must be in [0, total_memory_bytes)")
+        for dtype, rate in self.peak_flops_per_s.items():
+            if dtype not in PEAK_DTYPES:
+                raise ConfigError(f"peak_flops_per_s: unknown dtype {dtype!r}; use one of {', '.join(PEAK_DTYPES)}")
+            if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0:
+                raise ConfigError(f"peak_flops_per_s.{dtype}={rate!r} must be a number of FLOP/s > 0, e.g. 989.4e12")
+        if isinstance(self.hbm_bytes_per_s, bool) or not self.hbm_bytes_per_s >= 0:
+            raise ConfigError(f"hbm_bytes_per_s={self.hbm_bytes_per_s!r} must be >= 0 bytes/s, e.g. 3.35e12")
+
+    def __hash__(self) -> int:  # the peak dict is not hashable; a spec is identified by its name and sizes
+        return hash((self.name, self.total_memory_bytes, self.capability, self.multi_processor_count))
 
     @property
     def cublas_workspace_bytes(self) -> int:
         return cublas_workspace_bytes(self.capability)
 
 
+# NVIDIA H100 Tensor Core GPU datasheet, SXM column (dense = half the "with sparsity" figures): FP64 Tensor
+# Core 67 TF, FP32 67 TF (66.9), TF32 989 TF sparse -> 494.7 dense, BF16/FP16 1979 sparse -> 989.4 dense,
+# FP8 3958 sparse -> 1978.9 dense, HBM3 3.35 TB/s.
+_H100_PEAKS = {"float64": 66.9e12, "float32": 66.9e12, "tf32": 494.7e12, "bfloat16": 989.4e12,
+               "float16": 989.4e12, "float8": 1978.9e12}
+# NVIDIA A100 Tensor Core GPU datasheet, SXM 80GB column (dense): FP64 Tensor Core 19.5 TF, FP32 19.5 TF,
+# TF32 156 TF, BF16/FP16 312 TF; no FP8; HBM2e 2,039 GB/s.
+_A100_PEAKS = {"float64": 19.5e12, "float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16": 312e12}
+
 GPUS = {
     # torch.cuda.get_device_properties on an H100 SXM5: total_memory=85520809984 (81559 MiB), 132 SMs
     "h100-sxm": GpuSpec(name="NVIDIA H100 80GB HBM3", total_memory_bytes=81559 * MiB, capability=(9, 0),
-                        multi_processor_count=132, context_bytes=512 * MiB),
-    # a published device-properties printout of an H200 SXM: total_memory=143156MB, multi_processor_count=132
+                        multi_processor_count=132, context_bytes=512 * MiB,
+                        peak_flops_per_s=_H100_PEAKS, hbm_bytes_per_s=3.35e12),
+    # a published device-properties printout of an H200 SXM: total_memory=143156MB, multi_processor_count=132;
+    # NVIDIA H200 datasheet, SXM: the H100's compute figures, HBM3e 4.8 TB/s
     "h200-sxm": GpuSpec(name="NVIDIA H200", total_memory_bytes=143156 * MiB, capability=(9, 0),
-                        multi_processor_count=132, context_bytes=512 * MiB),
+                        multi_processor_count=132, context_bytes=512 * MiB,
+                        peak_flops_per_s=dict(_H100_PEAKS), hbm_bytes_per_s=4.8e12),
     # a published device-properties printout of an A100 SXM4 80 GB: total_memory=81920MB, 108 SMs (check on a device)
     "a100-sxm-80gb": GpuSpec(name="NVIDIA A100-SXM4-80GB", total_memory_bytes=81920 * MiB, capability=(8, 0),
-                             multi_processor_count=108, context_bytes=512 * MiB),
+                             multi_processor_count=108, context_bytes=512 * MiB,
+                             peak_flops_per_s=_A100_PEAKS, hbm_bytes_per_s=2.039e12),
 }
 """Built-in GPU models, by the name a hardware profile's ``gpu:`` field gives."""
 

@@ -3,6 +3,9 @@
 A profile is a frozen value object loaded from YAML: a built-in name (`dgx-h100`, `dgx-a100`,
 `local-cpu-gloo`, aliases `H100` / `A100`, case-insensitive) or a path to a file of the same schema.
 
+The optional ``kernels:`` section holds the virtual-time kernel model's efficiencies
+(`prism_plugin.cost.kernels.KernelEfficiency`); a profile without one uses that module's policy defaults.
+
 Limitations: a profile describes one homogeneous cluster (every node alike, one NIC per GPU);
 there is no PCIe tier, no per-switch oversubscription and no congestion. The built-in figures are
 datasheet values or one-off measurements: calibrate them before trusting absolute times.
@@ -24,6 +27,7 @@ from typing import Any
 import yaml
 
 from prism_plugin.config.errors import ConfigError
+from prism_plugin.cost.kernels import KernelEfficiency
 
 __all__ = [
     "HardwareProfile",
@@ -98,10 +102,16 @@ class HardwareProfile:
     gpu: str | None = None
     """The GPU model of the nodes (`prism_plugin.cost.gpu.GPUS`: h100-sxm, h200-sxm, a100-sxm-80gb): what a
     virtual GPU presents (``--device virtual-gpu``). None for CPU profiles."""
+    kernels: KernelEfficiency = KernelEfficiency()
+    """Optional: the virtual-time kernel model's efficiencies (YAML: a ``kernels:`` mapping, see
+    `KernelEfficiency`); absent, every figure is the policy default (listed by ``kernels.defaults_used``)."""
 
     def __post_init__(self) -> None:
         where = f"profile {self.name!r}"
         object.__setattr__(self, "op_transfer_factors", _op_factors(self.op_transfer_factors, where))
+        if not isinstance(self.kernels, KernelEfficiency):
+            object.__setattr__(self, "kernels", KernelEfficiency.from_mapping(self.kernels, where=where,
+                                                                              error=ProfileError))
         if not isinstance(self.name, str) or not self.name.strip():
             raise ProfileError(f"`name` must be a non-empty string, got {self.name!r}; e.g. name: my-cluster")
         if not isinstance(self.description, str):
@@ -172,7 +182,7 @@ def _check_number(value: object, field_path: str, where: str, *, allow_zero: boo
 
 
 _FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(HardwareProfile))
-_OPTIONAL_FIELDS = frozenset({"op_transfer_factors", "gpu"})  # older profile files do not have them
+_OPTIONAL_FIELDS = frozenset({"op_transfer_factors", "gpu", "kernels"})  # older profile files do not have them
 
 
 def _profile_from_mapping(data: object, source: str) -> HardwareProfile:
@@ -234,13 +244,16 @@ def profile_to_yaml(profile: HardwareProfile) -> str:
 
 
 def _as_mapping(profile: HardwareProfile) -> dict[str, Any]:
-    """The profile as plain YAML data: op_transfer_factors as a mapping, left out when empty."""
+    """The profile as plain YAML data: op_transfer_factors and kernels as mappings, left out when empty."""
     data = dataclasses.asdict(profile)
+    data.pop("kernels")
     factors = data.pop("op_transfer_factors")
     if data.get("gpu") is None:
         data.pop("gpu", None)
     if factors:
         data["op_transfer_factors"] = dict(factors)
+    if profile.kernels.given:
+        data["kernels"] = profile.kernels.to_mapping()
     return data
 
 
@@ -302,20 +315,29 @@ def _load_builtin(name: str) -> HardwareProfile:
 def override_profile(profile: HardwareProfile, overrides: Mapping[str, object]) -> HardwareProfile:
     """A copy of `profile` with dotted fields replaced, validated like a file (what-if studies).
 
-    Example: ``override_profile(p, {"inter_node.bandwidth_gbytes_per_s": 25.0, "bus_efficiency": 0.7})``.
+    Example: ``override_profile(p, {"inter_node.bandwidth_gbytes_per_s": 25.0, "bus_efficiency": 0.7})``;
+    ``{"kernels.gemm.compute_efficiency": 0.7}`` sets one kernel-model figure (validated as in a file).
     """
     data = _as_mapping(profile)
     data.setdefault("op_transfer_factors", {})
+    data.setdefault("kernels", {})
     for dotted, value in overrides.items():
         head, _, tail = dotted.partition(".")
         target = data.get(head)
         if head == "op_transfer_factors" and tail:  # any op may be added
             target[tail] = value  # type: ignore[index]
             continue
+        if head == "kernels" and tail:  # `kernels.<field>` or `kernels.<class>.<field>`, checked when parsed
+            group, _, sub = tail.partition(".")
+            if sub:
+                target.setdefault(group, {})[sub] = value  # type: ignore[union-attr]
+            else:
+                target[group] = value  # type: ignore[index]
+            continue
         if head not in data or (tail and (not isinstance(target, dict) or tail not in target)):
             valid = [f for f in _FIELDS if f not in ("intra_node", "inter_node")]
             valid += [f"{tier}.{key}" for tier in ("intra_node", "inter_node") for key in _LINK_FIELDS]
-            valid.append("op_transfer_factors.<op>")
+            valid += ["op_transfer_factors.<op>", "kernels.<field>", "kernels.<class>.<field>"]
             raise ProfileError(f"override: unknown field `{dotted}`; valid fields: {', '.join(valid)}")
         if tail:
             target[tail] = value

@@ -1,0 +1,518 @@
+"""Kernel-time models of virtual time: how long one GPU kernel lasts (DESIGN.md section 11).
+
+In virtual-GPU mode each ATen op on a device tensor becomes a kernel on an emulated CUDA stream; its
+duration comes from a `KernelModel` applied to the op's `KernelCost` (class, FLOPs, bytes moved, dtype,
+problem shape; made by `prism_plugin.runtime.virtual_gpu.kernels`). Two models, named in every summary:
+
+- `RooflineModel` (``roofline``): ``max(flops / (peak_flops[dtype] * compute_eff), bytes / (hbm * memory_eff),
+  min_kernel)``, with the GPU's datasheet peaks (`prism_plugin.cost.gpu`) and per-class efficiencies from the
+  hardware profile's ``kernels:`` section (`KernelEfficiency`). GEMM efficiency depends on the shape through
+  wave quantization (`gemm_wave_utilization`).
+- `TableModel` (``table``): durations measured on a device, keyed by (op, shape, dtype, device); an exact key
+  is used as measured, a near one is scaled from its nearest measured neighbour, a miss falls back to a roofline
+  model and is counted per op (`TableModel.misses`): never silently zero.
+
+`kernel_model(name, gpu, profile_section, table_path)` builds one from user input (a `ConfigError` naming the
+field and the fix otherwise).
+
+Limitations: a kernel's time does not depend on what else runs (no contention between streams, no L2 reuse
+across kernels, no clock throttling); FLOPs are what `torch.utils.flop_counter` counts (causal attention is
+counted as full attention, so the attention efficiency absorbs the masked half); every efficiency figure is an
+estimate until calibrated (``fit``, or a `table` recorded on the target GPU); ``defaults_used`` names the ones no
+profile set. Non-goals: host launch overhead and stream ordering (the clock's, `runtime.virtual_gpu.clock`);
+collectives (`prism_plugin.cost.model`). Pure: stdlib only, no torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Protocol
+
+from prism_plugin.config.errors import ConfigError
+from prism_plugin.cost.gpu import GpuSpec
+
+__all__ = [
+    "KERNEL_MODELS",
+    "KernelClass",
+    "KernelCost",
+    "KernelEfficiency",
+    "KernelModel",
+    "RooflineModel",
+    "TableModel",
+    "gemm_wave_utilization",
+    "kernel_model",
+    "peak_dtype",
+]
+
+KERNEL_MODELS = ("roofline", "table")
+"""Names `kernel_model` builds (``fit`` is planned: efficiencies fitted to measured step times)."""
+TABLE_FORMAT = "prism-kernel-table"
+TABLE_VERSION = 1
+
+
+class KernelClass(StrEnum):
+    """What kind of kernel an op launches; each class has its own efficiencies in the profile."""
+
+    GEMM = "gemm"
+    """Matrix multiplies and convolutions (tensor cores): mm, addmm, bmm, baddbmm, _scaled_mm, convolution."""
+    ATTENTION = "attention"
+    """Fused attention, forward and backward: scaled_dot_product_*, flash and memory-efficient attention."""
+    NORM = "norm"
+    """Normalization and softmax, forward and backward: layer norm, RMS norm, softmax, log_softmax."""
+    ELEMENTWISE = "elementwise"
+    """Pointwise ops (add, mul, gelu, dropout, casts inside ops): memory-bound."""
+    REDUCTION = "reduction"
+    """Reductions: sum, mean, amax, norm, var."""
+    OPTIMIZER = "optimizer"
+    """Multi-tensor kernels: ``_foreach_*`` and fused Adam/AdamW/SGD."""
+    MEMCPY = "memcpy"
+    """Copies and fills: copy_, _to_copy, cat, clone, fill_, zero_, zeros/ones/full."""
+    OTHER = "other"
+    """Irregular memory access (embedding, index, gather, scatter, sort, topk); never a collective."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelCost:
+    """What one kernel does, as a kernel model needs it (no values, no torch).
+
+    Example: a bf16 ``mm`` of (4096, 4096) by (4096, 4096) is ``KernelCost(op="aten.mm.default",
+    kernel_class=KernelClass.GEMM, flops=2 * 4096**3, bytes=3 * 4096**2 * 2, dtype="bfloat16",
+    shape=(4096, 4096, 4096))``.
+    """
+
+    op: str
+    """The ATen overload, as ``str(func)``: ``aten.mm.default``."""
+    kernel_class: KernelClass
+    flops: int
+    """Floating-point operations (a multiply-add counts 2), from ``torch.utils.flop_counter``; 0 when it has no
+    formula for the op (every memory-bound class)."""
+    bytes: int
+    """Bytes moved: tensor inputs read plus outputs (and in-place arguments) written."""
+    dtype: str
+    """The compute dtype (torch's name without ``torch.``): ``bfloat16``; ``tf32`` for a float32 GEMM the
+    program allows on TF32 tensor cores."""
+    shape: tuple[int, ...]
+    """The problem's size: GEMM ``(m, n, k)`` or batched ``(b, m, n, k)``; attention ``(batch, heads, seq_q,
+    seq_kv, head_dim)``; other classes the largest tensor's shape (``(tensors, elements)`` for a foreach op)."""
+
+
+def peak_dtype(dtype: str) -> str:
+    """The `GpuSpec.peak_flops_per_s` key a kernel of `dtype` runs at: float8 variants -> float8, integer,
+    bool and complex dtypes -> float32 (the CUDA-core rate; an estimate).
+
+    >>> peak_dtype("float8_e4m3fn"), peak_dtype("bfloat16"), peak_dtype("int64")
+    ('float8', 'bfloat16', 'float32')
+    """
+    if dtype in ("float64", "float32", "tf32", "bfloat16", "float16"):
+        return dtype
+    if dtype.startswith("float8"):
+        return "float8"
+    return "float32"
+
+
+def gemm_wave_utilization(shape: tuple[int, ...], sms: int, tile: tuple[int, int], split_k_min_depth: int) -> float:
+    """Fraction of the GPU's SMs a GEMM keeps busy over its waves of output tiles, in (0, 1].
+
+    A GEMM ``(m, n, k)`` (or batched ``(b, m, n, k)``) is cut into ``tiles = b * ceil(m / tm) * ceil(n / tn)``
+    output tiles, one per thread block; they run in ``ceil(tiles / sms)`` waves, and the last wave is partly
+    empty: utilization ``= tiles / (waves * sms)`` ("wave quantization", NVIDIA Deep Learning Performance
+    Guide, *Matrix Multiplication Background*, section "Wave Quantization"). A grid with fewer tiles than SMs
+    is split along k (split-K, as cuBLAS/CUTLASS do) into ``s = min(sms // tiles, k // split_k_min_depth)``
+    parts (at least 1), so ``tiles * s`` blocks share the waves. Tile size and minimum split depth are profile
+    figures (estimates). A shape that is not a GEMM's (empty, e.g. a convolution backward) counts as 1.
+
+    >>> round(gemm_wave_utilization((4096, 4096, 4096), 132, (128, 128), 256), 6)  # 1024 tiles, 8 waves
+    0.969697
+    >>> gemm_wave_utilization((128, 128, 4096), 132, (128, 128), 256)  # 1 tile split 16-way: 16 / 132
+    0.12121212121212122
+    """
+    if len(shape) == 3:
+        batch, (m, n, k) = 1, shape
+    elif len(shape) == 4:
+        batch, m, n, k = shape
+    else:
+        return 1.0
+    tiles = batch * -(-m // tile[0]) * -(-n // tile[1])
+    if tiles <= 0:
+        return 1.0
+    if tiles < sms:
+        tiles *= max(1, min(sms // tiles, k // split_k_min_depth))
+    waves = -(-tiles // sms)
+    return tiles / (waves * sms)
+
+
+# -- efficiencies (the profile's `kernels:` section) ----------------------------------------------------------
+
+_CLASS_DEFAULTS: dict[KernelClass, tuple[float, float]] = {
+    # (compute_efficiency, memory_efficiency): estimates for an H100 SXM, to be calibrated.
+    KernelClass.GEMM: (0.75, 0.8),  # large bf16 cuBLAS GEMMs: ~700-800 of 989.4 TFLOP/s
+    KernelClass.ATTENTION: (0.5, 0.8),  # FlashAttention-2 ~35%, FlashAttention-3 up to 75% of peak (Shah et al. 2024)
+    KernelClass.NORM: (0.5, 0.7),  # row-wise kernels: two passes over short rows
+    KernelClass.ELEMENTWISE: (0.5, 0.85),  # large vectorized pointwise kernels: ~2.8 of 3.35 TB/s
+    KernelClass.REDUCTION: (0.5, 0.8),
+    KernelClass.OPTIMIZER: (0.5, 0.75),  # multi_tensor_apply over many small tensors
+    KernelClass.MEMCPY: (0.5, 0.85),  # device-to-device copy: read + write near HBM peak
+    KernelClass.OTHER: (0.5, 0.5),  # gathers and scatters: irregular access
+}
+_DEFAULTS: dict[str, Any] = {
+    "min_kernel_us": 2.5,  # the smallest kernels of an H100 training step's trace last ~2-3 us; estimate
+    "gemm_tile": (128, 128),  # a common cuBLAS/CUTLASS CTA tile; estimate (Hopper kernels also use 128x256)
+    "gemm_split_k_min_depth": 256,  # k per split-K part; estimate
+    **{f"{cls.value}.compute_efficiency": c for cls, (c, _) in _CLASS_DEFAULTS.items()},
+    **{f"{cls.value}.memory_efficiency": m for cls, (_, m) in _CLASS_DEFAULTS.items()},
+}
+_CLASS_FIELDS = ("compute_efficiency", "memory_efficiency")
+_TOP_FIELDS = ("min_kernel_us", "gemm_tile", "gemm_split_k_min_depth", *(c.value for c in KernelClass))
+
+
+def _unknown(key: str, known: tuple[str, ...] | list[str], prefix: str, where: str, error: type[ConfigError]):
+    close = difflib.get_close_matches(key, known, n=1) or [k for k in known if k.startswith(key)][:1]
+    hint = f"did you mean `{prefix}{close[0]}`?" if close else f"known fields: {', '.join(known)}"
+    return error(f"{where}unknown field `{prefix}{key}`; {hint}")
+
+
+def _checked(key: str, value: Any, where: str, error: type[ConfigError]) -> Any:
+    """`value` of dotted `key` validated (and normalised: floats, a tuple tile), else `error` naming it."""
+    field = f"{where}`kernels.{key}`"
+    if key == "gemm_tile":
+        if (not isinstance(value, list | tuple) or len(value) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value)):
+            raise error(f"{field} must be two positive integers (rows, columns of a GEMM output tile), e.g. [128, 128]")
+        return (value[0], value[1])
+    if key == "gemm_split_k_min_depth":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise error(f"{field} must be a positive integer (k per split-K part), e.g. 256; got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise error(f"{field} must be a finite number, got {value!r}; e.g. {_DEFAULTS[key]}")
+    if key == "min_kernel_us":
+        if value < 0:
+            raise error(f"{field} must be >= 0 microseconds, got {value!r}; e.g. 2.5")
+    elif not 0 < value <= 1:
+        raise error(f"{field} must be a fraction in (0, 1], got {value!r}; e.g. 0.8 for 80% of peak")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelEfficiency:
+    """The profile's ``kernels:`` section: achieved fractions of peak per kernel class, GEMM tiling, kernel floor.
+
+    Only what the profile sets is kept (`given`, dotted keys such as ``gemm.compute_efficiency``); every other
+    figure is this module's policy default, listed by `defaults_used` so summaries can say which figures no
+    profile set. YAML (every key optional)::
+
+        kernels:
+          min_kernel_us: 2.5
+          gemm_tile: [128, 128]
+          gemm_split_k_min_depth: 256
+          gemm: {compute_efficiency: 0.75, memory_efficiency: 0.8}
+          norm: {memory_efficiency: 0.7}
+
+    Example: ``KernelEfficiency.from_mapping({"gemm": {"compute_efficiency": 0.7}}).compute_efficiency(
+    KernelClass.GEMM) == 0.7``, and ``"gemm.compute_efficiency" not in`` its `defaults_used`.
+    """
+
+    given: tuple[tuple[str, Any], ...] = ()
+    """(dotted key, value) pairs the profile set, sorted; validated at construction."""
+
+    def __post_init__(self) -> None:
+        pairs = self.given.items() if isinstance(self.given, Mapping) else self.given
+        out = {}
+        for key, value in pairs:
+            if key not in _DEFAULTS:
+                raise _unknown(key, list(_DEFAULTS), "kernels.", "", ConfigError)
+            out[key] = _checked(key, value, "", ConfigError)
+        object.__setattr__(self, "given", tuple(sorted(out.items())))
+
+    @classmethod
+    def from_mapping(cls, data: object, *, where: str = "", error: type[ConfigError] = ConfigError
+                     ) -> KernelEfficiency:
+        """Parse the nested YAML mapping of a ``kernels:`` section (None: all defaults); `where` prefixes
+        messages (a file name), `error` is the `ConfigError` subclass raised."""
+        where = f"{where}: " if where else ""
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise error(f"{where}`kernels` must be a mapping, e.g. {{min_kernel_us: 2.5, gemm: "
+                        f"{{compute_efficiency: 0.75}}}}; got {data!r}")
+        flat: dict[str, Any] = {}
+        for key, value in data.items():
+            key = str(key)
+            if key not in _TOP_FIELDS:
+                raise _unknown(key, _TOP_FIELDS, "kernels.", where, error)
+            if key in _DEFAULTS:
+                flat[key] = _checked(key, value, where, error)
+                continue
+            if not isinstance(value, Mapping):
+                raise error(f"{where}`kernels.{key}` must be a mapping of {' and '.join(_CLASS_FIELDS)}, "
+                            f"e.g. {{memory_efficiency: 0.8}}; got {value!r}")
+            for sub, figure in value.items():
+                if str(sub) not in _CLASS_FIELDS:
+                    raise _unknown(str(sub), _CLASS_FIELDS, f"kernels.{key}.", where, error)
+                flat[f"{key}.{sub}"] = _checked(f"{key}.{sub}", figure, where, error)
+        return cls(tuple(flat.items()))
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The given figures as nested YAML data (empty when the profile set none); `from_mapping` reads it back."""
+        out: dict[str, Any] = {}
+        for key, value in self.given:
+            head, _, sub = key.partition(".")
+            if sub:
+                out.setdefault(head, {})[sub] = value
+            else:
+                out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def value(self, key: str) -> Any:
+        """The figure of dotted `key`: the profile's, else the policy default."""
+        for given_key, value in self.given:
+            if given_key == key:
+                return value
+        return _DEFAULTS[key]
+
+    @property
+    def defaults_used(self) -> tuple[str, ...]:
+        """Dotted keys no profile set, whose policy default is in use (report them with the model's figures)."""
+        given = {key for key, _ in self.given}
+        return tuple(key for key in _DEFAULTS if key not in given)
+
+    def compute_efficiency(self, kernel_class: KernelClass) -> float:
+        """Achieved fraction of the dtype's peak FLOP/s (for GEMMs: before wave quantization)."""
+        return self.value(f"{kernel_class.value}.compute_efficiency")
+
+    def memory_efficiency(self, kernel_class: KernelClass) -> float:
+        """Achieved fraction of the HBM bandwidth."""
+        return self.value(f"{kernel_class.value}.memory_efficiency")
+
+
+# -- models ---------------------------------------------------------------------------------------------------
+
+
+class KernelModel(Protocol):
+    """A kernel-time model: `name` (named in every summary) and a deterministic `duration_s`."""
+
+    @property
+    def name(self) -> str: ...
+
+    def duration_s(self, cost: KernelCost) -> float:
+        """The kernel's modelled duration in seconds, > 0."""
+        ...
+
+
+class RooflineModel:
+    """``duration = max(flops / achieved_flops, bytes / achieved_bandwidth, min_kernel)`` on one GPU.
+
+    ``achieved_flops = peak_flops_per_s[peak_dtype(dtype)] * compute_efficiency(class)``, times
+    `gemm_wave_utilization` for a GEMM; ``achieved_bandwidth = hbm_bytes_per_s * memory_efficiency(class)``
+    (the roofline: Williams, Waterman, Patterson, CACM 2009). Pure arithmetic, deterministic.
+
+    Example (dgx-h100 figures): a 4096^3 bf16 mm does 2 * 4096^3 = 137,438,953,472 FLOPs at
+    989.4e12 * 0.75 * 1024/1056 = 7.1956e14 FLOP/s -> 191.0 us; its 100,663,296 bytes at 3.35e12 * 0.8 would
+    take 37.6 us, so it is compute-bound.
+    """
+
+    name = "roofline"
+
+    def __init__(self, gpu: GpuSpec, efficiency: KernelEfficiency | None = None) -> None:
+        if not gpu.peak_flops_per_s or gpu.hbm_bytes_per_s <= 0:
+            raise ConfigError(
+                f"gpu {gpu.name!r} has no peak_flops_per_s / hbm_bytes_per_s: the roofline kernel model needs "
+                "both; use a built-in GPU (prism_plugin.cost.gpu.GPUS) or give its datasheet figures"
+            )
+        self.gpu = gpu
+        self.efficiency = efficiency if efficiency is not None else KernelEfficiency()
+        eff = self.efficiency
+        self._floor_s = eff.value("min_kernel_us") / 1e6
+        self._tile = eff.value("gemm_tile")
+        self._split = eff.value("gemm_split_k_min_depth")
+        self._compute = {cls: eff.compute_efficiency(cls) for cls in KernelClass}
+        self._bandwidth = {cls: gpu.hbm_bytes_per_s * eff.memory_efficiency(cls) for cls in KernelClass}
+
+    def _peak(self, dtype: str) -> float:
+        key = peak_dtype(dtype)
+        try:
+            return self.gpu.peak_flops_per_s[key]
+        except KeyError:
+            raise ConfigError(
+                f"gpu {self.gpu.name!r} has no {key} peak (peak_flops_per_s has {sorted(self.gpu.peak_flops_per_s)}):"
+                f" the program runs {dtype} kernels this GPU does not have; emulate a GPU that has them"
+            ) from None
+
+    def achieved_flops_per_s(self, cost: KernelCost) -> float:
+        """The FLOP/s this kernel runs at (the compute roof it meets)."""
+        rate = self._peak(cost.dtype) * self._compute[cost.kernel_class]
+        if cost.kernel_class is KernelClass.GEMM:
+            rate *= gemm_wave_utilization(cost.shape, self.gpu.multi_processor_count, self._tile, self._split)
+        return rate
+
+    def duration_s(self, cost: KernelCost) -> float:
+        compute_s = cost.flops / self.achieved_flops_per_s(cost) if cost.flops else 0.0
+        memory_s = cost.bytes / self._bandwidth[cost.kernel_class]
+        return max(compute_s, memory_s, self._floor_s)
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    cost: KernelCost
+    duration_s: float
+
+
+class TableModel:
+    """Durations measured on a device, by (op, shape, dtype, device); nearest-shape scaling; roofline on a miss.
+
+    Lookup of a kernel (within the table's one device): (1) an entry of the same op, shape and dtype: its
+    measured time; (2) else the entry of the same op and dtype nearest in ``|ln(flops ratio)| + |ln(bytes
+    ratio)|`` (ties: the first in the file's sorted order), its time scaled by the fallback roofline's ratio
+    ``roofline(kernel) / roofline(neighbour)`` (the flops ratio when compute-bound, the bytes ratio when
+    memory-bound, with wave quantization and the floor), counted in `interpolated`; (3) else the fallback
+    roofline's time, counted in `misses`. Repeated entries of one key take their median.
+
+    File (JSON, written by ``prism kernels record``)::
+
+        {"format": "prism-kernel-table", "version": 1, "entries": [
+          {"op": "aten.mm.default", "kernel_class": "gemm", "shape": [4096, 4096, 4096], "dtype": "bfloat16",
+           "device": "NVIDIA H100 80GB HBM3", "flops": 137438953472, "bytes": 100663296, "duration_us": 201.5}]}
+
+    Limitations: the neighbour is one entry (no interpolation between two); a table measured on one device says
+    nothing about another (the fallback's ratios carry the target GPU's roofline, not the measured device's).
+    """
+
+    name = "table"
+
+    def __init__(self, entries: list[tuple[KernelCost, str, float]], fallback: RooflineModel,
+                 *, device: str | None = None, source: str = "<table>") -> None:
+        """`entries`: (cost, device, duration_s) rows; `device`: which device's rows to use (None: the only one)."""
+        devices = sorted({dev for _, dev, _ in entries})
+        if device is None:
+            if len(devices) != 1:
+                raise ConfigError(f"{source}: the table holds devices {devices}; name one (kernel table device)"
+                                  if devices else f"{source}: the table has no entries; record one first")
+            device = devices[0]
+        elif device not in devices:
+            raise ConfigError(f"{source}: no entries for device {device!r}; the table holds {devices}")
+        self.device, self.fallback, self.source = device, fallback, source
+        grouped: dict[tuple[str, tuple[int, ...], str], list[tuple[KernelCost, float]]] = {}
+        for cost, dev, seconds in sorted(entries, key=lambda e: (e[0].op, e[0].dtype, e[0].shape, e[2])):
+            if dev == device:
+                grouped.setdefault((cost.op, cost.shape, cost.dtype), []).append((cost, seconds))
+        self._exact = {key: _Entry(rows[0][0], sorted(s for _, s in rows)[len(rows) // 2])
+                       for key, rows in grouped.items()}
+        self._by_op: dict[tuple[str, str], list[_Entry]] = {}
+        for (op, _, dtype), entry in self._exact.items():
+            self._by_op.setdefault((op, dtype), []).append(entry)
+        self._hits: Counter[str] = Counter()
+        self._interpolated: Counter[str] = Counter()
+        self._misses: Counter[str] = Counter()
+
+    @classmethod
+    def from_json(cls, path: str | Path, fallback: RooflineModel, *, device: str | None = None) -> TableModel:
+        """Load a table file (format above); a `ConfigError` naming the file, the entry and the field otherwise."""
+        source = str(path)
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read kernel table {source!r} ({exc.strerror or exc}); check the path, "
+                              "or record one with `prism kernels record -- <program>`") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{source}:{exc.lineno}:{exc.colno}: malformed JSON ({exc.msg})") from None
+        if not isinstance(data, Mapping) or data.get("format") != TABLE_FORMAT:
+            raise ConfigError(f"{source}: not a kernel table (expected an object with format: {TABLE_FORMAT!r})")
+        if data.get("version") != TABLE_VERSION:
+            raise ConfigError(f"{source}: table version {data.get('version')!r}; this build reads {TABLE_VERSION}")
+        rows = data.get("entries")
+        if not isinstance(rows, list):
+            raise ConfigError(f"{source}: `entries` must be a list of measured kernels")
+        return cls([_parse_entry(row, f"{source}: entries[{i}]") for i, row in enumerate(rows)], fallback,
+                   device=device, source=source)
+
+    def duration_s(self, cost: KernelCost) -> float:
+        entry = self._exact.get((cost.op, cost.shape, cost.dtype))
+        if entry is not None:
+            self._hits[cost.op] += 1
+            return entry.duration_s
+        near = self._by_op.get((cost.op, cost.dtype))
+        if not near:
+            self._misses[cost.op] += 1
+            return self.fallback.duration_s(cost)
+        self._interpolated[cost.op] += 1
+        best = min(near, key=lambda e: _distance(e.cost, cost))
+        return best.duration_s * self.fallback.duration_s(cost) / self.fallback.duration_s(best.cost)
+
+    def hits(self) -> dict[str, int]:
+        """Kernels answered by an exact entry, per op."""
+        return dict(sorted(self._hits.items()))
+
+    def interpolated(self) -> dict[str, int]:
+        """Kernels scaled from a neighbour of the same op and dtype, per op."""
+        return dict(sorted(self._interpolated.items()))
+
+    def misses(self) -> dict[str, int]:
+        """Kernels with no entry of their op and dtype (the fallback roofline answered), per op."""
+        return dict(sorted(self._misses.items()))
+
+
+def _distance(a: KernelCost, b: KernelCost) -> float:
+    return abs(math.log(max(a.flops, 1) / max(b.flops, 1))) + abs(math.log(max(a.bytes, 1) / max(b.bytes, 1)))
+
+
+def _parse_entry(row: object, where: str) -> tuple[KernelCost, str, float]:
+    if not isinstance(row, Mapping):
+        raise ConfigError(f"{where}: must be an object with op, kernel_class, shape, dtype, device, flops, "
+                          "bytes, duration_us")
+    for key in ("op", "kernel_class", "shape", "dtype", "device", "flops", "bytes", "duration_us"):
+        if key not in row:
+            raise ConfigError(f"{where}: missing field `{key}`")
+    for key in ("op", "dtype", "device"):
+        if not isinstance(row[key], str) or not row[key]:
+            raise ConfigError(f"{where}: `{key}` must be a non-empty string, got {row[key]!r}")
+    try:
+        kernel_class = KernelClass(row["kernel_class"])
+    except ValueError:
+        raise ConfigError(f"{where}: `kernel_class` {row['kernel_class']!r} is not one of "
+                          f"{', '.join(c.value for c in KernelClass)}") from None
+    shape = row["shape"]
+    if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise ConfigError(f"{where}: `shape` must be a list of integers >= 0, got {shape!r}")
+    for key in ("flops", "bytes"):
+        if isinstance(row[key], bool) or not isinstance(row[key], int) or row[key] < 0:
+            raise ConfigError(f"{where}: `{key}` must be an integer >= 0, got {row[key]!r}")
+    us = row["duration_us"]
+    if isinstance(us, bool) or not isinstance(us, int | float) or not math.isfinite(us) or us <= 0:
+        raise ConfigError(f"{where}: `duration_us` must be a number > 0 (a measured kernel time), got {us!r}")
+    cost = KernelCost(op=row["op"], kernel_class=kernel_class, flops=row["flops"], bytes=row["bytes"],
+                      dtype=row["dtype"], shape=tuple(shape))
+    return cost, row["device"], us / 1e6
+
+
+def kernel_model(name: str, gpu: GpuSpec, profile_section: KernelEfficiency | Mapping[str, Any] | None,
+                 table_path: str | Path | None = None, *, table_device: str | None = None) -> KernelModel:
+    """The kernel model `name` (``roofline`` or ``table``) on `gpu` with the profile's ``kernels:`` section.
+
+    `profile_section`: a `KernelEfficiency` (``HardwareProfile.kernels``), its YAML mapping, or None (all policy
+    defaults). ``table`` needs `table_path` (a file from ``prism kernels record``) and falls back to the roofline
+    on a miss; `table_device` picks the device of a table holding several.
+
+    Example: ``kernel_model("roofline", gpu_spec("h100-sxm"), load_profile("H100").kernels).name == "roofline"``.
+    """
+    efficiency = (profile_section if isinstance(profile_section, KernelEfficiency)
+                  else KernelEfficiency.from_mapping(profile_section, where="kernels section"))
+    if name not in KERNEL_MODELS:
+        hint = "; fit (efficiencies fitted to measured step times) is not available yet" if name == "fit" else ""
+        raise ConfigError(f"kernel_model={name!r} is not one of {', '.join(KERNEL_MODELS)}{hint}")
+    roofline = RooflineModel(gpu, efficiency)
+    if name == "roofline":
+        if table_path is not None:
+            raise ConfigError(f"kernel_model=roofline reads no table, but a kernel table {str(table_path)!r} was "
+                              "given; choose kernel_model=table to use it, or drop the table")
+        return roofline
+    if table_path is None:
+        raise ConfigError("kernel_model=table needs a kernel table file (record one with `prism kernels record -- "
+                          "<program>` and pass its path), or choose kernel_model=roofline")
+    return TableModel.from_json(table_path, roofline, device=table_device)

@@ -1,0 +1,387 @@
+"""What each ATen op costs as a GPU kernel: class, FLOPs, bytes moved, dtype, shape (DESIGN.md section 11).
+
+`kernel_cost(func, args, kwargs, out)` turns one op call seen by a dispatch mode (under ``FakeTensorMode``:
+shapes, dtypes and devices only, never values) into a `prism_plugin.cost.kernels.KernelCost`, or None when the
+op launches no kernel. `KernelTimer` applies a kernel model to each and keeps per-op tallies for the summary;
+the virtual-time clock (`clock.VirtualTime`) puts each duration on the op's stream.
+
+- FLOPs: ``torch.utils.flop_counter``'s registry (the formula `FlopCounterMode` applies, called the way it
+  calls it), not a table of our own; an in-place variant (``addmm_``) uses its out-of-place formula, and the
+  CPU flash-attention ops (``_scaled_dot_product_flash_attention_for_cpu[_backward]``) the flash formula. An op
+  the registry has no formula for counts 0 FLOPs (its time is then its bytes').
+- Bytes: every tensor argument read, plus every output and every in-place (``Tensor(a!)``) argument written;
+  an argument the op only writes (``copy_``/``fill_``/``zero_``/RNG fills' self, ``out=`` arguments) is not read.
+  ``numel * element_size`` per tensor (a broadcast view counts as its full size).
+- Class: by op name (`_GEMM`, `_NORM`, ... below); every other op with a tensor output is elementwise.
+- No kernel (None): view and metadata ops (the schema's alias annotations: view, t, transpose, expand,
+  detach, as_strided...), allocations without a fill (empty, empty_strided, new_empty...), ``record_stream``,
+  ``set_``/``resize_``, ops of the ``prim``/``profiler`` and c10d namespaces (collectives are the comm cost
+  model's), and ops that write no tensor on a device of `device_types` (host ops; default ``cuda``).
+
+Limitations: an op's FLOPs are its flop formula's (causal attention counts as full); a composite op that
+reaches the dispatcher undecomposed (``linear``, ``matmul``) and has no formula counts 0 FLOPs; a float32 GEMM
+runs at the TF32 rate when ``torch.backends.cuda.matmul.allow_tf32`` (convolutions:
+``torch.backends.cudnn.allow_tf32``) is on when it is called. Non-goal: timing (the cost layer's models).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from prism_plugin.cost.kernels import KernelClass, KernelCost, KernelModel, TableModel
+
+__all__ = ["KernelSummary", "KernelTimer", "OpTally", "kernel_cost"]
+
+_aten = torch.ops.aten
+_GEMM = frozenset({
+    "mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "addbmm", "addbmm_", "matmul", "linear", "_scaled_mm",
+    "_int_mm", "convolution", "_convolution", "convolution_backward", "cudnn_convolution",
+    "convolution_overrideable", "_slow_conv2d_forward",
+})
+_ATTENTION = frozenset({
+    "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
+    "_efficient_attention_backward", "scaled_dot_product_attention",
+})  # and every `_scaled_dot_product_*`
+_NORM = frozenset({
+    "native_layer_norm", "native_layer_norm_backward", "layer_norm", "rms_norm", "_fused_rms_norm",
+    "_fused_rms_norm_backward", "native_group_norm", "native_group_norm_backward", "native_batch_norm",
+    "native_batch_norm_backward", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional", "batch_norm_backward", "_softmax", "_softmax_backward_data",
+    "_log_softmax", "_log_softmax_backward_data", "softmax", "log_softmax", "_safe_softmax",
+})
+_REDUCTION = frozenset({
+    "sum", "mean", "amax", "amin", "max", "min", "norm", "linalg_vector_norm", "var", "std", "var_mean",
+    "std_mean", "prod", "any", "all", "argmax", "argmin", "logsumexp", "aminmax", "count_nonzero", "nansum",
+    "cumsum", "cumprod", "nll_loss_forward", "nll_loss2d_forward",
+})
+_MEMCPY = frozenset({
+    "copy_", "copy", "_to_copy", "_copy_from", "_copy_from_and_resize", "cat", "stack", "clone", "fill_", "fill",
+    "zero_", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros", "new_ones", "new_full",
+    "scalar_tensor", "lift_fresh_copy", "constant_pad_nd", "contiguous",
+})
+_OTHER = frozenset({
+    "embedding", "embedding_dense_backward", "index", "index_put", "index_put_", "_index_put_impl_",
+    "index_select", "index_add", "index_add_", "index_copy", "index_copy_", "gather", "scatter", "scatter_",
+    "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "sort", "topk", "nonzero", "unique",
+    "_unique2", "unique_consecutive", "unique_dim", "searchsorted", "bincount", "histc", "masked_select",
+    "masked_scatter", "masked_scatter_", "multinomial", "randperm", "_embedding_bag", "_embedding_bag_backward",
+})
+_NO_KERNEL = frozenset({
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted", "resize_",
+    "resize_as_", "set_", "record_stream", "lift_fresh", "_unsafe_view", "_reshape_alias", "alias", "detach",
+    "detach_", "_assert_async", "_assert_scalar", "_make_dep_token", "_functional_sym_constrain_range",
+})
+_NO_KERNEL_NAMESPACES = frozenset({"prim", "profiler", "c10d", "_c10d_functional", "_c10d_functional_autograd",
+                                   "_dtensor"})
+_WRITE_ONLY_SELF = frozenset({
+    "copy_", "fill_", "zero_", "uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_",
+    "cauchy_", "log_normal_",
+})
+_FLOP_ALIASES = {
+    "_scaled_dot_product_flash_attention_for_cpu": _aten._scaled_dot_product_flash_attention,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": _aten._scaled_dot_product_flash_attention_backward,
+}
+
+
+def _classify(name: str) -> KernelClass:
+    if name in _GEMM:
+        return KernelClass.GEMM
+    if name in _ATTENTION or name.startswith("_scaled_dot_product_"):
+        return KernelClass.ATTENTION
+    if name in _NORM:
+        return KernelClass.NORM
+    if name.startswith(("_foreach_", "_fused_adam", "_fused_sgd", "_fused_adagrad")):
+        return KernelClass.OPTIMIZER
+    if name in _MEMCPY:
+        return KernelClass.MEMCPY
+    if name in _REDUCTION:
+        return KernelClass.REDUCTION
+    if name in _OTHER:
+        return KernelClass.OTHER
+    return KernelClass.ELEMENTWISE
+
+
+@dataclass(frozen=True, slots=True)
+class _OpInfo:
+    """What one overload's schema says, computed once per overload."""
+
+    op: str
+    name: str
+    kernel_class: KernelClass | None
+    """None: the op launches no kernel."""
+    flop_formula: Callable[..., int] | None
+    positional: tuple[str, ...]
+    """Schema argument names in order (to name the positional arguments)."""
+    mutated: frozenset[str]
+    """Arguments the op writes in place (``Tensor(a!)``)."""
+    write_only: frozenset[str]
+    """Mutated arguments it does not read: ``out=`` arguments, the self of copy_/fill_/zero_/RNG fills."""
+
+
+_INFO: dict[Any, _OpInfo] = {}
+
+
+def _op_info(func: Any) -> _OpInfo:
+    info = _INFO.get(func)
+    if info is not None:
+        return info
+    schema = func._schema
+    namespace, _, name = schema.name.partition("::")
+    arguments = tuple(schema.arguments)
+    mutated = frozenset(a.name for a in arguments if a.alias_info is not None and a.alias_info.is_write)
+    write_only = frozenset(a.name for a in arguments if a.name in mutated and (
+        a.kwarg_only or (a.name == "self" and name in _WRITE_ONLY_SELF)))
+    no_kernel = namespace in _NO_KERNEL_NAMESPACES or name in _NO_KERNEL or func.is_view
+    packet = func._overloadpacket
+    formula = flop_registry.get(packet)
+    if formula is None and name in _FLOP_ALIASES:
+        formula = flop_registry.get(_FLOP_ALIASES[name])
+    if formula is None and name.endswith("_") and hasattr(_aten, name[:-1]):
+        formula = flop_registry.get(getattr(_aten, name[:-1]))
+    info = _OpInfo(op=str(func), name=name, kernel_class=None if no_kernel else _classify(name),
+                   flop_formula=formula, positional=tuple(a.name for a in arguments),
+                   mutated=mutated, write_only=write_only)
+    _INFO[func] = info
+    return info
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of an ATen argument or result: a tensor, or (nested) lists and tuples of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _shapes(value: Any) -> Any:
+    """`value` with each tensor replaced by its shape (what flop_counter's `get_shape` does through a pytree)."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    if isinstance(value, list | tuple):
+        return type(value)(_shapes(item) for item in value) if value else value
+    return value
+
+
+def _flops(formula: Callable[..., int], args: tuple, kwargs: dict, out: Any) -> int:
+    """The registry formula called as FlopCounterMode calls it; a shape formula (wrapped by flop_counter's
+    `shape_wrapper`) directly on shapes, which skips the pytree walk of every call."""
+    shape_formula = getattr(formula, "__wrapped__", None)
+    if shape_formula is None:  # registered with get_raw=True: it takes the tensors
+        return int(formula(*args, **kwargs, out_val=out))
+    return int(shape_formula(*_shapes(args), out_shape=_shapes(out), **{k: _shapes(v) for k, v in kwargs.items()}))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return int(t.numel()) * t.element_size()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def kernel_cost(func: Any, args: tuple, kwargs: dict | None, out: Any,
+                *, device_types: Collection[str] = ("cuda",)) -> KernelCost | None:
+    """The `KernelCost` of ATen overload `func` called as ``func(*args, **kwargs)`` returning `out`, or None
+    when it launches no kernel (see the module docstring). `device_types`: the device types whose tensors are
+    on the GPU (``("cuda",)`` under virtual GPUs; ``("cpu",)`` to cost CPU fakes or a CPU recording).
+
+    Example (cpu fakes): ``kernel_cost(aten.mm.default, (a, b), {}, a @ b, device_types=("cpu",))`` with bf16
+    a: (64, 32), b: (32, 16) -> gemm, flops 2*64*16*32 = 65536, bytes (64*32 + 32*16 + 64*16) * 2 = 7168,
+    shape (64, 16, 32).
+    """
+    info = _op_info(func)
+    if info.kernel_class is None:
+        return None
+    kwargs = kwargs or {}
+    named = dict(zip(info.positional, args, strict=False))
+    named.update(kwargs)
+    read_bytes = write_bytes = 0
+    written_ids: set[int] = set()
+    device_write = False
+    largest: torch.Tensor | None = None
+    first_input: torch.Tensor | None = None
+    for arg_name, value in named.items():
+        for t in _tensors(value):
+            size = _nbytes(t)
+            if arg_name not in info.write_only and (first_input is None or (
+                    t.is_floating_point() and not first_input.is_floating_point())):
+                first_input = t
+            if largest is None or t.numel() > largest.numel():
+                largest = t
+            if arg_name not in info.write_only:
+                read_bytes += size
+            if arg_name in info.mutated:
+                write_bytes += size
+                written_ids.add(id(t))
+                device_write = device_write or t.device.type in device_types
+    outputs = _tensors(out)
+    for t in outputs:
+        if id(t) in written_ids:
+            continue
+        write_bytes += _nbytes(t)
+        device_write = device_write or t.device.type in device_types
+        if largest is None or t.numel() > largest.numel():
+            largest = t
+    if not device_write:
+        return None
+    kernel_class = info.kernel_class
+    flops = _flops(info.flop_formula, args, kwargs, out) if info.flop_formula is not None else 0
+    source = first_input if first_input is not None else outputs[0]
+    dtype = _dtype_name(source.dtype)
+    if kernel_class is KernelClass.GEMM and source.dtype == torch.float32 and _tf32(info.name):
+        dtype = "tf32"
+    if kernel_class is KernelClass.GEMM:
+        shape = _gemm_shape(info.name, args, outputs)
+    elif kernel_class is KernelClass.ATTENTION:
+        shape = _attention_shape(info.name, args)
+    elif info.name.startswith("_foreach_"):
+        first = _tensors(args[0]) if args else []
+        shape = (len(first), sum(int(t.numel()) for t in first))
+    else:
+        shape = tuple(int(d) for d in largest.shape) if largest is not None else ()
+    return KernelCost(op=info.op, kernel_class=kernel_class, flops=flops, bytes=read_bytes + write_bytes,
+                      dtype=dtype, shape=shape)
+
+
+def _tf32(name: str) -> bool:
+    if "conv" in name:
+        return bool(torch.backends.cudnn.allow_tf32)
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def _gemm_shape(name: str, args: tuple, outputs: list[torch.Tensor]) -> tuple[int, ...]:
+    """``(m, n, k)``, or ``(b, m, n, k)`` for a batched GEMM; a convolution's implicit GEMM ``(N * output pixels,
+    output channels, weight elements per output channel)``; () when the operands are not matrices."""
+    if "conv" in name:
+        x = args[0] if name == "convolution_backward" else (outputs[0] if outputs else None)
+        weight = args[2] if name == "convolution_backward" else args[1]
+        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or x.dim() < 3:
+            return ()
+        n = int(x.shape[1])
+        return (int(x.shape[0]) * math.prod(int(d) for d in x.shape[2:]), n, int(weight.numel()) // max(n, 1))
+    a, b = (args[1], args[2]) if name.startswith(("addmm", "baddbmm", "addbmm")) else (args[0], args[1])
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() not in (2, 3):
+        return ()
+    m, k, n = int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])
+    return (m, n, k) if a.dim() == 2 else (int(a.shape[0]), m, n, k)
+
+
+def _attention_shape(name: str, args: tuple) -> tuple[int, ...]:
+    """``(batch, heads, seq_q, seq_kv, head_dim)``: sdpa ops take (B, H, S, D), flash/efficient (B, S, H, D)."""
+    first = 1 if "backward" in name else 0
+    q, k = (args[first], args[first + 1]) if len(args) > first + 1 else (None, None)
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return ()
+    if q.dim() != 4 or k.dim() != 4:
+        return tuple(int(d) for d in q.shape)
+    if name.startswith("_scaled_dot_product_") or name == "scaled_dot_product_attention":
+        (batch, heads, seq_q, dim), seq_kv = q.shape, k.shape[2]
+    else:
+        (batch, seq_q, heads, dim), seq_kv = q.shape, k.shape[1]
+    return (int(batch), int(heads), int(seq_q), int(seq_kv), int(dim))
+
+
+# -- the timer ------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class OpTally:
+    """One op's kernels so far: how many, their modelled seconds, FLOPs and bytes."""
+
+    op: str
+    kernel_class: KernelClass
+    count: int = 0
+    total_s: float = 0.0
+    flops: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelSummary:
+    """What the kernel model answered over a run: the model's name, totals, the top ops by time, table misses."""
+
+    model: str
+    kernels: int
+    total_s: float
+    flops: int
+    bytes: int
+    by_class_s: dict[str, float]
+    top: tuple[OpTally, ...]
+    """The ops with the most modelled time, largest first (ties: by op name)."""
+    misses: dict[str, int] = field(default_factory=dict)
+    """``table`` only: kernels per op with no entry of their op and dtype (the fallback roofline answered)."""
+    interpolated: dict[str, int] = field(default_factory=dict)
+    defaults_used: tuple[str, ...] = ()
+    """Kernel-model figures (dotted keys) no profile set: policy defaults."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for a JSON report."""
+        return {
+            "model": self.model, "kernels": self.kernels, "total_s": round(self.total_s, 12), "flops": self.flops,
+            "bytes": self.bytes, "by_class_s": {k: round(v, 12) for k, v in self.by_class_s.items()},
+            "top": [{"op": t.op, "class": t.kernel_class.value, "count": t.count, "total_s": round(t.total_s, 12),
+                     "flops": t.flops, "bytes": t.bytes} for t in self.top],
+            "misses": self.misses, "interpolated": self.interpolated, "defaults_used": list(self.defaults_used),
+        }
+
+    def lines(self) -> list[str]:
+        """A human-readable report, one line per item."""
+        out = [f"kernel model {self.model}: {self.kernels} kernels, {self.total_s * 1e3:.3f} ms, "
+               f"{self.flops / 1e12:.3f} TFLOP, {self.bytes / 1e9:.3f} GB"]
+        for t in self.top:
+            out.append(f"  {t.op:<48} {t.kernel_class.value:<11} {t.count:>8} x  {t.total_s * 1e3:10.3f} ms")
+        if self.misses:
+            out.append("  table misses (roofline used): " + ", ".join(f"{op} x{n}" for op, n in self.misses.items()))
+        if self.defaults_used:
+            out.append("  policy defaults (no profile figure): " + ", ".join(self.defaults_used))
+        return out
+
+
+class KernelTimer:
+    """Times each op call with a kernel model and tallies per op; the dispatch mode calls `duration_s`.
+
+    Example: ``KernelTimer(kernel_model("roofline", gpu, profile.kernels)).duration_s(func, args, kwargs, out)``
+    is the op's modelled seconds, or None when it launches no kernel.
+    """
+
+    def __init__(self, model: KernelModel, *, device_types: Collection[str] = ("cuda",)) -> None:
+        self.model = model
+        self.device_types = tuple(device_types)
+        self._tallies: dict[str, OpTally] = {}
+
+    def duration_s(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> float | None:
+        cost = kernel_cost(func, args, kwargs, out, device_types=self.device_types)
+        if cost is None:
+            return None
+        seconds = self.model.duration_s(cost)
+        tally = self._tallies.get(cost.op)
+        if tally is None:
+            tally = self._tallies[cost.op] = OpTally(cost.op, cost.kernel_class)
+        tally.count += 1
+        tally.total_s += seconds
+        tally.flops += cost.flops
+        tally.bytes += cost.bytes
+        return seconds
+
+    def summary(self, top: int = 15) -> KernelSummary:
+        tallies = sorted(self._tallies.values(), key=lambda t: (-t.total_s, t.op))
+        by_class: dict[str, float] = {}
+        for t in tallies:
+            by_class[t.kernel_class.value] = by_class.get(t.kernel_class.value, 0.0) + t.total_s
+        efficiency = getattr(self.model, "efficiency", None) or getattr(
+            getattr(self.model, "fallback", None), "efficiency", None)
+        table = self.model if isinstance(self.model, TableModel) else None
+        return KernelSummary(
+            model=self.model.name, kernels=sum(t.count for t in tallies), total_s=sum(t.total_s for t in tallies),
+            flops=sum(t.flops for t in tallies), bytes=sum(t.bytes for t in tallies), by_class_s=by_class,
+            top=tuple(OpTally(t.op, t.kernel_class, t.count, t.total_s, t.flops, t.bytes) for t in tallies[:top]),
+            misses=table.misses() if table else {}, interpolated=table.interpolated() if table else {},
+            defaults_used=efficiency.defaults_used if efficiency is not None else (),
+        )
