@@ -16,8 +16,8 @@ problem shape; made by `prism_plugin.runtime.virtual_gpu.kernels`). Two models, 
 field and the fix otherwise).
 
 Limitations: a kernel's time does not depend on what else runs (no contention between streams, no L2 reuse
-across kernels, no clock throttling); FLOPs are what `torch.utils.flop_counter` counts (causal attention is
-counted as full attention, so the attention efficiency absorbs the masked half); every efficiency figure is an
+across kernels, no clock throttling); FLOPs are what `torch.utils.flop_counter` counts (fused causal attention:
+its unmasked pairs only, see `prism_plugin.runtime.virtual_gpu.kernels`); every efficiency figure is an
 estimate until calibrated (``fit``, or a `table` recorded on the target GPU); ``defaults_used`` names the ones no
 profile set. Non-goals: host launch overhead and stream ordering (the clock's, `runtime.virtual_gpu.clock`);
 collectives (`prism_plugin.cost.model`). Pure: stdlib only, no torch.
@@ -100,7 +100,8 @@ class KernelCost:
     program allows on TF32 tensor cores."""
     shape: tuple[int, ...]
     """The problem's size: GEMM ``(m, n, k)`` or batched ``(b, m, n, k)``; attention ``(batch, heads, seq_q,
-    seq_kv, head_dim)``; other classes the largest tensor's shape (``(tensors, elements)`` for a foreach op)."""
+    seq_kv, head_dim)``, with a trailing 1 when causal; other classes the largest tensor's shape (``(tensors,
+    elements)`` for a foreach op)."""
 
 
 def peak_dtype(dtype: str) -> str:

@@ -79,6 +79,12 @@ def test_attention(fake) -> None:
     _, cpu_flash, _ = _call(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, k)
     _, flash, flops = _call(aten._scaled_dot_product_flash_attention.default, q, k, k)
     assert cpu_flash.flops == flash.flops == flops == eff.flops and cpu_flash.shape == (2, 4, 128, 256, 64)
+    # causal (torch's top-left mask): query i sees keys 0..i, 128 * 129 / 2 = 8256 of 128 * 256 pairs
+    _, causal, full = _call(aten._scaled_dot_product_flash_attention.default, q, k, k, 0.0, True)
+    assert full == flops and causal.flops == 4 * 2 * 4 * 64 * 8256 and causal.shape == (2, 4, 128, 256, 64, 1)
+    _, eff_causal, _ = _call(aten._scaled_dot_product_efficient_attention.default, q, q, q, None, False,
+                             is_causal=True)
+    assert eff_causal.flops == 4 * 2 * 4 * 64 * (128 * 129 // 2)  # equal lengths: S(S+1)/2 of S^2 pairs
 
 
 def test_norm_elementwise_reduction(fake) -> None:
@@ -160,3 +166,11 @@ def test_timer_tallies_a_training_step(fake, tmp_path) -> None:
     assert table_summary.model == "table" and table_summary.total_s == pytest.approx(summary.total_s, rel=1e-12)
     assert sum(table_summary.misses.values()) == table_summary.kernels and "aten.addmm.default" in table_summary.misses
     assert any(line.startswith("  table misses") for line in table_summary.lines())
+
+
+def test_doctests() -> None:
+    import doctest
+
+    import prism_plugin.runtime.virtual_gpu.kernels as module
+
+    assert doctest.testmod(module).failed == 0

@@ -8,7 +8,10 @@ the virtual-time clock (`clock.VirtualTime`) puts each duration on the op's stre
 - FLOPs: ``torch.utils.flop_counter``'s registry (the formula `FlopCounterMode` applies, called the way it
   calls it), not a table of our own; an in-place variant (``addmm_``) uses its out-of-place formula, and the
   CPU flash-attention ops (``_scaled_dot_product_flash_attention_for_cpu[_backward]``) the flash formula. An op
-  the registry has no formula for counts 0 FLOPs (its time is then its bytes').
+  the registry has no formula for counts 0 FLOPs (its time is then its bytes'). Causal fused attention
+  (``is_causal``, ``custom_mask_type``) counts the registry's FLOPs times the unmasked fraction of the score
+  matrix (``S(S+1)/2`` of ``S^2`` pairs for equal lengths): fused kernels skip masked blocks, as torch's own
+  flex-attention formula scales by its block sparsity; its shape then ends in a causal flag 1.
 - Bytes: every tensor argument read, plus every output and every in-place (``Tensor(a!)``) argument written;
   an argument the op only writes (``copy_``/``fill_``/``zero_``/RNG fills' self, ``out=`` arguments) is not read.
   ``numel * element_size`` per tensor (a broadcast view counts as its full size).
@@ -18,10 +21,12 @@ the virtual-time clock (`clock.VirtualTime`) puts each duration on the op's stre
   ``set_``/``resize_``, ops of the ``prim``/``profiler`` and c10d namespaces (collectives are the comm cost
   model's), and ops that write no tensor on a device of `device_types` (host ops; default ``cuda``).
 
-Limitations: an op's FLOPs are its flop formula's (causal attention counts as full); a composite op that
-reaches the dispatcher undecomposed (``linear``, ``matmul``) and has no formula counts 0 FLOPs; a float32 GEMM
-runs at the TF32 rate when ``torch.backends.cuda.matmul.allow_tf32`` (convolutions:
-``torch.backends.cudnn.allow_tf32``) is on when it is called. Non-goal: timing (the cost layer's models).
+Limitations: an op's FLOPs are its flop formula's (an explicit ``attn_mask`` counts as full attention); a
+composite op that reaches the dispatcher undecomposed (``linear``, ``matmul``) and has no formula counts 0 FLOPs;
+a float32 GEMM runs at the TF32 rate when ``torch.backends.cuda.matmul.allow_tf32`` (convolutions:
+``torch.backends.cudnn.allow_tf32``) is on when it is called; a host-to-device copy is a device memcpy at HBM
+speed (PCIe is not modelled) and a device-to-host copy, whose output is on the host, no kernel (the clock's
+host-blocking rule times its wait). Non-goal: timing (the cost layer's models).
 """
 
 from __future__ import annotations
@@ -241,6 +246,10 @@ def kernel_cost(func: Any, args: tuple, kwargs: dict | None, out: Any,
         shape = _gemm_shape(info.name, args, outputs)
     elif kernel_class is KernelClass.ATTENTION:
         shape = _attention_shape(info.name, args)
+        causal = _causal_alignment(info.name, named)
+        if causal and len(shape) == 5:
+            flops = flops * _unmasked_pairs(shape[2], shape[3], causal) // (shape[2] * shape[3])
+            shape = (*shape, 1)
     elif info.name.startswith("_foreach_"):
         first = _tensors(args[0]) if args else []
         shape = (len(first), sum(int(t.numel()) for t in first))
@@ -271,6 +280,33 @@ def _gemm_shape(name: str, args: tuple, outputs: list[torch.Tensor]) -> tuple[in
         return ()
     m, k, n = int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])
     return (m, n, k) if a.dim() == 2 else (int(a.shape[0]), m, n, k)
+
+
+def _causal_alignment(name: str, named: dict[str, Any]) -> str:
+    """'' for full attention; 'top_left' (torch's ``is_causal``: query i sees keys j <= i) or 'bottom_right'
+    (flash-attention's own ops, ``custom_mask_type=2``: the mask's diagonal ends at the last key)."""
+    mask_type = named.get("custom_mask_type")
+    if mask_type is not None:
+        return {1: "top_left", 2: "bottom_right"}.get(int(mask_type), "")
+    if not named.get("is_causal"):
+        return ""
+    return "bottom_right" if name.startswith("_flash_attention") else "top_left"
+
+
+def _unmasked_pairs(seq_q: int, seq_kv: int, alignment: str) -> int:
+    """(query, key) pairs a causal mask keeps: the work a fused kernel does (it skips masked blocks). Row i keeps
+    ``clamp(i + 1 + offset, 0, seq_kv)`` keys, offset 0 top-left, ``seq_kv - seq_q`` bottom-right.
+
+    >>> _unmasked_pairs(4, 4, "top_left"), _unmasked_pairs(2, 4, "top_left"), _unmasked_pairs(2, 4, "bottom_right")
+    (10, 3, 7)
+    >>> _unmasked_pairs(4, 2, "top_left"), _unmasked_pairs(4, 2, "bottom_right")
+    (7, 3)
+    """
+    offset = seq_kv - seq_q if alignment == "bottom_right" else 0
+    lo = min(seq_q, max(0, -offset))  # rows before lo keep no key
+    full = max(lo, min(seq_q, seq_kv - offset))  # rows from `full` on keep all seq_kv keys
+    ramp = (lo + 1 + offset + full + offset) * (full - lo) // 2  # rows lo..full-1: an arithmetic series
+    return ramp + (seq_q - full) * seq_kv
 
 
 def _attention_shape(name: str, args: tuple) -> tuple[int, ...]:
