@@ -173,7 +173,8 @@ _CLASS_FIELDS = ("compute_efficiency", "memory_efficiency")
 _TOP_FIELDS = ("min_kernel_us", "gemm_tile", "gemm_split_k_min_depth", *(c.value for c in KernelClass))
 
 
-def _unknown(key: str, known: tuple[str, ...] | list[str], prefix: str, where: str, error: type[ConfigError]):
+def _unknown(key: str, known: tuple[str, ...] | list[str], prefix: str, where: str,
+             error: type[ConfigError]) -> ConfigError:
     close = difflib.get_close_matches(key, known, n=1) or [k for k in known if k.startswith(key)][:1]
     hint = f"did you mean `{prefix}{close[0]}`?" if close else f"known fields: {', '.join(known)}"
     return error(f"{where}unknown field `{prefix}{key}`; {hint}")
@@ -194,8 +195,8 @@ def _checked(key: str, value: Any, where: str, error: type[ConfigError]) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise error(f"{field} must be a finite number, got {value!r}; e.g. {_DEFAULTS[key]}")
     if key == "min_kernel_us":
-        if value < 0:
-            raise error(f"{field} must be >= 0 microseconds, got {value!r}; e.g. 2.5")
+        if value <= 0:
+            raise error(f"{field} must be > 0 microseconds (every kernel takes time), got {value!r}; e.g. 2.5")
     elif not 0 < value <= 1:
         raise error(f"{field} must be a fraction in (0, 1], got {value!r}; e.g. 0.8 for 80% of peak")
     return float(value)

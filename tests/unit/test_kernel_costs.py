@@ -54,6 +54,10 @@ def test_gemms(fake) -> None:
     out = torch.empty(64, 16, dtype=BF16)
     _, mm_out, _ = _call(aten.mm.out, a, b, out=out)
     assert mm_out.bytes == mm.bytes  # the out= argument is written, not read
+    image, weight = torch.randn(2, 3, 16, 16), torch.randn(8, 3, 3, 3)
+    _, conv, flops = _call(aten.convolution.default, image, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    assert conv.kernel_class is KernelClass.GEMM and conv.flops == flops == 2 * 512 * 8 * 27
+    assert conv.shape == (2 * 16 * 16, 8, 3 * 3 * 3)  # implicit GEMM: output pixels x channels x weights/channel
 
 
 def test_float32_gemm_is_tf32_when_the_program_allows_it(fake) -> None:

@@ -209,7 +209,7 @@ def test_profile_kernels_round_trip_and_override() -> None:
      "unknown field `kernels.gemm.compute`; did you mean `kernels.gemm.compute_efficiency`"),
     ({"gemmm": {"compute_efficiency": 0.5}}, "unknown field `kernels.gemmm`; did you mean `kernels.gemm`"),
     ({"gemm_tile": [128]}, "`kernels.gemm_tile` must be two positive integers"),
-    ({"min_kernel_us": -1}, "`kernels.min_kernel_us` must be >= 0 microseconds"),
+    ({"min_kernel_us": 0}, "`kernels.min_kernel_us` must be > 0 microseconds"),
     ({"norm": 0.7}, "`kernels.norm` must be a mapping of compute_efficiency and memory_efficiency"),
     ({"elementwise": {"memory_efficiency": "fast"}}, "`kernels.elementwise.memory_efficiency` must be a finite number"),
     (5, "`kernels` must be a mapping"),

@@ -174,13 +174,21 @@ def _shapes(value: Any) -> Any:
     return value
 
 
-def _flops(formula: Callable[..., int], args: tuple, kwargs: dict, out: Any) -> int:
+def _flops(info: _OpInfo, args: tuple, kwargs: dict, out: Any) -> int:
     """The registry formula called as FlopCounterMode calls it; a shape formula (wrapped by flop_counter's
-    `shape_wrapper`) directly on shapes, which skips the pytree walk of every call."""
+    `shape_wrapper`) directly on shapes, which skips the pytree walk of every call. A formula that fails is
+    reported with the op, not skipped."""
+    formula = info.flop_formula
+    assert formula is not None
     shape_formula = getattr(formula, "__wrapped__", None)
-    if shape_formula is None:  # registered with get_raw=True: it takes the tensors
-        return int(formula(*args, **kwargs, out_val=out))
-    return int(shape_formula(*_shapes(args), out_shape=_shapes(out), **{k: _shapes(v) for k, v in kwargs.items()}))
+    try:
+        if shape_formula is None:  # registered with get_raw=True: it takes the tensors
+            return int(formula(*args, **kwargs, out_val=out))
+        return int(shape_formula(*_shapes(args), out_shape=_shapes(out),
+                                 **{k: _shapes(v) for k, v in kwargs.items()}))
+    except Exception as exc:
+        raise RuntimeError(f"prism kernel cost: torch.utils.flop_counter's formula for {info.op} failed on "
+                           f"argument shapes {_shapes(args)!r}: {exc}") from exc
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -201,6 +209,8 @@ def kernel_cost(func: Any, args: tuple, kwargs: dict | None, out: Any,
     a: (64, 32), b: (32, 16) -> gemm, flops 2*64*16*32 = 65536, bytes (64*32 + 32*16 + 64*16) * 2 = 7168,
     shape (64, 16, 32).
     """
+    if not isinstance(func, torch._ops.OpOverload):  # a higher-order operator: its body's ops are costed
+        return None
     info = _op_info(func)
     if info.kernel_class is None:
         return None
@@ -212,6 +222,7 @@ def kernel_cost(func: Any, args: tuple, kwargs: dict | None, out: Any,
     device_write = False
     largest: torch.Tensor | None = None
     first_input: torch.Tensor | None = None
+    written: torch.Tensor | None = None
     for arg_name, value in named.items():
         for t in _tensors(value):
             size = _nbytes(t)
@@ -225,6 +236,7 @@ def kernel_cost(func: Any, args: tuple, kwargs: dict | None, out: Any,
             if arg_name in info.mutated:
                 write_bytes += size
                 written_ids.add(id(t))
+                written = t
                 device_write = device_write or t.device.type in device_types
     outputs = _tensors(out)
     for t in outputs:
@@ -237,8 +249,9 @@ def kernel_cost(func: Any, args: tuple, kwargs: dict | None, out: Any,
     if not device_write:
         return None
     kernel_class = info.kernel_class
-    flops = _flops(info.flop_formula, args, kwargs, out) if info.flop_formula is not None else 0
-    source = first_input if first_input is not None else outputs[0]
+    flops = _flops(info, args, kwargs, out) if info.flop_formula is not None else 0
+    source = first_input if first_input is not None else (outputs[0] if outputs else written)
+    assert source is not None  # a device tensor was written
     dtype = _dtype_name(source.dtype)
     if kernel_class is KernelClass.GEMM and source.dtype == torch.float32 and _tf32(info.name):
         dtype = "tf32"
@@ -275,6 +288,11 @@ def _gemm_shape(name: str, args: tuple, outputs: list[torch.Tensor]) -> tuple[in
             return ()
         n = int(x.shape[1])
         return (int(x.shape[0]) * math.prod(int(d) for d in x.shape[2:]), n, int(weight.numel()) // max(n, 1))
+    if name == "linear":  # input (..., k), weight (n, k)
+        x, weight = args[0], args[1]
+        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            return ()
+        return (int(x.numel()) // max(int(x.shape[-1]), 1), int(weight.shape[0]), int(x.shape[-1]))
     a, b = (args[1], args[2]) if name.startswith(("addmm", "baddbmm", "addbmm")) else (args[0], args[1])
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() not in (2, 3):
         return ()
