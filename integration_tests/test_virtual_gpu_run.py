@@ -63,8 +63,12 @@ def test_a_cuda_data_parallel_script_runs_as_rank_5_of_8192_on_a_virtual_h100(tm
     assert summary["device_mode"] == "virtual-gpu" and summary["exit_code"] == 0
     assert summary["op_counts"] == {"all_reduce": 4, "all_gather": 1, "barrier": 1}
     assert summary["op_bytes"]["all_reduce"] == 2 * (weight + bias)
-    assert summary["modelled_comm_s"] == 0.0 and summary["emulated_waits"]["waits_slept"] == 0  # nothing sleeps
+    # virtual time (the default): ops take their modelled time on emulated streams, nothing sleeps
+    assert summary["clock"] == "emulated" and summary["emulated_waits"]["waits_slept"] == 0
+    assert summary["modelled_comm_s"] > 0
     vgpu = summary["virtual_gpu"]
+    assert vgpu["virtual_time"]["comm_ops"] == 6 and vgpu["kernels"]["model"] == "roofline"
+    assert len(vgpu["virtual_time"]["step_times_s"]) == 1  # two optimizer steps mark one whole iteration
     device0 = vgpu["devices"][0]
     assert len(vgpu["devices"]) == 8 and device0["allocated_bytes"] == 0  # all freed when the script ended
     # the peak holds at least the parameters, their gradients, both moments and the gathered tensor

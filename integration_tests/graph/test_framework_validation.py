@@ -96,8 +96,11 @@ def test_hybrid_ops_complete_when_the_replay_says(figures: dict) -> None:
     hybrid rank completes at max(own arrival, replayed virtual arrival) + modelled cost, never before;
     late only by the wake-up of a sleeping thread (measured on an idle machine: median 2-6 us, 90th
     percentile <= 110 us; with a third busy process on the 2 cores the 90th percentile reached 3.5 ms, the
-    scheduler's time slice, while the median stayed at 6 us: the median is what is bounded)."""
-    check_arrivals(figures, min_ops=20 * 2 * P2P_PER_STEP, min_waiting=20, early_us=ARRIVAL_EARLY_US,
+    scheduler's time slice, while the median stayed at 6 us: the median is what is bounded). How many ops wait
+    on the virtual peer depends on how fast this rank computed against the recorded run (a loaded machine
+    computes slower, so its own arrival comes later and fewer ops wait: 11 of 200 in a CI run with four
+    other busy processes on the 2 cores, 2026-12-01): at least 5 must, so the rule is exercised."""
+    check_arrivals(figures, min_ops=20 * 2 * P2P_PER_STEP, min_waiting=5, early_us=ARRIVAL_EARLY_US,
                    median_us=ARRIVAL_MEDIAN_US)
 
 

@@ -167,8 +167,9 @@ class EmulationConfig:
     faults: tuple[FaultSpec, ...] = ()
     """Faults and what-ifs (`prism_plugin.config.faults`): specs or strings like "straggler:ranks=4-7,factor=1.3"."""
     device: DeviceMode = DeviceMode.REAL
-    """REAL: the program's tensors on the host's devices; VIRTUAL_GPU: fake cuda tensors on virtual GPUs (timing
-    is then off: nothing sleeps, step time is not modelled)."""
+    """REAL: the program's tensors on the host's devices; VIRTUAL_GPU: fake cuda tensors on virtual GPUs (nothing
+    sleeps: `timing` is off, and the session turns modelled time back on when the virtual GPU has virtual time,
+    ``PRISM_VIRTUAL_TIME=on``, the default: `prism_plugin.runtime.virtual_gpu.clock`)."""
     gpu: str | None = None
     """GPU model of the virtual GPUs (`prism_plugin.cost.gpu.GPUS`); None: the profile's ``gpu``."""
 
@@ -178,7 +179,7 @@ class EmulationConfig:
         object.__setattr__(self, "data_policy", coerce_enum(DataPolicy, self.data_policy, "data_policy"))
         object.__setattr__(self, "device", coerce_enum(DeviceMode, self.device, "device"))
         if self.device is DeviceMode.VIRTUAL_GPU:
-            object.__setattr__(self, "timing", False)  # no modelled time yet: a virtual GPU does not sleep
+            object.__setattr__(self, "timing", False)  # a virtual GPU never sleeps (virtual time: see the session)
         elif self.gpu is not None:
             raise ConfigError("gpu is the model of virtual GPUs; give it with device='virtual-gpu' (or drop it)")
         for name in ("record_dir", "replay_dir", "output_dir", "trace_dir", "graph"):

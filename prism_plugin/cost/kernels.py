@@ -164,13 +164,17 @@ _CLASS_DEFAULTS: dict[KernelClass, tuple[float, float]] = {
 }
 _DEFAULTS: dict[str, Any] = {
     "min_kernel_us": 2.5,  # the smallest kernels of an H100 training step's trace last ~2-3 us; estimate
+    # host time per kernel launch (PyTorch eager op dispatch + cudaLaunchKernel): ~4-10 us per ATen op in
+    # published eager-mode profiles; 5 us here, an estimate. The host clock advances by it per launch.
+    "launch_overhead_us": 5.0,
     "gemm_tile": (128, 128),  # a common cuBLAS/CUTLASS CTA tile; estimate (Hopper kernels also use 128x256)
     "gemm_split_k_min_depth": 256,  # k per split-K part; estimate
     **{f"{cls.value}.compute_efficiency": c for cls, (c, _) in _CLASS_DEFAULTS.items()},
     **{f"{cls.value}.memory_efficiency": m for cls, (_, m) in _CLASS_DEFAULTS.items()},
 }
 _CLASS_FIELDS = ("compute_efficiency", "memory_efficiency")
-_TOP_FIELDS = ("min_kernel_us", "gemm_tile", "gemm_split_k_min_depth", *(c.value for c in KernelClass))
+_TOP_FIELDS = ("min_kernel_us", "launch_overhead_us", "gemm_tile", "gemm_split_k_min_depth",
+               *(c.value for c in KernelClass))
 
 
 def _unknown(key: str, known: tuple[str, ...] | list[str], prefix: str, where: str,
@@ -194,7 +198,10 @@ def _checked(key: str, value: Any, where: str, error: type[ConfigError]) -> Any:
         return value
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise error(f"{field} must be a finite number, got {value!r}; e.g. {_DEFAULTS[key]}")
-    if key == "min_kernel_us":
+    if key == "launch_overhead_us":
+        if value < 0:
+            raise error(f"{field} must be >= 0 microseconds of host time per kernel launch, got {value!r}; e.g. 5")
+    elif key == "min_kernel_us":
         if value <= 0:
             raise error(f"{field} must be > 0 microseconds (every kernel takes time), got {value!r}; e.g. 2.5")
     elif not 0 < value <= 1:
@@ -212,6 +219,7 @@ class KernelEfficiency:
 
         kernels:
           min_kernel_us: 2.5
+          launch_overhead_us: 5.0
           gemm_tile: [128, 128]
           gemm_split_k_min_depth: 256
           gemm: {compute_efficiency: 0.75, memory_efficiency: 0.8}
@@ -284,6 +292,11 @@ class KernelEfficiency:
         """Dotted keys no profile set, whose policy default is in use (report them with the model's figures)."""
         given = {key for key, _ in self.given}
         return tuple(key for key in _DEFAULTS if key not in given)
+
+    @property
+    def launch_overhead_s(self) -> float:
+        """Host seconds per kernel launch (the virtual-time host clock's step per launch)."""
+        return 1e-6 * float(self.value("launch_overhead_us"))
 
     def compute_efficiency(self, kernel_class: KernelClass) -> float:
         """Achieved fraction of the dtype's peak FLOP/s (for GEMMs: before wave quantization)."""

@@ -233,6 +233,7 @@ class Session:
             self.timeline = Timeline(self.rank, world.world_size, Path(os.environ["PRISM_TIMELINE"]),
                                      now_s=self.op_clock.now_s,
                                      time_name="wall" if self.virtual_time is None else "emulated")
+            self.timeline.faults = self.faults  # a delayed op names the straggler blamed for it
             if self.virtual_time is not None:  # each kernel and op on its emulated stream's row
                 self.virtual_time.record = self.timeline.add_span
         # the op observers, in the order of prism_plugin.comm.context (which says why)

@@ -114,7 +114,7 @@ def test_streams_events_and_host_syncs_follow_cuda_semantics(library: None) -> N
     assert out["host_after_item"] == 4 * MS
     assert out["host_after_sync"] == 5 * MS
     s = out["summary"]
-    assert (s["kernels"], s["launches"], s["kernel_s"], s["streams"], s["host_syncs"]) == (7, 7, round(7 * MS, 9), 3, 2)  # the summary is in ns
+    assert (s["kernels"], s["launches"], s["kernel_s"], s["streams"], s["host_syncs"]) == (7, 7, round(7 * MS, 9), 3, 2)
 
 
 def test_bucketed_dp_reduce_is_hidden_behind_backward_until_the_last_bucket(library: None) -> None:

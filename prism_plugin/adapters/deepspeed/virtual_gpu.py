@@ -90,7 +90,7 @@ def check_config(ds_config: Mapping[str, Any]) -> None:
 def reexec(config: EmulationConfig) -> None:
     """Start this process again through the entry, with the device library named (does not return)."""
     from prism_plugin.runtime.virtual_gpu import cuda_runtime
-    from prism_plugin.runtime.virtual_gpu.session import resolve_gpu
+    from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions, resolve_gpu
 
     if "PRISM_CONFIG" in os.environ:
         raise ConfigError('"prism.device": "virtual-gpu" in a script started by `prism run`: prism run emulates '
@@ -107,8 +107,12 @@ def reexec(config: EmulationConfig) -> None:
     if path is None or not path.exists():
         path = cuda_runtime.build()
     num_devices = min(cuda_runtime.MAX_DEVICES, config.world.gpus_per_node)
+    VirtualTimeOptions.from_env()  # bad PRISM_VIRTUAL_TIME / PRISM_KERNEL_* input: refused before the exec
+    index = int(os.environ.get("RANK", "0"))
+    rank = config.world.real_ranks[index] if index < config.world.num_real else index
     env = dict(os.environ, PRISM_VIRTUAL_CUDA_LIB=str(path),
-               **{ENTRY_ENV: json.dumps({"gpu": model, "num_devices": num_devices})})
+               **{ENTRY_ENV: json.dumps({"gpu": model, "num_devices": num_devices, "profile": config.profile,
+                                         "rank": rank})})
     argv = [sys.executable, "-m", _ENTRY_MODULE, *_target_argv()]
     sys.stdout.flush()
     sys.stderr.flush()
@@ -118,7 +122,10 @@ def reexec(config: EmulationConfig) -> None:
 def _start_gpu() -> Any:
     from prism_plugin.cost.allocator_config import AllocatorConfig
     from prism_plugin.cost.gpu import gpu_spec
+    from prism_plugin.cost.profiles import load_profile
+    from prism_plugin.runtime.virtual_gpu import snapshot
     from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+    from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions, start_virtual_time
 
     spec = json.loads(os.environ[ENTRY_ENV])
     num_devices = int(spec["num_devices"])
@@ -126,6 +133,10 @@ def _start_gpu() -> Any:
     allocator = AllocatorConfig.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     vgpu = VirtualGpu(gpu_spec(spec["gpu"]), num_devices=num_devices, device=device, allocator=allocator)
     vgpu.start()
+    vgpu.snapshot_path = snapshot.from_env(vgpu.allocators, rank=spec.get("rank"))
+    options = VirtualTimeOptions.from_env()
+    if options.enabled and spec.get("profile") is not None:
+        start_virtual_time(vgpu, load_profile(spec["profile"]), options)
     _skip_no_op_swaps(vgpu)
     _GPU.append(vgpu)
     return vgpu

@@ -19,6 +19,7 @@ step time is modelled (virtual time is a separate layer) and nothing here sleeps
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from prism_plugin.cost.allocator import Block, CachingAllocatorModel, DeviceOutO
 from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import GpuSpec
 from prism_plugin.runtime.memory import StorageTracker
-from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.runtime.virtual_gpu import cuda_runtime, snapshot
 from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
 from prism_plugin.runtime.virtual_gpu.shim import CudaShim
 from prism_plugin.runtime.virtual_gpu.values import ValuePolicy
@@ -252,16 +253,37 @@ class VirtualGpu:
         self.tracker = _AllocatorTracker(self)
         self._int_devices = _DeviceCalls(self.values)
         self._started = False
+        self.snapshot_path: Path | None = None
+        """Where `stop` writes the allocators' snapshot (`snapshot.from_env`: ``PRISM_MEMORY_SNAPSHOT``)."""
         self.clock: VirtualTime | None = None
         """Virtual time (`start_time`): each GPU op a kernel of modelled duration on its stream; None: no time."""
         self.kernel_time: KernelTime | None = None
+        self.kernel_summary: Callable[[], Any] | None = None
+        """The kernel model's report (`prism_plugin.runtime.virtual_gpu.kernels.KernelTimer.summary`), if any."""
 
-    def start_time(self, kernel_time: KernelTime, launch_overhead_s: float) -> VirtualTime:
+    def start_time(self, kernel_time: KernelTime, launch_overhead_s: float, *,
+                   program_time: bool = False) -> VirtualTime:
         """Give these GPUs virtual time: `kernel_time(func, args, kwargs, out)` is an op's modelled seconds (None:
-        not a kernel, e.g. a view), each launch costs the host `launch_overhead_s`."""
+        not a kernel, e.g. a view), each launch costs the host `launch_overhead_s`.
+
+        `program_time`: ``time.time``, ``time.perf_counter`` and ``time.monotonic`` (and their ``_ns`` forms)
+        return the emulated host time from then on (``time.time`` from the wall time at this call), so the
+        program's own iteration-time and throughput logs print the emulated job's figures; code that imported
+        them by name before (``from time import perf_counter``) keeps the wall clock."""
         self.kernel_time = kernel_time
-        self.clock = self.shim.start_clock(launch_overhead_s)
-        return self.clock
+        clock = self.clock = self.shim.start_clock(launch_overhead_s)
+        for model in self.allocators:  # memory history in emulated microseconds
+            if model.history is not None:
+                model.history.clock_us = lambda: int(round(1e6 * clock.host_s))
+        if program_time:
+            import time
+
+            epoch = time.time()
+            patches = self.shim._patches
+            for name, base in (("time", epoch), ("perf_counter", 0.0), ("monotonic", 0.0)):
+                patches.setattr(time, name, lambda base=base: base + clock.host_s)
+                patches.setattr(time, f"{name}_ns", lambda base=base: int(round(1e9 * (base + clock.host_s))))
+        return clock
 
     def time_kernel(self, func: Any, args: tuple, kwargs: dict, out: Any, to_host: bool = False) -> None:
         """Place the op just run on the current stream of its device, as a kernel of its modelled duration."""
@@ -305,6 +327,8 @@ class VirtualGpu:
         if not self._started:
             return
         self._started = False
+        if self.snapshot_path is not None:  # PRISM_MEMORY_SNAPSHOT: the allocator's state and history, for memory_viz
+            snapshot.write_snapshot(self.allocators, self.snapshot_path)
         self._int_devices.__exit__(None, None, None)
         self.tracker.stop()
         self.fake.__exit__(None, None, None)
@@ -334,5 +358,18 @@ class VirtualGpu:
             })
         return {"device_mode": "virtual-gpu", "gpu": self.gpu.name,
                 "gpu_memory_bytes": self.gpu.total_memory_bytes, "context_bytes": self.gpu.context_bytes,
-                "step_time": "not modelled (virtual GPU without virtual time: compute takes no time)",
+                "step_time": "not modelled (virtual GPU without virtual time: compute takes no time)"
+                if self.clock is None else "modelled (virtual time: kernel model and emulated CUDA streams)",
+                **({"virtual_time": self.clock.summary()} if self.clock is not None else {}),
+                **({"kernels": _plain(self.kernel_summary())} if self.kernel_summary is not None else {}),
                 "devices": devices, "values": self.values.summary()}
+
+
+def _plain(report: Any) -> Any:
+    """A report as JSON data (its ``as_dict``, a dataclass's fields, else as is)."""
+    to_dict = getattr(report, "as_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    import dataclasses
+
+    return dataclasses.asdict(report) if dataclasses.is_dataclass(report) else report

@@ -12,16 +12,54 @@ runs to its end and reports how much it needs.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 from prism_plugin.config.emulation import EmulationConfig
 from prism_plugin.config.errors import ConfigError
 from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import GpuSpec, gpu_spec
 from prism_plugin.cost.profiles import HardwareProfile, load_profile
-from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.runtime.virtual_gpu import cuda_runtime, snapshot
 from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
 
-__all__ = ["resolve_gpu", "start_virtual_gpu"]
+__all__ = ["VirtualTimeOptions", "resolve_gpu", "start_virtual_gpu", "start_virtual_time"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VirtualTimeOptions:
+    """How a virtual-GPU process keeps time, from its environment (`from_env`; the CLI sets these variables).
+
+    ``PRISM_VIRTUAL_TIME``: ``on`` (the default: modelled kernel and communication time on emulated streams) or
+    ``off`` (memory only: nothing takes time, step time is not modelled); ``PRISM_KERNEL_MODEL``: ``roofline``
+    (the default) or ``table`` with ``PRISM_KERNEL_TABLE`` (a table `prism kernels record` wrote);
+    ``PRISM_PROGRAM_TIME``: ``wall`` (the default) or ``emulated`` (the program's ``time.time`` /
+    ``perf_counter`` / ``monotonic`` read the emulated host clock, so its own logs print emulated figures).
+    """
+
+    enabled: bool = True
+    kernel_model: str = "roofline"
+    kernel_table: Path | None = None
+    program_time: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> VirtualTimeOptions:
+        env = os.environ if environ is None else environ
+        values = {name: env.get(name, default) for name, default in
+                  (("PRISM_VIRTUAL_TIME", "on"), ("PRISM_KERNEL_MODEL", "roofline"), ("PRISM_PROGRAM_TIME", "wall"))}
+        for name, allowed in (("PRISM_VIRTUAL_TIME", ("on", "off")), ("PRISM_KERNEL_MODEL", ("roofline", "table")),
+                              ("PRISM_PROGRAM_TIME", ("wall", "emulated"))):
+            if values[name] not in allowed:
+                raise ConfigError(f"{name}={values[name]!r}: use one of {', '.join(allowed)}")
+        table = env.get("PRISM_KERNEL_TABLE") or None
+        if (values["PRISM_KERNEL_MODEL"] == "table") != (table is not None):
+            raise ConfigError("PRISM_KERNEL_MODEL=table goes with PRISM_KERNEL_TABLE=<file from `prism kernels "
+                              "record`> (and a table only with the table model)")
+        if table is not None and not Path(table).is_file():
+            raise ConfigError(f"PRISM_KERNEL_TABLE={table!r} is not a file; record one with `prism kernels record`")
+        return cls(enabled=values["PRISM_VIRTUAL_TIME"] == "on", kernel_model=values["PRISM_KERNEL_MODEL"],
+                   kernel_table=Path(table) if table else None, program_time=values["PRISM_PROGRAM_TIME"] == "emulated")
 
 
 def resolve_gpu(config: EmulationConfig, profile: HardwareProfile | None = None) -> GpuSpec:
@@ -43,5 +81,21 @@ def start_virtual_gpu(config: EmulationConfig, process_index: int) -> VirtualGpu
     if oom not in ("raise", "report"):
         raise ConfigError(f"PRISM_VIRTUAL_GPU_OOM={oom!r}: use raise (torch's OutOfMemoryError, the default) or "
                           "report (count each OOM in the summary and run on)")
-    return VirtualGpu(resolve_gpu(config), num_devices=num_devices, device=device, allocator=allocator,
+    options = VirtualTimeOptions.from_env()
+    profile = load_profile(config.profile)
+    vgpu = VirtualGpu(resolve_gpu(config, profile), num_devices=num_devices, device=device, allocator=allocator,
                       raise_oom=oom == "raise").start()
+    vgpu.snapshot_path = snapshot.from_env(vgpu.allocators, rank=config.world.real_ranks[process_index])
+    if options.enabled:
+        start_virtual_time(vgpu, profile, options)
+    return vgpu
+
+
+def start_virtual_time(vgpu: VirtualGpu, profile: HardwareProfile, options: VirtualTimeOptions) -> None:
+    """Give `vgpu` virtual time: the options' kernel model on the profile's GPU figures and efficiencies."""
+    from prism_plugin.cost.kernels import kernel_model
+    from prism_plugin.runtime.virtual_gpu.kernels import KernelTimer
+
+    timer = KernelTimer(kernel_model(options.kernel_model, vgpu.gpu, profile.kernels, options.kernel_table))
+    vgpu.kernel_summary = timer.summary
+    vgpu.start_time(timer.duration_s, profile.kernels.launch_overhead_s, program_time=options.program_time)

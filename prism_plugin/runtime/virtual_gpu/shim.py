@@ -27,7 +27,7 @@ import torch
 from prism_plugin.cost.allocator import CachingAllocatorModel
 from prism_plugin.cost.gpu import GpuSpec
 from prism_plugin.runtime.undo import Patches
-from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.runtime.virtual_gpu import cuda_runtime, snapshot
 from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
 
 __all__ = ["CudaShim", "VirtualEvent", "VirtualStream", "device_index"]
@@ -332,6 +332,7 @@ class CudaShim:
         for name in ("get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "manual_seed",
                      "manual_seed_all", "seed", "initial_seed"):  # torch.cuda.random's own (Megatron calls them)
             p.setattr(cuda.random, name, api[name])
+        snapshot.install(self)  # torch.cuda.memory's history and snapshot API (memory_viz's input)
         CudaShim._ACTIVE = self
         p.callback(setattr, CudaShim, "_ACTIVE", None)
         return self
