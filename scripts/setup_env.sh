@@ -23,5 +23,5 @@ P="$V/bin/pip"
 # 3. deepspeed builds from sdist with its ops disabled and keeps our torch; triton for megatron-core.
 "$P" install -q -c "$C" deepspeed triton
 # 4. the project itself, editable, with every extra this machine can run (not the GPU extra).
-"$P" install -q -c "$C" --ignore-requires-python -e ".[megatron,deepspeed,dev]"
+"$P" install -q -c "$C" --ignore-requires-python -e ".[megatron,deepspeed,dev,trace,cluster]"
 echo "$want" > "$stamp"
