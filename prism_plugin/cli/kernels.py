@@ -1,0 +1,113 @@
+"""`prism kernels record`: a kernel table measured on this machine's device, for ``PRISM_KERNEL_MODEL=table``.
+
+    prism kernels record --output table.json --warmup 2 --steps 10 -- train.py --lr 0.1
+    prism kernels record -m prism_plugin.programs.toy_train --tp 1 --steps 12
+
+Runs the program once, in this process, on whatever device it uses (``--device auto``: ``cuda`` when torch
+has one, else ``cpu``), under `prism_plugin.runtime.virtual_gpu.record.KernelRecorder`: after ``--warmup``
+optimizer steps it times every ATen op on that device for ``--steps`` optimizer steps (default: to the end)
+and writes one entry per (op, shape, dtype) with its median duration, plus metadata (torch version, threads,
+host, program, steps, and on ``cpu`` the host overhead per kernel to use as ``kernels.launch_overhead_us``).
+``--threads`` (default 1) is ``torch.set_num_threads`` before the program starts (a program may set its own;
+the table's metadata reports what was in force at the end). A program that is not a torch.distributed job
+runs as it is; one that calls ``init_process_group`` without a rendezvous in the environment runs as rank 0
+of 1. Bad input (no program, ``--steps 0``, no step recorded) exits 2 with one line saying what to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from prism_plugin.config.errors import ConfigError
+
+__all__ = ["add_kernels_parser"]
+
+
+def _positive(name: str, minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _target(args: argparse.Namespace) -> list[str]:
+    target = list(args.target)
+    if target and target[0] == "--":
+        target = target[1:]
+    if args.module:
+        target = ["-m", *args.module]
+    if not target or target == ["-m"]:
+        raise ConfigError("prism kernels record: name the program to record: `-- script.py args` or "
+                          "`-m module args`")
+    if target[0] != "-m" and not Path(target[0]).is_file():
+        raise ConfigError(f"prism kernels record: program {target[0]!r} is not a file; give a script path "
+                          "(`-- script.py args`) or a module (`-m package.module args`)")
+    return target
+
+
+def _cmd_record(args: argparse.Namespace) -> int:
+    target = _target(args)
+    import torch
+
+    from prism_plugin.runtime.virtual_gpu.record import KernelRecorder, run_program, table_data
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("prism kernels record --device cuda: this torch has no CUDA device; use --device cpu")
+    torch.set_num_threads(args.threads)
+    recorder = KernelRecorder(device, warmup=args.warmup, steps=args.steps)
+    with recorder.record():
+        rc = run_program(target)
+    if rc != 0:
+        Console(stderr=True).print(f"[bold red]prism kernels record: the program exited {rc}; no table written[/]")
+        return rc
+    try:
+        table = table_data(recorder, program=target)
+    except ValueError as exc:
+        raise ConfigError(f"prism kernels record: {exc}") from None
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+    meta = table["metadata"]
+    host = meta["host_overhead_us_per_kernel"]
+    Console(stderr=True).print(
+        f"prism kernels record: {len(table['entries'])} kernels (op, shape, dtype) from {meta['recorded_steps']} "
+        f"steps on {meta['device']} ({meta['threads']} thread(s)) -> {args.output}; per step: "
+        f"{meta['kernels_per_step']:g} kernels, {1e3 * meta['kernel_time_per_step_median_s']:.3f} ms kernel time, "
+        f"{1e3 * meta['step_time_median_s']:.3f} ms wall"
+        + (f"; host overhead {host:g} us per kernel (profile kernels.launch_overhead_us)" if host is not None else ""),
+        soft_wrap=True)
+    return 0
+
+
+def add_kernels_parser(sub: Any) -> None:
+    """Add ``prism kernels record [--output F] [--steps K] [--warmup W] [--threads T] [--device D] -- program``."""
+    kernels = sub.add_parser("kernels", help="kernel tables for the table kernel model (record one)")
+    actions = kernels.add_subparsers(dest="kernels_command", required=True)
+    rec = actions.add_parser("record", help="run a program and record each ATen op's measured duration")
+    rec.add_argument("--output", type=Path, default=Path("kernel_table.json"),
+                     help="the table file to write (default kernel_table.json)")
+    rec.add_argument("--steps", type=_positive("--steps", 1), default=None,
+                     help="optimizer steps to record after the warm-up (default: to the program's end)")
+    rec.add_argument("--warmup", type=_positive("--warmup", 0), default=1,
+                     help="optimizer steps to skip before recording (default 1)")
+    rec.add_argument("--threads", type=_positive("--threads", 1), default=1,
+                     help="torch.set_num_threads before the program starts (default 1)")
+    rec.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                     help="the device type whose ops are recorded (auto: cuda if available, else cpu)")
+    rec.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None,
+                     help="record a module and its arguments, like python -m")
+    rec.add_argument("target", nargs=argparse.REMAINDER, help="-- script.py args")
+    rec.set_defaults(func=_cmd_record)

@@ -1,0 +1,265 @@
+"""Kernel-table recording: measured per-op durations of a real run, for the ``table`` kernel model (DESIGN.md §11).
+
+`KernelRecorder` is a ``TorchDispatchMode`` that lets every ATen op run for real and, for each op writing a
+tensor on the recorded device type, keys it by `prism_plugin.runtime.virtual_gpu.kernels.kernel_cost` (op,
+shape, dtype: the key virtual time looks up, so a table recorded here answers the same program's kernels
+exactly) and times it:
+
+- ``cpu``: ``time.perf_counter_ns()`` around the op's execution below the mode (the op runs on the host
+  thread: its wall time is its kernel time; run with ``torch.set_num_threads(1)`` for a one-core figure);
+- ``cuda``: CUDA events recorded on the current stream around the op after a ``torch.cuda.synchronize()``, so
+  the figure is the device time of the op's kernel(s) (launch gaps between the kernels of one op included).
+
+Steps are optimizer steps (``torch.optim.Optimizer.register_optimizer_step_post_hook``, a global hook, as
+`prism run`'s iteration marker): the recorder skips everything up to the end of the ``warmup``-th step and
+records the next ``steps`` steps (None: to the program's end); a program with no optimizer records nothing
+and `write_table` refuses the empty table. `run_program` runs a script (``runpy.run_path``) or ``-m module``
+in this process, as rank 0 of 1 when the environment names no torch.distributed rendezvous.
+
+The table (`table_data`, `TableModel`'s JSON format) holds one entry per key with the median of its samples
+(``duration_us``) and their ``count``, plus ``metadata``: torch version, threads, host, program, steps, the
+device's name (``cpu`` or ``torch.cuda.get_device_name()``) and, on ``cpu``, the host time per kernel outside
+the kernels (``host_overhead_us_per_kernel``: the recorded steps' wall time minus the time inside the mode,
+over the kernels launched, i.e. the program's Python, autograd and dispatch time per op), the figure to give
+virtual time as the profile's ``kernels.launch_overhead_us``.
+
+Limitations: the mode's own bookkeeping is excluded from both figures, but the C++ -> Python mode transition
+(~1-3 us per op) is counted as host overhead; an op's CPU time includes the allocator's work; on ``cuda`` the
+per-op synchronization removes overlap between kernels and the host overhead is not measured (null); ops
+of other device types (host work) and ops with no kernel (views, metadata, collectives) are not recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import runpy
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from prism_plugin.cost.kernels import TABLE_FORMAT, TABLE_VERSION, KernelCost
+from prism_plugin.runtime.virtual_gpu.kernels import kernel_cost
+
+__all__ = ["KernelRecorder", "KeySamples", "device_name", "run_program", "table_data"]
+
+_Key = tuple[str, tuple[int, ...], str]
+
+
+@dataclass(slots=True)
+class KeySamples:
+    """The measured durations of one (op, shape, dtype) key, in nanoseconds."""
+
+    cost: KernelCost
+    durations_ns: list[int] = field(default_factory=list)
+
+    @property
+    def median_us(self) -> float:
+        """The median sample in microseconds (the mean of the two middle ones for an even count)."""
+        return statistics.median(self.durations_ns) / 1e3
+
+
+class KernelRecorder(TorchDispatchMode):
+    """Times each ATen op on `device_type` tensors after `warmup` optimizer steps, for `steps` steps.
+
+    Use as a context manager around the program (`record` installs the optimizer hook too). Example::
+
+        recorder = KernelRecorder("cpu", warmup=2, steps=5)
+        with recorder.record():
+            train()                         # 7+ optimizer steps
+        table = table_data(recorder, program=["train.py"])
+    """
+
+    def __init__(self, device_type: str = "cpu", *, warmup: int = 1, steps: int | None = None) -> None:
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"device_type={device_type!r}: record on cpu or cuda")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup={warmup!r} must be an integer >= 0 (optimizer steps skipped)")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"steps={steps!r} must be an integer >= 1 (optimizer steps recorded), or None")
+        super().__init__()
+        self.device_type, self.warmup, self.steps = device_type, warmup, steps
+        self.samples: dict[_Key, KeySamples] = {}
+        self.optimizer_steps = 0
+        """Optimizer steps seen so far (all of them, warm-up included)."""
+        self.recording = warmup == 0
+        self.step_ends_ns: list[int] = []
+        """perf_counter_ns at the start of the window and at the end of each recorded step."""
+        self.kernels_per_step: list[int] = []
+        self.kernel_ns_per_step: list[int] = []
+        self.inside_ns_per_step: list[int] = []
+        """Time spent inside the mode per recorded step (ops, kernel or not), its bookkeeping excluded."""
+        self._kernels = self._kernel_ns = self._inside_ns = 0
+
+    # -- steps -----------------------------------------------------------------------------------------------
+    def on_optimizer_step(self, *_: Any) -> None:
+        """The optimizer-step post hook: opens the window after warm-up, closes each recorded step."""
+        now = time.perf_counter_ns()
+        self.optimizer_steps += 1
+        if self.recording and self.step_ends_ns:
+            self.step_ends_ns.append(now)
+            self.kernels_per_step.append(self._kernels)
+            self.kernel_ns_per_step.append(self._kernel_ns)
+            self.inside_ns_per_step.append(self._inside_ns)
+            if self.steps is not None and len(self.kernels_per_step) >= self.steps:
+                self.recording = False
+        elif self.optimizer_steps == self.warmup:
+            self.recording = True
+        if self.recording and not self.step_ends_ns:
+            self.step_ends_ns.append(now)
+        self._kernels = self._kernel_ns = self._inside_ns = 0
+
+    @property
+    def recorded_steps(self) -> int:
+        return len(self.kernels_per_step)
+
+    @contextmanager
+    def record(self) -> Any:
+        """This mode and the global optimizer-step hook, for the duration of the block."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        handle = register_optimizer_step_post_hook(self.on_optimizer_step)
+        if self.recording:  # warmup 0: the window opens now
+            self.step_ends_ns.append(time.perf_counter_ns())
+        try:
+            with self:
+                yield self
+        finally:
+            handle.remove()
+
+    # -- ops -------------------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.recording or not self.step_ends_ns:
+            return func(*args, **kwargs)
+        if self.device_type == "cuda":
+            return self._cuda_op(func, args, kwargs)
+        start = time.perf_counter_ns()
+        out = func(*args, **kwargs)
+        end = time.perf_counter_ns()
+        self._account(func, args, kwargs, out, end - start)
+        self._inside_ns += end - start
+        return out
+
+    def _cuda_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        torch.cuda.synchronize()
+        begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = time.perf_counter_ns()
+        begin.record()
+        out = func(*args, **kwargs)
+        finish.record()
+        finish.synchronize()
+        self._inside_ns += time.perf_counter_ns() - start
+        self._account(func, args, kwargs, out, int(round(begin.elapsed_time(finish) * 1e6)))
+        return out
+
+    def _account(self, func: Any, args: tuple, kwargs: dict, out: Any, duration_ns: int) -> None:
+        cost = kernel_cost(func, args, kwargs, out, device_types=(self.device_type,))
+        if cost is None:
+            return
+        key = (cost.op, cost.shape, cost.dtype)
+        entry = self.samples.get(key)
+        if entry is None:
+            entry = self.samples[key] = KeySamples(cost)
+        entry.durations_ns.append(max(duration_ns, 1))
+        self._kernels += 1
+        self._kernel_ns += duration_ns
+
+
+def device_name(device_type: str) -> str:
+    """The table's ``device``: ``cpu``, or the CUDA device's name (``NVIDIA H100 80GB HBM3``)."""
+    return "cpu" if device_type == "cpu" else torch.cuda.get_device_name()
+
+
+def table_data(recorder: KernelRecorder, *, program: Sequence[str], device: str | None = None) -> dict[str, Any]:
+    """`recorder`'s samples as a kernel table (`TableModel.from_json`'s format): one entry per key, its median.
+
+    Entries are sorted by (op, dtype, shape). Raises `ValueError` when no step was recorded (no optimizer, or
+    fewer optimizer steps than the warm-up).
+    """
+    if recorder.recorded_steps == 0:
+        raise ValueError(f"no step recorded: the program made {recorder.optimizer_steps} optimizer step(s) and "
+                         f"{recorder.warmup} were warm-up; lower --warmup, run more steps, or use a program that "
+                         "steps a torch.optim optimizer (steps are optimizer steps)")
+    device = device or device_name(recorder.device_type)
+    entries = [{"op": s.cost.op, "kernel_class": s.cost.kernel_class.value, "shape": list(s.cost.shape),
+                "dtype": s.cost.dtype, "device": device, "flops": s.cost.flops, "bytes": s.cost.bytes,
+                "duration_us": round(s.median_us, 3), "count": len(s.durations_ns)}
+               for s in sorted(recorder.samples.values(), key=lambda s: (s.cost.op, s.cost.dtype, s.cost.shape))]
+    steps_ns = [b - a for a, b in zip(recorder.step_ends_ns, recorder.step_ends_ns[1:], strict=False)]
+    kernels = sum(recorder.kernels_per_step)
+    host_us: float | None = None
+    if recorder.device_type == "cpu" and kernels:
+        host_us = round((sum(steps_ns) - sum(recorder.inside_ns_per_step)) / kernels / 1e3, 3)
+    metadata = {
+        "torch_version": torch.__version__, "threads": torch.get_num_threads(), "host": platform.node(),
+        "machine": platform.machine(), "processor": platform.processor() or None, "program": list(program),
+        "device_type": recorder.device_type, "device": device, "warmup_steps": recorder.warmup,
+        "recorded_steps": recorder.recorded_steps, "optimizer_steps_seen": recorder.optimizer_steps,
+        "kernels_per_step": round(kernels / recorder.recorded_steps, 3),
+        "step_time_median_s": round(statistics.median(steps_ns) / 1e9, 9),
+        "kernel_time_per_step_median_s": round(statistics.median(recorder.kernel_ns_per_step) / 1e9, 9),
+        "host_overhead_us_per_kernel": host_us,
+        "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "note": "steps are optimizer steps; step_time_median_s includes the host's time but not the recorder's "
+                "bookkeeping; give host_overhead_us_per_kernel to virtual time as the profile's "
+                "kernels.launch_overhead_us",
+    }
+    return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "metadata": metadata, "entries": entries}
+
+
+def _default_rendezvous(environ: dict[str, str]) -> dict[str, str]:
+    """The torch.distributed variables of rank 0 of 1 that `environ` lacks (none when it names a rank)."""
+    if "RANK" in environ or "WORLD_SIZE" in environ:
+        return {}
+    # port 0: the store of the only rank binds a free port itself (nobody else connects): no port race
+    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+
+
+def run_program(target: Sequence[str]) -> int:
+    """Run ``[script, args...]`` or ``["-m", module, args...]`` in this process as ``__main__``; its exit code.
+
+    The program sees ``sys.argv`` as it would under ``python``; when the environment names no rank it is rank
+    0 of a world of 1 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` set for the run, then removed).
+    """
+    target = list(target)
+    if not target or (target[0] == "-m" and len(target) < 2):
+        raise ValueError("name the program: [script.py, args...] or [-m, module, args...]")
+    added = _default_rendezvous(dict(os.environ))
+    saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
+    os.environ.update(added)
+    try:
+        if target[0] == "-m":
+            sys.argv = [target[1], *target[2:]]
+            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(target)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+            runpy.run_path(target[0], run_name="__main__")
+        return 0
+    except SystemExit as exc:
+        code = exc.code
+        return 0 if code is None else (code if isinstance(code, int) else 1)
+    finally:
+        sys.argv = saved_argv
+        if target[0] != "-m" and saved_path0 is not None:
+            sys.path.pop(0)
+        for name in added:
+            os.environ.pop(name, None)
+        _destroy_default_group()
+
+
+def _destroy_default_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
