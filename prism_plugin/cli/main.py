@@ -7,6 +7,7 @@
     prism megatron pretrain_gpt.py <megatron args> --prism-world-size N --prism-real-ranks r1,...
     prism calibrate [--backend gloo|nccl] [--processes 2] [--from-nccl-tests DIR] --out profile.yaml
     prism models [--json] | prism models show NAME [--json]
+    prism kernels record [--output table.json] [--steps K] [--warmup W] -- script.py args
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from prism_plugin.cli.graph import (
     run_target_args,
     trace_config_kwargs,
 )
+from prism_plugin.cli.kernels import add_kernels_parser
 from prism_plugin.cli.models import add_models_parser
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.config.errors import ConfigError, parse_rank_list
@@ -202,6 +204,7 @@ def make_parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=_cmd_profiles)
     add_calibrate_parser(sub)  # prism calibrate (issue 6, item 5)
     add_models_parser(sub)  # prism models (issue 12, item 4)
+    add_kernels_parser(sub)  # prism kernels record (issue 13, item 1b)
     from prism_plugin.cli.recipes import add_recipe_parser  # prism recipe (issue 6)
 
     add_recipe_parser(sub)
