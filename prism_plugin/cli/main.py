@@ -8,6 +8,7 @@
     prism calibrate [--backend gloo|nccl] [--processes 2] [--from-nccl-tests DIR] --out profile.yaml
     prism models [--json] | prism models show NAME [--json]
     prism kernels record [--output table.json] [--steps K] [--warmup W] -- script.py args
+    prism emulate --world-size N [--profile dgx-h100] [--out DIR] -- pretrain_gpt.py <Megatron args>
 """
 
 from __future__ import annotations
@@ -205,6 +206,9 @@ def make_parser() -> argparse.ArgumentParser:
     add_calibrate_parser(sub)  # prism calibrate (issue 6, item 5)
     add_models_parser(sub)  # prism models (issue 12, item 4)
     add_kernels_parser(sub)  # prism kernels record (issue 13, item 1b)
+    from prism_plugin.cli.emulate import add_emulate_parser  # prism emulate (issue 13, item 3)
+
+    add_emulate_parser(sub)
     from prism_plugin.cli.recipes import add_recipe_parser  # prism recipe (issue 6)
 
     add_recipe_parser(sub)

@@ -238,4 +238,20 @@ class MegatronAdapter:
             "p2p_virtual_receives_filled": self._p2p_fills[0],
             "tp_batches_filled": self._tp_fills[0],
             "switched_off": list(self.switched_off),
+            **_job_figures(),
         }
+
+
+def _job_figures() -> dict[str, Any]:
+    """The job's batch and Megatron's own model FLOPs per iteration (``num_floating_point_operations``, what its
+    TFLOP/s/GPU log divides), from the parsed arguments; empty before Megatron parsed them."""
+    try:
+        from megatron.training.global_vars import get_args
+        from megatron.training.training import num_floating_point_operations
+
+        args = get_args()
+        flops = num_floating_point_operations(args, args.global_batch_size)
+    except Exception:  # arguments not parsed (the program never reached initialize_megatron)
+        return {}
+    return {"global_batch_size": int(args.global_batch_size), "seq_length": int(args.seq_length),
+            "model_flops_per_iteration": int(flops)}

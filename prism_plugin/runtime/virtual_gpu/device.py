@@ -65,6 +65,11 @@ class _DeviceCalls(TorchFunctionMode):
         if isinstance(device, int) and not isinstance(device, bool):
             kwargs = {**kwargs, "device": torch.device("cuda", device)}
             device = kwargs["device"]
+        if func in _FROM_DATA and args and _holds_cuda_fakes(args[0]):
+            # torch.tensor([gpu scalars]) reads each element's value in C++, below every mode (Megatron's
+            # local_multi_tensor_l2_norm): the same tensor from the elements, made on the host, values unknown
+            return _stack_on(args[0], kwargs.get("dtype"), torch.device(device) if device is not None
+                             else torch.device("cpu"))
         if func in _FROM_DATA and device is not None and torch.device(device).type == "cuda":
             # torch.tensor(data, device="cuda") builds on the CPU and copies below any mode: build the CPU fake,
             # move it, and keep the data's real values (small tensors only) for later reads
@@ -99,6 +104,21 @@ class _DeviceCalls(TorchFunctionMode):
             with _disable_current_modes():  # the constant is a real tensor: copy it outside the fake modes
                 self.values.tag_data(moved, constant.clone())
         return moved
+
+
+def _holds_cuda_fakes(data: Any) -> bool:
+    return isinstance(data, list | tuple) and any(
+        isinstance(x, FakeTensor) and x.device.type == "cuda" for x in tree_flatten(data)[0])
+
+
+def _stack_on(data: Any, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    """What ``torch.tensor(data)`` makes of nested lists of (fake) tensors: their stack, on `device`."""
+    if isinstance(data, torch.Tensor):
+        out = _move(data, (device,), {}) if data.device.type != device.type else data
+        return (data if out is None else out).to(dtype) if dtype is not None else (data if out is None else out)
+    if isinstance(data, list | tuple):
+        return torch.stack([_stack_on(x, dtype, device) for x in data])
+    return torch.tensor(data, dtype=dtype, device=device)
 
 
 def _move(t: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:

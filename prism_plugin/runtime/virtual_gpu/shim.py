@@ -332,6 +332,9 @@ class CudaShim:
         for name in ("get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "manual_seed",
                      "manual_seed_all", "seed", "initial_seed"):  # torch.cuda.random's own (Megatron calls them)
             p.setattr(cuda.random, name, api[name])
+        # pinned host memory is a host property (page-locked for faster copies): the tensor itself, unpinned; a
+        # DataLoader with pin_memory=True (Megatron's) then runs as on a GPU host
+        p.setattr(torch.Tensor, "pin_memory", lambda t, device=None: t)
         snapshot.install(self)  # torch.cuda.memory's history and snapshot API (memory_viz's input)
         CudaShim._ACTIVE = self
         p.callback(setattr, CudaShim, "_ACTIVE", None)
