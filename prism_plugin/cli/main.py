@@ -7,6 +7,7 @@
     prism megatron pretrain_gpt.py <megatron args> --prism-world-size N --prism-real-ranks r1,...
     prism calibrate [--backend gloo|nccl] [--processes 2] [--from-nccl-tests DIR] --out profile.yaml
     prism models [--json] | prism models show NAME [--json]
+    prism sweep RECIPE --world-sizes 512,2048,8192 [--global-batch G] [--jobs K] [--ray ADDRESS] [--json]
     prism kernels record [--output table.json] [--steps K] [--warmup W] -- script.py args
     prism emulate --world-size N [--profile dgx-h100] [--out DIR] -- pretrain_gpt.py <Megatron args>
 """
@@ -33,6 +34,7 @@ from prism_plugin.cli.graph import (
 )
 from prism_plugin.cli.kernels import add_kernels_parser
 from prism_plugin.cli.models import add_models_parser
+from prism_plugin.cli.sweep import add_sweep_parser
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.config.errors import ConfigError, parse_rank_list
 from prism_plugin.config.kinds import DeviceMode
@@ -205,6 +207,7 @@ def make_parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=_cmd_profiles)
     add_calibrate_parser(sub)  # prism calibrate (issue 6, item 5)
     add_models_parser(sub)  # prism models (issue 12, item 4)
+    add_sweep_parser(sub)  # prism sweep (issue 14, part 4)
     add_kernels_parser(sub)  # prism kernels record (issue 13, item 1b)
     from prism_plugin.cli.emulate import add_emulate_parser  # prism emulate (issue 13, item 3)
 
