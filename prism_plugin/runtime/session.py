@@ -236,9 +236,27 @@ class Session:
             self.timeline.faults = self.faults  # a delayed op names the straggler blamed for it
             if self.virtual_time is not None:  # each kernel and op on its emulated stream's row
                 self.virtual_time.record = self.timeline.add_span
+        # torch.profiler: the real backend's ranges of each op while a profile runs (prism_plugin.runtime.profiler)
+        from prism_plugin.runtime.profiler import ProfilerRanges
+
+        self.profiler_ranges = ProfilerRanges(self.rank, backend)
+        self.kineto = None  # the virtual-GPU Kineto trace (PRISM_KINETO=<dir>), an op observer
+        if os.environ.get("PRISM_KINETO"):
+            if self.virtual_time is None:
+                import warnings
+
+                warnings.warn("PRISM_KINETO is set but this run has no virtual time (virtual-GPU mode with "
+                              "PRISM_VIRTUAL_TIME=on): no Kineto trace is written", stacklevel=2)
+            else:
+                from prism_plugin.runtime.kineto import KinetoTrace
+
+                self.kineto = KinetoTrace(self.rank, world.world_size, Path(os.environ["PRISM_KINETO"]),
+                                          self.virtual_time, backend=backend)
+                self.kineto.attach()  # chained after the timeline's span recorder
         # the op observers, in the order of prism_plugin.comm.context (which says why)
         observers: list[OpObserver] = [o for o in (self.replayed, self.faults, self.replayer, self.recorder,
-                                                   self.tracer, self.timeline) if o is not None]
+                                                   self.tracer, self.timeline, self.profiler_ranges, self.kineto)
+                                      if o is not None]
         observers.append(self.counters)
         if isinstance(self.op_clock, OpObserver):  # an emulated clock advances with each op; the wall clock does not
             observers.append(self.op_clock)
@@ -346,6 +364,7 @@ class Session:
             **({"graph": self.replayed.summary()} if self.replayed is not None else {}),
             **({"trace": self.tracer.summary()} if self.tracer is not None else {}),
             **({"timeline": self.timeline.summary()} if self.timeline is not None else {}),
+            **({"kineto": self.kineto.summary()} if self.kineto is not None else {}),
             **({"faults": self._faults_summary()} if self.faults is not None else {}),
         }
 
@@ -378,6 +397,8 @@ class Session:
             self.timeline.on_mark(self.clock.iteration, self.clock.iteration_start_s)
         if self.virtual_time is not None:
             self.virtual_time.on_mark(self.clock.iteration, self.clock.iteration_start_s)
+        if self.kineto is not None:
+            self.kineto.on_mark(self.clock.iteration)
 
     # -- process-wide seams ------------------------------------------------------------------------
     def install(self) -> None:
@@ -393,6 +414,8 @@ class Session:
 
         patches.setattr(c10d, "broadcast_object_list", broadcast_object_list)
         patches.setattr(dist, "broadcast_object_list", broadcast_object_list)
+        self.profiler_ranges.install()  # exported profiler traces get the emulated ops' metadata and kernels
+        patches.callback(self.profiler_ranges.uninstall)
         # iterations of plain scripts: the end of each optimizer step (IterationMarker)
         if self.config.iteration_marker is not IterationMarker.EXPLICIT:
             from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -539,6 +562,8 @@ def deactivate() -> dict[str, Any] | None:
                 session.tracer.close()
             if session.timeline is not None:
                 session.timeline.write()
+            if session.kineto is not None:
+                session.kineto.write()
             _CURRENT = None
         summary = session.summary()
         if session.faults is not None:
