@@ -21,12 +21,13 @@ Prints one JSON object:
   from the rank's summary (the allocator model: deterministic, the same every repeat, which
   ``memory_same_every_repeat`` checks); ``megatron_parameters``: the rank's count as Megatron logs it
   (data-parallel rank 0 only, else null); ``rss_mb``: peak resident memory of the largest run;
-- ``emulation_overhead_pct``: null until virtual time exists (``emulation_overhead_note`` says so).
-
-The seam for virtual time: `measure` takes ``virtual_time``; a later ``--virtual-time`` flag runs each
-repeat twice, without and with, alternated, and fills ``emulation_overhead_pct`` =
-``100 * (t_with / t_without - 1)`` of the two median step times (`emulation_overhead_pct`). Today
-``virtual_time=True`` raises NotImplementedError.
+- ``emulation_overhead_pct``: what virtual time (the default in virtual-GPU mode: each op a kernel of modelled
+  duration on emulated streams) adds to the host time per iteration, ``100 * (t_with / t_without - 1)`` of the
+  two medians; each repeat runs without (``PRISM_VIRTUAL_TIME=off``), then with it, alternated, so a shared
+  machine's drift falls on both alike; ``step_time_s`` is the with-virtual-time median,
+  ``step_time_s_without_virtual_time`` the other; ``--no-virtual-time`` runs only the latter;
+- ``emulated_step_time_s``: virtual time's step of the rank (modelled H100 time, deterministic:
+  ``emulated_step_time_same_every_repeat`` checks it).
 
 Defaults (Llama-3-8B width, 2 layers, TP8, rank 7 of 64, 5 iterations, 3 repeats) take about a minute on
 this 2-core machine. Not measured here: sequence parallelism (not yet with the local spec), MoE presets
@@ -56,8 +57,7 @@ from prism_plugin.config.models import megatron_args, preset  # noqa: E402
 SCRIPT = ROOT / "prism_plugin" / "programs" / "pretrain_gpt.py"
 LAYOUT_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
                 "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size"}
-VIRTUAL_TIME_NOTE = ("virtual time not yet on: a virtual-GPU run's compute takes no time and nothing sleeps for "
-                     "modelled communication, so there is no with/without pair to compare")
+VIRTUAL_TIME_NOTE = "run without virtual time (--no-virtual-time): no emulation overhead measured"
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
 _PARAMETERS = re.compile(r"number of parameters on \(tensor, [^)]*\) model parallel rank \([^)]*\): (\d+)")
 
@@ -88,6 +88,8 @@ class Measurement:
     device_total_bytes: int
     fits: bool
     megatron_parameters: int | None
+    emulated_step_s: float | None = None
+    """Virtual time's step of the rank (median of its marked iterations); None without virtual time."""
 
 
 def parse_layout(text: str) -> dict[str, int]:
@@ -105,9 +107,7 @@ def parse_layout(text: str) -> dict[str, int]:
     return layout
 
 
-def _command(spec: JobSpec, output: Path, *, virtual_time: bool) -> list[str]:
-    if virtual_time:  # the seam: the flag that turns virtual time on goes here
-        raise NotImplementedError(f"--virtual-time: {VIRTUAL_TIME_NOTE}")
+def _command(spec: JobSpec, output: Path) -> list[str]:
     arch = megatron_args(preset(spec.model))
     arch[arch.index("--num-layers") + 1] = str(spec.layers)
     arch[arch.index("--seq-length") + 1] = str(spec.seq_length)
@@ -125,10 +125,11 @@ def measure(spec: JobSpec, *, virtual_time: bool = False) -> Measurement:
     """Run `spec` once in a fresh process (virtual time on or off) and read its log and summary."""
     with tempfile.TemporaryDirectory(prefix="prism-vgpu-bench-") as tmp:
         output = Path(tmp) / "out"
-        command = _command(spec, output, virtual_time=virtual_time)
+        command = _command(spec, output)
         start = time.perf_counter()
         proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT,
-                              env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+                              env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+                                   "PRISM_VIRTUAL_TIME": "on" if virtual_time else "off"})
         wall_s = time.perf_counter() - start
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-4000:])
@@ -139,7 +140,9 @@ def measure(spec: JobSpec, *, virtual_time: bool = False) -> Measurement:
         summary = json.loads((output / f"rank{spec.rank}.summary.json").read_text())
     device = max(summary["virtual_gpu"]["devices"], key=lambda d: d["peak_allocated_bytes"])
     counted = _PARAMETERS.findall(proc.stdout)
+    emulated = summary["virtual_gpu"].get("virtual_time", {}).get("step_times_s") or []
     return Measurement(iteration_s=iterations, wall_s=wall_s, peak_allocated_bytes=device["peak_allocated_bytes"],
+                       emulated_step_s=statistics.median(emulated) if emulated else None,
                        peak_reserved_bytes=device["peak_reserved_bytes"],
                        device_total_bytes=device["device_total_bytes"], fits=device["fits"],
                        megatron_parameters=int(counted[0]) if counted else None)
@@ -158,20 +161,24 @@ def _step_s(m: Measurement, warmup: int) -> float:
     return statistics.median(m.iteration_s[warmup:])
 
 
-def run(spec: JobSpec, *, repeats: int, warmup: int, virtual_time_pairs: bool = False) -> dict:
+def run(spec: JobSpec, *, repeats: int, warmup: int, virtual_time_pairs: bool = True) -> dict:
     """`repeats` measurements (with `virtual_time_pairs`: each repeat without, then with, virtual time) as
-    the benchmark's JSON object."""
+    the benchmark's JSON object; ``step_time_s`` is the host time per iteration with virtual time (the default
+    mode) when it ran, else without."""
     configurations = (False, True) if virtual_time_pairs else (False,)
     runs: dict[bool, list[Measurement]] = {vt: [] for vt in configurations}
     for _ in range(repeats):
         for vt in configurations:  # alternated: drift of a shared machine falls on both alike
             runs[vt].append(measure(spec, virtual_time=vt))
     base = runs[False]
-    steps = [_step_s(m, warmup) for m in base]
+    steps_without = [_step_s(m, warmup) for m in base]
+    timed = runs[True] if virtual_time_pairs else base
+    steps = [_step_s(m, warmup) for m in timed]
     step_time_s = statistics.median(steps)
     overhead = None
     if virtual_time_pairs:
-        overhead = emulation_overhead_pct(step_time_s, statistics.median(_step_s(m, warmup) for m in runs[True]))
+        overhead = emulation_overhead_pct(statistics.median(steps_without), step_time_s)
+    emulated = [m.emulated_step_s for m in timed if m.emulated_step_s is not None]
     memory = {(m.peak_allocated_bytes, m.peak_reserved_bytes, m.device_total_bytes) for m in base}
     first = base[0]
     dp = spec.world_size // (spec.layout["tp"] * spec.layout["pp"] * spec.layout["cp"])
@@ -181,6 +188,9 @@ def run(spec: JobSpec, *, repeats: int, warmup: int, virtual_time_pairs: bool = 
         "rank": spec.rank, "processes": 1, "profile": spec.profile, "iterations": spec.iterations,
         "warmup_iterations": warmup, "repeats": repeats,
         "step_time_s": round(step_time_s, 4), "step_time_s_per_repeat": [round(s, 4) for s in steps],
+        "step_time_s_without_virtual_time": round(statistics.median(steps_without), 4),
+        "emulated_step_time_s": emulated[0] if emulated else None,
+        "emulated_step_time_same_every_repeat": len(set(emulated)) <= 1,
         "startup_s": round(statistics.median(m.wall_s - sum(m.iteration_s) for m in base), 3),
         "peak_allocated_bytes": first.peak_allocated_bytes, "peak_reserved_bytes": first.peak_reserved_bytes,
         "device_total_bytes": first.device_total_bytes, "fits": first.fits,
@@ -204,6 +214,8 @@ def main() -> None:
     ap.add_argument("--seq-length", type=int, default=None, help="default: the preset's")
     ap.add_argument("--global-batch", type=int, default=None, help="default: one micro-batch per DP rank")
     ap.add_argument("--profile", default="dgx-h100", help="hardware profile: the virtual GPU's model")
+    ap.add_argument("--no-virtual-time", action="store_true",
+                    help="only the runs without virtual time (no emulation_overhead_pct)")
     args = ap.parse_args()
     model = preset(args.model)
     layout = parse_layout(args.layout)
@@ -215,7 +227,8 @@ def main() -> None:
     spec = JobSpec(model=model.name, layers=args.layers, layout=layout, world_size=args.world_size, rank=args.rank,
                    iterations=args.iterations, seq_length=args.seq_length or model.seq_length,
                    global_batch=args.global_batch or args.world_size // model_parallel, profile=args.profile)
-    print(json.dumps(run(spec, repeats=args.repeats, warmup=args.warmup)))
+    print(json.dumps(run(spec, repeats=args.repeats, warmup=args.warmup,
+                         virtual_time_pairs=not args.no_virtual_time)))
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def test_the_fitting_virtual_gpu_recipe_runs_and_reports_its_memory_table(tmp_pa
     assert row["device_total_bytes"] == row["peak_reserved_bytes"] + 512 * 2**20 <= row["gpu_memory_bytes"]
     assert row["gpu_memory_bytes"] == 81559 * 2**20 and row["gpu"] == "NVIDIA H100 80GB HBM3"
     checks = {(e["check"], e["passed"]) for e in result["expectations"]}
-    assert checks == {("peak_allocated_bytes", True), ("peak_reserved_bytes", True), ("fits", True), ("ooms", True)}
+    assert checks == {("peak_allocated_bytes", True), ("peak_reserved_bytes", True), ("fits", True), ("ooms", True),
+                      ("emulated_step_s", True)}  # virtual time: deterministic to the ns
     shown = proc.stdout + proc.stderr  # the rich tables (prism recipe run prints them on stderr)
     assert "virtual-GPU memory" in shown and "70,034,863,616 B" in shown and "65.23 GiB" in shown
     md = (out / "virtual-gpu-llama-1b" / "summary.md").read_text()

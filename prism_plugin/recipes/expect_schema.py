@@ -61,10 +61,14 @@ class Expect:
     """device: virtual-gpu: whether the job fits the GPU (peak reserved + CUDA context <= its memory, no OOM)."""
     ooms: int | None = None
     """device: virtual-gpu: the number of allocations that crossed the GPU's memory (oom: report)."""
+    emulated_step_s: float | None = None
+    """device: virtual-gpu with virtual time: the rank's exact emulated step (median of its marked iterations, to
+    the nanosecond): deterministic, so any change to the kernel model, the clock or the program shows."""
 
     @property
     def states_memory(self) -> bool:
-        return (self.peak_allocated_bytes, self.peak_reserved_bytes, self.fits, self.ooms) != (None,) * 4
+        return (self.peak_allocated_bytes, self.peak_reserved_bytes, self.fits, self.ooms,
+                self.emulated_step_s) != (None,) * 5
 
     def _check_memory(self, where: str) -> None:
         for name in ("peak_allocated_bytes", "peak_reserved_bytes", "ooms"):
@@ -72,6 +76,10 @@ class Expect:
                 _positive_int(getattr(self, name), f"{where}.{name}", zero=True)
         if self.fits is not None and not isinstance(self.fits, bool):
             raise RecipeError(f"{where}.fits must be true or false, got {self.fits!r}")
+        if self.emulated_step_s is not None and (isinstance(self.emulated_step_s, bool) or not isinstance(
+                self.emulated_step_s, int | float) or self.emulated_step_s <= 0):
+            raise RecipeError(f"{where}.emulated_step_s must be a positive number of seconds (the summary's "
+                              f"virtual_time step), got {self.emulated_step_s!r}")
         if self.fits is True and self.ooms:
             raise RecipeError(f"{where}: fits: true with ooms={self.ooms}: a job that fits has no OOM")
 
@@ -79,7 +87,8 @@ class Expect:
         """RecipeError naming `where` (``emulated[<name>].expect``) for an inconsistent block."""
         self._check_memory(where)
         if self.failure is not None and self.states_memory:
-            raise RecipeError(f"{where}: a failure expectation has no memory figures; remove peak_*/fits/ooms "
+            raise RecipeError(f"{where}: a failure expectation has no memory figures; remove peak_*/fits/ooms/"
+                              "emulated_step_s "
                               "(or drop failure)")
         if self.failure is not None:
             if not isinstance(self.failure, str) or not self.failure.strip():

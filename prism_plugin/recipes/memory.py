@@ -8,6 +8,7 @@ real-rank set, modulo the devices per process). The stated figures (``peak_alloc
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -39,6 +40,8 @@ class MemoryRow:
     gpu_memory_bytes: int
     fits: bool
     ooms: int
+    emulated_step_s: float | None = None
+    """Virtual time's step of the rank (median of its marked iterations; None without virtual time)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,6 +65,8 @@ def memory_rows(recipe: Recipe, summaries: Mapping[str, Mapping[int, Sequence[Ma
             if not vgpu:
                 continue
             own = _own_device(emu, rank, len(vgpu["devices"]))
+            steps = (vgpu.get("virtual_time") or {}).get("step_times_s") or []
+            step = round(statistics.median(steps), 9) if steps else None
             for d in vgpu["devices"]:
                 if d["device"] != own and not d["peak_reserved_bytes"]:
                     continue
@@ -69,8 +74,17 @@ def memory_rows(recipe: Recipe, summaries: Mapping[str, Mapping[int, Sequence[Ma
                     emulation=emu.name, rank=rank, device=d["device"], own_device=d["device"] == own, gpu=vgpu["gpu"],
                     peak_allocated_bytes=d["peak_allocated_bytes"], peak_reserved_bytes=d["peak_reserved_bytes"],
                     fragmentation_at_peak=d["fragmentation_at_peak"], device_total_bytes=d["device_total_bytes"],
-                    gpu_memory_bytes=vgpu["gpu_memory_bytes"], fits=d["fits"], ooms=len(d["ooms"])))
+                    gpu_memory_bytes=vgpu["gpu_memory_bytes"], fits=d["fits"], ooms=len(d["ooms"]),
+                    emulated_step_s=step))
     return rows
+
+
+def _figure(name: str, value: Any) -> str:
+    if value is None:
+        return "none"
+    if name.endswith("bytes"):
+        return f"{value:,} B"
+    return f"{value:.9f} s" if name.endswith("_s") else str(value)
 
 
 def check_memory(recipe: Recipe, emu: Emulation, rows: Sequence[MemoryRow]) -> list[ExpectCheck]:
@@ -81,13 +95,13 @@ def check_memory(recipe: Recipe, emu: Emulation, rows: Sequence[MemoryRow]) -> l
     checks = []
     for rank in emu.real_ranks:
         row = next((r for r in rows if r.emulation == emu.name and r.rank == rank and r.own_device), None)
-        for name in ("peak_allocated_bytes", "peak_reserved_bytes", "fits", "ooms"):
+        for name in ("peak_allocated_bytes", "peak_reserved_bytes", "fits", "ooms", "emulated_step_s"):
             want = getattr(exp, name)
             if want is None:
                 continue
             got = None if row is None else getattr(row, name)
-            text = "no virtual_gpu summary" if row is None else (f"{got:,} B" if name.endswith("bytes") else str(got))
-            expected = f"{want:,} B" if name.endswith("bytes") else str(want)
+            text = "no virtual_gpu summary" if row is None else _figure(name, got)
+            expected = _figure(name, want)
             checks.append(ExpectCheck(emulation=emu.name, rank=rank, check=name, expected=expected, measured=text,
                                       passed=row is not None and got == want,
                                       values={} if row is None else row.to_dict()))

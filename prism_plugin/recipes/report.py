@@ -79,7 +79,7 @@ def memory_table(result: RecipeResult) -> Table | None:
         return None
     table = Table(title=f"recipe {result.recipe.name}: virtual-GPU memory (modelled caching allocator)")
     for c in ("emulation", "rank", "device", "peak allocated", "peak reserved", "fragmentation", "device total",
-              "GPU", "fits", "OOMs"):
+              "GPU", "fits", "OOMs", "emulated step"):
         table.add_column(c, justify="left" if c in ("emulation", "GPU") else "right")
     for m in result.memory:
         table.add_row(m.emulation, str(m.rank), f"cuda:{m.device}" + ("" if m.own_device else " (other)"),
@@ -88,10 +88,15 @@ def memory_table(result: RecipeResult) -> Table | None:
                       f"{100 * m.fragmentation_at_peak:.2f}%",
                       f"{gib(m.device_total_bytes)} GiB\n{m.device_total_bytes:,} B",
                       f"{m.gpu}\n{gib(m.gpu_memory_bytes)} GiB", "[green]yes[/]" if m.fits else "[bold red]no[/]",
-                      str(m.ooms))
+                      str(m.ooms), _emulated(m.emulated_step_s))
     table.caption = ("device total = peak reserved + CUDA context; fits = device total <= the GPU's memory and no "
-                     "OOM; step time is not modelled on virtual GPUs")
+                     "OOM; emulated step = virtual time (kernel model + cost model on emulated CUDA streams: "
+                     "modelled, not measured)")
     return table
+
+
+def _emulated(step_s: float | None) -> str:
+    return "n/a" if step_s is None else f"{1e3 * step_s:.3f} ms"
 
 
 def expect_table(result: RecipeResult) -> RenderableType | None:
@@ -272,15 +277,15 @@ def write_summary(result: RecipeResult, plots: Sequence[Path]) -> Path:
                                                                  "to fail or states its own figures)"]), ""]
     if result.memory:
         lines += ["## Virtual-GPU memory", "", "| emulation | rank | device | peak allocated | peak reserved | "
-                  "fragmentation at peak | device total | GPU | fits | OOMs |", "|" + "---|" * 10]
+                  "fragmentation at peak | device total | GPU | fits | OOMs | emulated step |", "|" + "---|" * 11]
         lines += [f"| {m.emulation} | {m.rank} | cuda:{m.device}{'' if m.own_device else ' (other)'} | "
                   f"{gib(m.peak_allocated_bytes)} GiB ({m.peak_allocated_bytes:,} B) | "
                   f"{gib(m.peak_reserved_bytes)} GiB ({m.peak_reserved_bytes:,} B) | "
                   f"{100 * m.fragmentation_at_peak:.2f}% | "
                   f"{gib(m.device_total_bytes)} GiB ({m.device_total_bytes:,} B) | "
-                  f"{m.gpu}, {gib(m.gpu_memory_bytes)} GiB | {'yes' if m.fits else 'NO'} | {m.ooms} |"
-                  for m in result.memory]
-        lines += ["", "device total = peak reserved + CUDA context; step time is not modelled on virtual GPUs.", ""]
+                  f"{m.gpu}, {gib(m.gpu_memory_bytes)} GiB | {'yes' if m.fits else 'NO'} | {m.ooms} | "
+                  f"{_emulated(m.emulated_step_s)} |" for m in result.memory]
+        lines += ["", "device total = peak reserved + CUDA context; emulated step = virtual time (modelled).", ""]
     if result.expectations:
         heading = "## Fault expectations" if any(e.faults for e in r.emulated) else "## Expectations"
         lines += [heading, "", "| emulation | rank | check | expected | measured | pass |",
