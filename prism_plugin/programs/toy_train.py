@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device", default="cpu",
+                    help="where the weights and batches live: cpu (default), or cuda (a GPU, or prism's virtual GPUs)")
     ap.add_argument("--json", action="store_true",
                     help="print each step as one JSON line (TOY_STEP {...}) instead of text")
     args = ap.parse_args()
@@ -77,15 +79,15 @@ def main() -> None:
     tp_rank, dp_rank = rank % tp, rank // tp
     h, shard = args.hidden, args.hidden * 4 // tp
     torch.manual_seed(1000 + tp_rank)  # same weights across DP replicas, different TP shards
-    w1 = torch.nn.Parameter(torch.randn(h, shard) / h**0.5)
-    w2 = torch.nn.Parameter(torch.randn(shard, h) / shard**0.5)
+    w1 = torch.nn.Parameter((torch.randn(h, shard) / h**0.5).to(args.device))
+    w2 = torch.nn.Parameter((torch.randn(shard, h) / shard**0.5).to(args.device))
     opt = torch.optim.SGD([w1, w2], lr=0.1)
     gen = torch.Generator().manual_seed(7 + dp_rank)  # different data per DP replica
     print(f"[rank {rank}/{world}] tp group {dist.get_process_group_ranks(tp_group)[:3]}..  "
           f"dp group size {dist.get_world_size(dp_group)} (dp rank {dp_rank})", flush=True)
     for step in range(args.steps):
         t0 = time.perf_counter()
-        x = torch.randn(args.batch, h, generator=gen)
+        x = torch.randn(args.batch, h, generator=gen).to(args.device)  # the generator is a CPU one
         target = torch.tanh(x)
         y = _ReduceFromTP.apply(torch.nn.functional.gelu(_CopyToTP.apply(x, tp_group) @ w1) @ w2, tp_group)
         loss = torch.nn.functional.mse_loss(y, target)
