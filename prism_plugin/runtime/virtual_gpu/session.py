@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prism_plugin.config.emulation import EmulationConfig
 from prism_plugin.config.errors import ConfigError
@@ -22,6 +23,7 @@ from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import GpuSpec, gpu_spec
 from prism_plugin.cost.profiles import HardwareProfile, load_profile
 from prism_plugin.runtime.virtual_gpu import cuda_runtime, snapshot
+from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
 from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
 
 __all__ = ["VirtualTimeOptions", "resolve_gpu", "start_virtual_gpu", "start_virtual_time"]
@@ -35,13 +37,16 @@ class VirtualTimeOptions:
     ``off`` (memory only: nothing takes time, step time is not modelled); ``PRISM_KERNEL_MODEL``: ``roofline``
     (the default) or ``table`` with ``PRISM_KERNEL_TABLE`` (a table `prism kernels record` wrote);
     ``PRISM_PROGRAM_TIME``: ``wall`` (the default) or ``emulated`` (the program's ``time.time`` /
-    ``perf_counter`` / ``monotonic`` read the emulated host clock, so its own logs print emulated figures).
+    ``perf_counter`` / ``monotonic`` read the emulated host clock, so its own logs print emulated figures);
+    ``CUDA_LAUNCH_BLOCKING=1`` (CUDA's own meaning): each launch, kernel or collective, returns to the host only
+    when its work has ended, as every op does on a CPU (the clock of `prism kernels record`'s CPU check).
     """
 
     enabled: bool = True
     kernel_model: str = "roofline"
     kernel_table: Path | None = None
     program_time: bool = False
+    launch_blocking: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> VirtualTimeOptions:
@@ -59,7 +64,8 @@ class VirtualTimeOptions:
         if table is not None and not Path(table).is_file():
             raise ConfigError(f"PRISM_KERNEL_TABLE={table!r} is not a file; record one with `prism kernels record`")
         return cls(enabled=values["PRISM_VIRTUAL_TIME"] == "on", kernel_model=values["PRISM_KERNEL_MODEL"],
-                   kernel_table=Path(table) if table else None, program_time=values["PRISM_PROGRAM_TIME"] == "emulated")
+                   kernel_table=Path(table) if table else None, program_time=values["PRISM_PROGRAM_TIME"] == "emulated",
+                   launch_blocking=env.get("CUDA_LAUNCH_BLOCKING", "0") == "1")
 
 
 def resolve_gpu(config: EmulationConfig, profile: HardwareProfile | None = None) -> GpuSpec:
@@ -98,4 +104,24 @@ def start_virtual_time(vgpu: VirtualGpu, profile: HardwareProfile, options: Virt
 
     timer = KernelTimer(kernel_model(options.kernel_model, vgpu.gpu, profile.kernels, options.kernel_table))
     vgpu.kernel_summary = timer.summary
-    vgpu.start_time(timer.duration_s, profile.kernels.launch_overhead_s, program_time=options.program_time)
+    clock = vgpu.start_time(timer.duration_s, profile.kernels.launch_overhead_s, program_time=options.program_time)
+    if options.launch_blocking:
+        _block_each_launch(clock)
+
+
+def _block_each_launch(clock: VirtualTime) -> None:
+    """``CUDA_LAUNCH_BLOCKING=1``: after each kernel or collective the host resumes at its end, then pays the
+    launch overhead before the next launch (host and device run one after the other, as on a CPU)."""
+    kernel, on_op = clock.kernel, clock.on_op
+
+    def blocking_kernel(stream: Any, duration_s: float, name: str = "") -> float:
+        end = kernel(stream, duration_s, name)
+        clock.host_s = max(clock.host_s, end + clock.launch_overhead_s)
+        return end
+
+    def blocking_op(event: Any) -> None:
+        on_op(event)
+        clock.host_s = max(clock.host_s, event.arrival_s + event.cost_s + clock.launch_overhead_s)
+
+    clock.kernel = blocking_kernel  # type: ignore[method-assign]
+    clock.on_op = blocking_op  # type: ignore[method-assign]
