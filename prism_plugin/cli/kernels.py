@@ -81,13 +81,13 @@ def _cmd_record(args: argparse.Namespace) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
     meta = table["metadata"]
-    host = meta["host_overhead_us_per_kernel"]
+    host = meta["host_overhead_us_per_launch"]
     Console(stderr=True).print(
         f"prism kernels record: {len(table['entries'])} kernels (op, shape, dtype) from {meta['recorded_steps']} "
         f"steps on {meta['device']} ({meta['threads']} thread(s)) -> {args.output}; per step: "
         f"{meta['kernels_per_step']:g} kernels, {1e3 * meta['kernel_time_per_step_median_s']:.3f} ms kernel time, "
         f"{1e3 * meta['step_time_median_s']:.3f} ms wall"
-        + (f"; host overhead {host:g} us per kernel (profile kernels.launch_overhead_us)" if host is not None else ""),
+        + (f"; host overhead {host:g} us per launch (profile kernels.launch_overhead_us)" if host is not None else ""),
         soft_wrap=True)
     return 0
 

@@ -13,15 +13,17 @@ exactly) and times it:
 Steps are optimizer steps (``torch.optim.Optimizer.register_optimizer_step_post_hook``, a global hook, as
 `prism run`'s iteration marker): the recorder skips everything up to the end of the ``warmup``-th step and
 records the next ``steps`` steps (None: to the program's end); a program with no optimizer records nothing
-and `write_table` refuses the empty table. `run_program` runs a script (``runpy.run_path``) or ``-m module``
+and `table_data` refuses the empty table. `run_program` runs a script (``runpy.run_path``) or ``-m module``
 in this process, as rank 0 of 1 when the environment names no torch.distributed rendezvous.
 
 The table (`table_data`, `TableModel`'s JSON format) holds one entry per key with the median of its samples
 (``duration_us``) and their ``count``, plus ``metadata``: torch version, threads, host, program, steps, the
-device's name (``cpu`` or ``torch.cuda.get_device_name()``) and, on ``cpu``, the host time per kernel outside
-the kernels (``host_overhead_us_per_kernel``: the recorded steps' wall time minus the time inside the mode,
-over the kernels launched, i.e. the program's Python, autograd and dispatch time per op), the figure to give
-virtual time as the profile's ``kernels.launch_overhead_us``.
+device's name (``cpu`` or ``torch.cuda.get_device_name()``) and, on ``cpu``, the host time per launch
+(``host_overhead_us_per_launch``: the recorded steps' wall time, less the recorder's own bookkeeping and the
+kernels' time, over the kernels and c10d collectives launched: the program's Python, autograd, dispatch and
+host-side work per launch), the figure to give virtual time as the profile's ``kernels.launch_overhead_us``. On
+a CPU host and "device" are one thread, so an emulation of such a table runs with ``CUDA_LAUNCH_BLOCKING=1``
+(each launch returns when its kernel ends; `prism_plugin.runtime.virtual_gpu.session.VirtualTimeOptions`).
 
 Limitations: the mode's own bookkeeping is excluded from both figures, but the C++ -> Python mode transition
 (~1-3 us per op) is counted as host overhead; an op's CPU time includes the allocator's work; on ``cuda`` the
@@ -52,6 +54,7 @@ from prism_plugin.runtime.virtual_gpu.kernels import kernel_cost
 __all__ = ["KernelRecorder", "KeySamples", "device_name", "run_program", "table_data"]
 
 _Key = tuple[str, tuple[int, ...], str]
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 
 
 @dataclass(slots=True)
@@ -94,10 +97,12 @@ class KernelRecorder(TorchDispatchMode):
         self.step_ends_ns: list[int] = []
         """perf_counter_ns at the start of the window and at the end of each recorded step."""
         self.kernels_per_step: list[int] = []
+        self.collectives_per_step: list[int] = []
+        """c10d collectives per recorded step: launches too (virtual time's host pays each one overhead)."""
         self.kernel_ns_per_step: list[int] = []
-        self.inside_ns_per_step: list[int] = []
-        """Time spent inside the mode per recorded step (ops, kernel or not), its bookkeeping excluded."""
-        self._kernels = self._kernel_ns = self._inside_ns = 0
+        self.bookkeeping_ns_per_step: list[int] = []
+        """The recorder's own time per recorded step (costing, timing, synchronizing): not the program's."""
+        self._kernels = self._kernel_ns = self._bookkeeping_ns = self._collectives = 0
 
     # -- steps -----------------------------------------------------------------------------------------------
     def on_optimizer_step(self, *_: Any) -> None:
@@ -107,15 +112,17 @@ class KernelRecorder(TorchDispatchMode):
         if self.recording and self.step_ends_ns:
             self.step_ends_ns.append(now)
             self.kernels_per_step.append(self._kernels)
+            self.collectives_per_step.append(self._collectives)
             self.kernel_ns_per_step.append(self._kernel_ns)
-            self.inside_ns_per_step.append(self._inside_ns)
+            self.bookkeeping_ns_per_step.append(self._bookkeeping_ns)
             if self.steps is not None and len(self.kernels_per_step) >= self.steps:
                 self.recording = False
         elif self.optimizer_steps == self.warmup:
             self.recording = True
         if self.recording and not self.step_ends_ns:
             self.step_ends_ns.append(now)
-        self._kernels = self._kernel_ns = self._inside_ns = 0
+        self._kernels = self._kernel_ns = self._bookkeeping_ns = self._collectives = 0
+        self._bookkeeping_ns += time.perf_counter_ns() - now
 
     @property
     def recorded_steps(self) -> int:
@@ -140,30 +147,32 @@ class KernelRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.recording or not self.step_ends_ns:
             return func(*args, **kwargs)
+        entry = time.perf_counter_ns()
         if self.device_type == "cuda":
-            return self._cuda_op(func, args, kwargs)
-        start = time.perf_counter_ns()
-        out = func(*args, **kwargs)
-        end = time.perf_counter_ns()
-        self._account(func, args, kwargs, out, end - start)
-        self._inside_ns += end - start
-        return out
-
-    def _cuda_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        torch.cuda.synchronize()
-        begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start = time.perf_counter_ns()
-        begin.record()
-        out = func(*args, **kwargs)
-        finish.record()
-        finish.synchronize()
-        self._inside_ns += time.perf_counter_ns() - start
-        self._account(func, args, kwargs, out, int(round(begin.elapsed_time(finish) * 1e6)))
+            torch.cuda.synchronize()
+            begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            start = time.perf_counter_ns()
+            out = func(*args, **kwargs)
+            end = time.perf_counter_ns()
+            finish.record()
+            finish.synchronize()
+            duration_ns = int(round(begin.elapsed_time(finish) * 1e6))
+        else:
+            start = time.perf_counter_ns()
+            out = func(*args, **kwargs)
+            end = time.perf_counter_ns()
+            duration_ns = end - start
+        self._account(func, args, kwargs, out, duration_ns)
+        # the program's own time in this call is the op's (end - start); the rest is the recorder's
+        self._bookkeeping_ns += time.perf_counter_ns() - entry - (end - start)
         return out
 
     def _account(self, func: Any, args: tuple, kwargs: dict, out: Any, duration_ns: int) -> None:
         cost = kernel_cost(func, args, kwargs, out, device_types=(self.device_type,))
         if cost is None:
+            if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES:
+                self._collectives += 1
             return
         key = (cost.op, cost.shape, cost.dtype)
         entry = self.samples.get(key)
@@ -195,23 +204,27 @@ def table_data(recorder: KernelRecorder, *, program: Sequence[str], device: str 
                 "duration_us": round(s.median_us, 3), "count": len(s.durations_ns)}
                for s in sorted(recorder.samples.values(), key=lambda s: (s.cost.op, s.cost.dtype, s.cost.shape))]
     steps_ns = [b - a for a, b in zip(recorder.step_ends_ns, recorder.step_ends_ns[1:], strict=False)]
-    kernels = sum(recorder.kernels_per_step)
+    # the program's step: wall time less the recorder's bookkeeping
+    program_ns = [w - b for w, b in zip(steps_ns, recorder.bookkeeping_ns_per_step, strict=True)]
+    kernels, collectives = sum(recorder.kernels_per_step), sum(recorder.collectives_per_step)
     host_us: float | None = None
-    if recorder.device_type == "cpu" and kernels:
-        host_us = round((sum(steps_ns) - sum(recorder.inside_ns_per_step)) / kernels / 1e3, 3)
+    if recorder.device_type == "cpu" and kernels + collectives:
+        host_us = round((sum(program_ns) - sum(recorder.kernel_ns_per_step)) / (kernels + collectives) / 1e3, 3)
     metadata = {
         "torch_version": torch.__version__, "threads": torch.get_num_threads(), "host": platform.node(),
         "machine": platform.machine(), "processor": platform.processor() or None, "program": list(program),
         "device_type": recorder.device_type, "device": device, "warmup_steps": recorder.warmup,
         "recorded_steps": recorder.recorded_steps, "optimizer_steps_seen": recorder.optimizer_steps,
         "kernels_per_step": round(kernels / recorder.recorded_steps, 3),
-        "step_time_median_s": round(statistics.median(steps_ns) / 1e9, 9),
+        "collectives_per_step": round(collectives / recorder.recorded_steps, 3),
+        "step_time_median_s": round(statistics.median(program_ns) / 1e9, 9),
         "kernel_time_per_step_median_s": round(statistics.median(recorder.kernel_ns_per_step) / 1e9, 9),
-        "host_overhead_us_per_kernel": host_us,
+        "recorder_overhead_per_step_median_s": round(statistics.median(recorder.bookkeeping_ns_per_step) / 1e9, 9),
+        "host_overhead_us_per_launch": host_us,
         "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "note": "steps are optimizer steps; step_time_median_s includes the host's time but not the recorder's "
-                "bookkeeping; give host_overhead_us_per_kernel to virtual time as the profile's "
-                "kernels.launch_overhead_us",
+        "note": "steps are optimizer steps; step_time_median_s is the program's (the recorder's bookkeeping taken "
+                "out); host_overhead_us_per_launch is (step time - kernel time) / (kernels + collectives): give it "
+                "to virtual time as the profile's kernels.launch_overhead_us",
     }
     return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "metadata": metadata, "entries": entries}
 
