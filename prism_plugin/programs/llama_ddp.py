@@ -9,10 +9,12 @@ The model: token embedding, `layers` x (RMSNorm, grouped-query attention through
 tensor size), RMSNorm, SwiGLU MLP), a final RMSNorm and an untied output head; no biases; parameters in bf16.
 Training is Megatron-style mixed precision: bf16 parameters and gradients for compute and communication,
 fp32 main parameters with fp32 AdamW moments for the update (16 bytes per parameter of persistent state:
-2 bf16 parameter + 2 bf16 gradient + 4 fp32 main parameter + 4 + 4 moments). Each step: forward, backward,
-per parameter ``all_reduce`` of its bf16 gradient over the world and divide by the world size (data
-parallelism), the gradient cast to fp32 as the main parameter's gradient (the bf16 one freed), AdamW on
-the main parameters, their values copied back into the bf16 parameters, main gradients freed.
+2 bf16 parameter + 2 bf16 gradient + 4 fp32 main parameter + 4 + 4 moments). Each step: ``--accumulation`` K
+micro-batches of forward and backward (gradient accumulation: the bf16 gradients sum over them, each loss
+scaled by 1/K when K > 1; global batch = micro-batch x K x world size), then per parameter ``all_reduce`` of
+its bf16 gradient over the world and divide by the world size (data parallelism), the gradient cast to fp32
+as the main parameter's gradient (the bf16 one freed), AdamW on the main parameters, their values copied
+back into the bf16 parameters, main gradients freed.
 
 Prints after each step ``LLAMA_STEP {"step", "loss", "allocated_bytes", "max_allocated_bytes", "params"}``
 (one JSON line: ``torch.cuda.memory_allocated()`` / ``max_memory_allocated()`` of the current device).
@@ -112,11 +114,15 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--accumulation", type=int, default=1,
+                    help="micro-batches per step (gradient accumulation) before the all-reduce")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=3e-4)
     args = ap.parse_args()
     if args.hidden % args.heads or args.heads % args.kv_heads:
         ap.error("--hidden must divide by --heads and --heads by --kv-heads")
+    if args.accumulation < 1:
+        ap.error("--accumulation must be >= 1 (micro-batches per step)")
 
     dist.init_process_group("nccl")
     world = dist.get_world_size()
@@ -128,11 +134,12 @@ def main() -> None:
     main_params = [p.detach().float() for p in params]  # fp32 main parameters: what AdamW updates
     opt = torch.optim.AdamW(main_params, lr=args.lr)
     for step in range(args.steps):
-        tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), device="cuda")
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().view(-1, args.vocab), tokens[:, 1:].reshape(-1))
-        del logits
-        loss.backward()
+        for _micro in range(args.accumulation):  # gradient accumulation: p.grad sums over the micro-batches
+            tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), device="cuda")
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().view(-1, args.vocab), tokens[:, 1:].reshape(-1))
+            del logits
+            (loss / args.accumulation if args.accumulation > 1 else loss).backward()
         for p, main_p in zip(params, main_params, strict=True):
             assert p.grad is not None
             dist.all_reduce(p.grad)  # data-parallel gradient sum over the world

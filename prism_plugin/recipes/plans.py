@@ -103,12 +103,15 @@ def toy_args(recipe: Recipe) -> list[str]:
 
 
 def llama_args(recipe: Recipe) -> list[str]:
-    """``-m prism_plugin.programs.llama_ddp`` and its model flags (program: llama)."""
+    """``-m prism_plugin.programs.llama_ddp`` and its model flags (program: llama); ``microbatches_per_step`` > 1
+    is its ``--accumulation`` (global batch = micro x microbatches_per_step x dp)."""
     m = recipe.model
+    accumulation = ["--accumulation", str(m.microbatches_per_step)] if m.microbatches_per_step > 1 else []
     return ["-m", program_module(TorchProgram.LLAMA), "--hidden", str(m.hidden_size), "--layers", str(m.num_layers),
             "--heads", str(m.num_attention_heads), "--kv-heads", str(m.num_query_groups or m.num_attention_heads),
             "--ffn", str(m.ffn_hidden_size), "--vocab", str(m.vocab_size), "--seq", str(m.seq_length),
-            "--micro-batch", str(m.micro_batch_size), "--steps", str(recipe.steps.total), *m.extra_args]
+            "--micro-batch", str(m.micro_batch_size), *accumulation, "--steps", str(recipe.steps.total),
+            *m.extra_args]
 
 
 def virtual_gpu_plan(recipe: Recipe, emu: Emulation, index: int, out: Path) -> RunPlan:
