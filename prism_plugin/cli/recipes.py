@@ -2,7 +2,7 @@
 
     prism recipe run recipes/toy-tp2-dp2.yaml [more.yaml ...] [--json out.json] [--output DIR]
     prism recipe run toy-tp2-dp2                       # a name: looked up in ./recipes, then the repo's recipes/
-    prism recipe run                                   # the default recipe, DEFAULT_RECIPE
+    prism recipe run                                   # the default recipes, DEFAULT_RECIPES
     prism recipe list [--tier ci|small|benchmark|faults]
     prism recipe check recipes/*.yaml                  # validate only
     prism recipe noise recipes/toy-tp2-dp2.yaml --repeats 5
@@ -26,9 +26,13 @@ from prism_plugin.recipes.load import load_recipe
 from prism_plugin.recipes.plans import PACKAGE_DIR
 from prism_plugin.recipes.schema import Recipe, RecipeError, Tier
 
-__all__ = ["DEFAULT_RECIPE", "add_recipe_parser", "find_recipe", "recipe_dirs"]
+__all__ = ["DEFAULT_RECIPE", "DEFAULT_RECIPES", "add_recipe_parser", "find_recipe", "recipe_dirs"]
 
 DEFAULT_RECIPE = "toy-tp2"
+DEFAULT_RECIPES = (DEFAULT_RECIPE, "virtual-gpu-llama-1b")
+"""What `prism recipe run` runs when no recipe is named: the paired CPU fidelity check (real vs emulated), then a
+real-size job at target scale on this host (a 1.2 B decoder as rank 5 of 8192 on a virtual H100: exact memory and
+the modelled step time)."""
 """What ``prism recipe run`` runs without a recipe argument (the README's first command)."""
 
 console = Console(stderr=True, width=None if Console(stderr=True).is_terminal else 160)
@@ -65,7 +69,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from prism_plugin.recipes.report import expect_table, plot_recipe, result_table, write_index, write_summary
     from prism_plugin.recipes.runner import RunFailed, run_recipe
 
-    names = args.recipes or [DEFAULT_RECIPE]
+    names = args.recipes or list(DEFAULT_RECIPES)
     recipes = [load_recipe(find_recipe(x)) for x in names]  # all validated before anything runs
     results = []
     failed_runs = []
@@ -192,7 +196,7 @@ def add_recipe_parser(subparsers: Any) -> None:
     sub = rec.add_subparsers(dest="recipe_command", required=True)
     run = sub.add_parser("run", help="run recipes and compare step time, peak memory and loss")
     run.add_argument("recipes", nargs="*", help=f"recipe files or names (see `prism recipe list`; default "
-                                                f"{DEFAULT_RECIPE})")
+                                                f"{' then '.join(DEFAULT_RECIPES)})")
     run.add_argument("--output", type=Path, default=Path("prism_output") / "recipes",
                      help="results go to OUTPUT/<recipe>/ (default prism_output/recipes)")
     run.add_argument("--json", type=Path, default=None, help="also write the result(s) as JSON here")
