@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from prism_plugin.comm.context import OpEvent, OpWork
-from prism_plugin.runtime.profiler import _C10D_OPS, comm_args, nccl_kernel_name
+from prism_plugin.runtime.profiler import C10D_OPS, comm_args, nccl_kernel_name
 
 __all__ = ["COMM_STREAM_BASE", "DEFAULT_STREAM", "KinetoTrace"]
 
@@ -48,6 +48,9 @@ DEFAULT_STREAM = 7
 COMM_STREAM_BASE = 1000
 """The first communication stream's id; one per process group, in order of first use."""
 _ROW = re.compile(r"cuda:(\d+) stream (\d+)")
+_CORRELATION_BASE = 1 << 24
+"""Correlation / external ids start above it (real traces' are large too; HTA 0.5 with pandas >= 3 fails on
+ids small enough that its index column is stored as int8)."""
 
 
 def _op_name(name: str) -> str:
@@ -150,7 +153,7 @@ class KinetoTrace:
                                "dur": round(launch_us, 3), "args": {"External id": ext}})
             events.append({"ph": "X", "cat": "cpu_op", "name": name, "pid": pid, "tid": tid, "ts": t,
                            "dur": round(launch_us, 3), "args": {"External id": ext, **(args or {})}})
-            rt = round(t + launch_us / 4, 3)  # strictly inside its op: HTA nests by interval
+            rt = t  # inside its op (HTA nests by interval), and no later than the kernel, which may start at once
             events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": pid, "tid": tid,
                            "ts": rt, "dur": round(launch_us / 2, 3),
                            "args": {"correlation": ext, "External id": ext, "cbid": 211}})
@@ -167,7 +170,7 @@ class KinetoTrace:
             events.append({"ph": "f", "id": ext, "pid": device, "tid": stream, "ts": ts, "cat": "ac2g",
                            "name": "ac2g", "bp": "e"})
 
-        ext = 0
+        ext = _CORRELATION_BASE
         streams: set[tuple[int, int]] = set()
         for name, device, stream, launch_s, start_s, end_s in self.kernels:
             ext += 1
@@ -177,7 +180,7 @@ class KinetoTrace:
         for event, args, stream, launch_s, start_s, end_s in self.ops:
             ext += 1
             host_end_us = max(host_end_us, launch("record_param_comms", launch_s, ext, args,
-                                                  outer=_C10D_OPS[event.kind]))
+                                                  outer=C10D_OPS[event.kind]))
             dtype = args["dtype"]
             kernel(nccl_kernel_name(event.kind, dtype), 0, stream, start_s, end_s, ext, args)
         # iterations: ProfilerStep#i from its mark's host time to the next mark's (the open one: its last event)

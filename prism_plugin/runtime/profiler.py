@@ -21,9 +21,12 @@ Python process group, so torch's dispatcher records none of these; `ProfilerRang
    communication breakdowns see each collective as communication, even in a CPU-only profile of a gloo
    emulation (where the real run would have had no GPU kernel: said in the trace's ``prism`` entry).
 
-Where the kernel sits: at this rank's host issue time (the range's start) plus ``arrival_s - issue_s`` (the
-wait for the other members), for ``cost_s``: emulated figures placed on the profiler's wall clock. A trace
-exported after `deactivate` can still be augmented by calling `augment_trace` with the observer's `records`.
+Where the kernel sits: from the op's emulated start (its issue plus ``arrival_s - issue_s``, the wait for the
+other members) for ``cost_s``, placed on the profiler's clock through the range's start: with the wall clock
+exactly where the op's wait() saw it complete, so a kernel may begin a few microseconds before its range (the
+real exchange's enqueue ran between the issue and the observers); with an emulated clock, from the range's
+start. A trace exported after `deactivate` can still be augmented by `augment_trace` with the observer's
+`records`.
 
 Limitations: a send's dtype is not known to the op seam ("Byte", nelems = bytes); "In msg nelems" of a gather
 is the received elements over the group size (even splits); "In/Out split size" are empty; the ranges are
@@ -51,8 +54,8 @@ import torch
 from prism_plugin.comm.context import OpEvent, OpGroup, OpWork
 from prism_plugin.config.kinds import OpKind
 
-__all__ = ["COLLECTIVE_NAMES", "CommRecord", "MATCH_TOLERANCE_NS", "ProfilerRanges", "augment_trace", "comm_args",
-           "nccl_kernel_name"]
+__all__ = ["C10D_OPS", "COLLECTIVE_NAMES", "CommRecord", "MATCH_TOLERANCE_NS", "ProfilerRanges", "augment_trace",
+           "comm_args", "nccl_kernel_name"]
 
 COLLECTIVE_NAMES: dict[OpKind, str] = {
     OpKind.ALL_REDUCE: "allreduce", OpKind.BROADCAST: "broadcast", OpKind.REDUCE: "reduce",
@@ -62,12 +65,13 @@ COLLECTIVE_NAMES: dict[OpKind, str] = {
 }
 """The "Collective name" torch's process groups record for each op (``RECORD_PARAM_COMMS``)."""
 
-_C10D_OPS: dict[OpKind, str] = {
+C10D_OPS: dict[OpKind, str] = {
     OpKind.ALL_REDUCE: "c10d::allreduce_", OpKind.BROADCAST: "c10d::broadcast_", OpKind.REDUCE: "c10d::reduce_",
     OpKind.ALL_GATHER: "c10d::allgather_", OpKind.REDUCE_SCATTER: "c10d::reduce_scatter_",
     OpKind.ALL_TO_ALL: "c10d::alltoall_", OpKind.GATHER: "c10d::gather_", OpKind.SCATTER: "c10d::scatter_",
     OpKind.BARRIER: "c10d::barrier", OpKind.SEND: "c10d::send", OpKind.RECV: "c10d::recv_",
 }
+"""The dispatcher op of each kind: the outer host range of a real backend's collective."""
 _NCCL_FUNCS: dict[OpKind, tuple[str, bool]] = {  # NCCL's function in the kernel name, whether it reduces
     OpKind.ALL_REDUCE: ("AllReduce", True), OpKind.BROADCAST: ("Broadcast", False), OpKind.REDUCE: ("Reduce", True),
     OpKind.ALL_GATHER: ("AllGather", False), OpKind.REDUCE_SCATTER: ("ReduceScatter", True),
@@ -164,7 +168,8 @@ class CommRecord:
     host_start_ns: int
     host_end_ns: int
     wait_s: float
-    """``arrival_s - issue_s``: how long the op waited for the other members before it could run."""
+    """When the op ran, from the range's start: ``arrival_s - issue_s`` (the wait for the other members) less
+    the time from the issue to the range (wall clock only; may be negative)."""
     cost_s: float
     group_name: str
 
@@ -173,9 +178,14 @@ class ProfilerRanges:
     """An op observer: the real backend's ranges while the torch profiler runs, and the records `augment_trace`
     completes an exported trace with (module docstring)."""
 
-    def __init__(self, rank: int, backend: str, *, max_records: int = 1_000_000) -> None:
+    def __init__(self, rank: int, backend: str, *, wall_now_s: Callable[[], float] | None = None,
+                 max_records: int = 1_000_000) -> None:
         self.rank = rank
         self.backend = backend
+        self.wall_now_s = wall_now_s
+        """The op clock when it is the wall clock (its ``issue_s`` are then host times): the kernel is placed
+        from the op's issue, which precedes `on_op` by the real exchange's enqueue; None (an emulated clock):
+        from the range's start."""
         self.max_records = max_records
         self.records: list[CommRecord] = []
         self.dropped = 0
@@ -190,28 +200,29 @@ class ProfilerRanges:
         if pending is not None:  # an op whose on_issued never came (it raised): close its ranges first
             self._close(pending)
         args = comm_args(event, self.rank)
-        outer = torch._C._profiler._RecordFunctionFast(_C10D_OPS[event.kind], list(event.received))
+        outer = torch._C._profiler._RecordFunctionFast(C10D_OPS[event.kind], list(event.received))
         inner = torch._C._profiler._RecordFunctionFast(f"{self.backend}:{event.kind.value}", [], args)
         outer.__enter__()
         inner.__enter__()
-        self._open.pending = (event, outer, inner, args, time.time_ns())
+        lag_s = self.wall_now_s() - event.issue_s if self.wall_now_s is not None else 0.0
+        self._open.pending = (event, outer, inner, args, time.time_ns(), max(lag_s, 0.0))
 
     def on_issued(self, event: OpEvent, work: OpWork) -> None:
         pending = getattr(self._open, "pending", None)
         if pending is None or pending[0] is not event:
             return
         self._close(pending)
-        _, _, _, args, start_ns = pending
+        _, _, _, args, start_ns, lag_s = pending
         if len(self.records) >= self.max_records:
             self.dropped += 1
             return
         self.records.append(CommRecord(event.kind, f"{self.backend}:{event.kind.value}", args, start_ns,
-                                       time.time_ns(), max(event.arrival_s - event.issue_s, 0.0),
+                                       time.time_ns(), max(event.arrival_s - event.issue_s, 0.0) - lag_s,
                                        max(event.cost_s, 0.0), event.group.name))
 
     def _close(self, pending: tuple) -> None:
         self._open.pending = None
-        _, outer, inner, _, _ = pending
+        _, outer, inner = pending[:3]
         inner.__exit__(None, None, None)
         outer.__exit__(None, None, None)
 
@@ -317,8 +328,7 @@ def augment_trace(path: str | Path, records: Sequence[CommRecord], *, kernels: b
                       "dur": dur, "args": {"External id": corr, **rec.args}})
         if kernels:
             stream = streams.setdefault(rec.group_name, 1000 + len(streams))
-            start_ts = ts + _us(rec.wait_s * 1e9)
-            k_ts = max(start_ts, ts + dur / 2)  # a kernel starts after its launch
+            k_ts = ts + _us(rec.wait_s * 1e9)  # the emulated start (may precede the range: module docstring)
             rt = round(ts + dur / 4, 3)  # inside its range, before the kernel
             added.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": pid, "tid": tid,
                           "ts": rt, "dur": round(dur / 4, 3),
