@@ -239,7 +239,8 @@ class Session:
         # torch.profiler: the real backend's ranges of each op while a profile runs (prism_plugin.runtime.profiler)
         from prism_plugin.runtime.profiler import ProfilerRanges
 
-        self.profiler_ranges = ProfilerRanges(self.rank, backend)
+        self.profiler_ranges = ProfilerRanges(self.rank, backend, wall_now_s=self.op_clock.now_s
+                                              if self.virtual_time is None else None)
         self.kineto = None  # the virtual-GPU Kineto trace (PRISM_KINETO=<dir>), an op observer
         if os.environ.get("PRISM_KINETO"):
             if self.virtual_time is None:
