@@ -53,6 +53,11 @@ _CORRELATION_BASE = 1 << 24
 ids small enough that its index column is stored as int8)."""
 
 
+def _meta(event: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
+    """A metadata event (a process's or thread's name or label)."""
+    return {"ph": "M", "ts": 0, "name": event, "pid": pid, "tid": tid, "args": args}
+
+
 def _op_name(name: str) -> str:
     """``aten.mm.default`` -> ``aten::mm`` (the profiler's name of an ATen op)."""
     if name.startswith("aten.") and name.count(".") >= 1:
@@ -192,20 +197,13 @@ class KinetoTrace:
                 continue
             events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{iteration}", "pid": pid,
                            "tid": tid, "ts": start, "dur": round(stop - start, 3), "args": {}})
-        meta: list[dict[str, Any]] = [
-            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "python"}},
-            {"ph": "M", "name": "process_labels", "pid": pid, "tid": 0, "args": {"labels": "CPU"}},
-            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": "thread (emulated host)"}},
-        ]
-        devices = sorted({d for d, _ in streams} | ({0} if self.ops else set()))
-        for d in devices:
-            meta.append({"ph": "M", "name": "process_name", "pid": d, "tid": 0, "args": {"name": "python"}})
-            meta.append({"ph": "M", "name": "process_labels", "pid": d, "tid": 0, "args": {"labels": f"GPU {d}"}})
-        for d, s in sorted(streams):
-            meta.append({"ph": "M", "name": "thread_name", "pid": d, "tid": s, "args": {"name": f"stream {s}"}})
-        for group, s in self.comm_streams.items():
-            meta.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": s,
-                         "args": {"name": f"stream {s} (communication, group {group})"}})
+        meta = [_meta("process_name", pid, 0, name="python"), _meta("process_labels", pid, 0, labels="CPU"),
+                _meta("thread_name", pid, tid, name="thread (emulated host)")]
+        for d in sorted({d for d, _ in streams} | ({0} if self.ops else set())):
+            meta += [_meta("process_name", d, 0, name="python"), _meta("process_labels", d, 0, labels=f"GPU {d}")]
+        meta += [_meta("thread_name", d, s, name=f"stream {s}") for d, s in sorted(streams)]
+        meta += [_meta("thread_name", 0, s, name=f"stream {s} (communication, group {group})")
+                 for group, s in self.comm_streams.items()]
         return {
             "distributedInfo": {"backend": self.backend, "rank": self.rank, "world_size": self.world_size},
             "schemaVersion": 1,

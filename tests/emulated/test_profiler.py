@@ -31,6 +31,7 @@ from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost import CostModel, load_profile
 from prism_plugin.cost.model import GroupPlacement
+from prism_plugin.runtime.timeline import chrome_trace_problems
 
 hta = pytest.importorskip("hta", reason="HolisticTraceAnalysis (the 'trace' extra) reads the traces")
 
@@ -213,6 +214,7 @@ def test_virtual_gpu_kineto_trace_structure(kineto_run: tuple[Path, dict]) -> No
     timeline = json.loads(Path(result["timeline"]).read_text())["traceEvents"]
     assert sum(e["name"] == "aten.mm.default" for e in timeline) == 4 * ITERATIONS  # the chained recorder
     trace = json.loads(path.read_text())
+    assert chrome_trace_problems(trace) == []  # the trace event format's rules (proper nesting per thread, names)
     assert trace["distributedInfo"] == {"backend": "nccl", "rank": 0, "world_size": 64}
     events = trace["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
