@@ -104,6 +104,22 @@ def test_cpu_profile_shows_the_backend_ranges_with_the_collective_metadata(
     assert by_type["sum"].iloc[0] == pytest.approx(sum(costs_us), abs=len(costs_us))  # HTA sums whole us
 
 
+def test_metadata_of_reduce_scatter_and_point_to_point(emulate, tmp_path: Path) -> None:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dist.reduce_scatter_tensor(torch.empty(16), torch.ones(128))
+        dist.send(torch.ones(6, dtype=torch.float16), dst=3)
+        dist.recv(torch.empty(5), src=6)
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    comms = [e["args"] for e in _events(path) if e.get("name") == "record_param_comms"]
+    assert [(c["Collective name"], c["In msg nelems"], c["Out msg nelems"], c["dtype"]) for c in comms] == [
+        ("reduce_scatter", 128, 16, "Float"), ("send", 12, 0, "Byte"), ("recv", 5, 5, "Float")]
+    assert (comms[1]["Dst Rank"], comms[2]["Src Rank"]) == (3, 6)  # a send's dtype is not seen: its bytes
+    kernels = [e["name"].split("(")[0] for e in _events(path) if e.get("cat") == "kernel"]
+    assert kernels == ["ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "ncclDevKernel_SendRecv",
+                       "ncclDevKernel_SendRecv"]
+
+
 def test_augment_is_idempotent_and_a_profile_outside_an_op_records_nothing(emulate, tmp_path: Path) -> None:
     dist.all_reduce(torch.ones(4))  # not profiled: no record
     with profile(activities=[ProfilerActivity.CPU]) as prof:
