@@ -54,7 +54,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                      oom=None if args.oom is None else OomMode(args.oom))
     points = derive_points(spec)  # every point validated before any runs
     output: Path = args.output or Path("prism_output") / "sweeps" / recipe.name
-    jobs = args.jobs or default_jobs()
+    jobs = default_jobs() if args.jobs is None else args.jobs
     engine = f"ray ({args.ray})" if args.ray else f"local ({jobs} at a time)"
     console.print(f"[bold]prism sweep {recipe.name}[/]: {len(points)} points ({', '.join(p.name for p in points)}) "
                   f"on {engine}; output {output}")

@@ -30,12 +30,16 @@ batch grows with dp).
   time the rank's compute streams run a kernel; exposed communication = time a communication stream runs an op
   while no compute stream runs a kernel; bubble = 0 at pp = 1 (None otherwise: not measured yet); other = the
   rest of the step (no stream busy: the host's launch overhead and syncs). Without a timeline these are None;
-- modelled communication per step (``modelled_comm_s`` / steps, hidden or not);
+- modelled communication per step, hidden or not (the comm streams' busy time in the measured steps; without a
+  timeline ``modelled_comm_s`` / steps);
 - the rank's own device: peak allocated / reserved, device total (reserved + CUDA context), the GPU's memory,
   fits, OOM count.
 
 A point that fails (an OOM with ``oom: raise``, an error, a timeout) is a `PointResult` with its `error` (and the
 memory figures of its summary, if it wrote one), never an exception out of `run_points`.
+
+Modules: `prism_plugin.recipes.sweep_points` (the spec and its points), `prism_plugin.recipes.sweep_figures` (a
+point's figures), this one (running points, the JSON document), `prism_plugin.recipes.sweep_report` (table, plots).
 
 **Where points run.** Locally, at most `jobs` points at a time (each one process tree); or on a Ray cluster
 (``ray_address``: ``ray.init(address=...)``, or ``"local"`` to start a local instance), each point one
@@ -56,379 +60,32 @@ import dataclasses
 import json
 import os
 import re
-import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prism_plugin.config.errors import ConfigError
-from prism_plugin.config.kinds import DeviceMode
-from prism_plugin.recipes.expect_schema import Expect
 from prism_plugin.recipes.plans import ProcessSpec, virtual_gpu_plan
 from prism_plugin.recipes.runner import RunFailed, execute
-from prism_plugin.recipes.schema import Emulation, Layout, Recipe, RecipeError
-from prism_plugin.recipes.virtual_gpu import OomMode
+from prism_plugin.recipes.sweep_figures import Breakdown, PointFigures, peak_bf16, point_figures, step_breakdown
+from prism_plugin.recipes.sweep_points import (
+    LAYOUT_KEYS,
+    SweepError,
+    SweepPoint,
+    SweepSpec,
+    derive_points,
+    parse_layouts,
+    parse_world_sizes,
+)
 
 __all__ = ["SCHEMA", "Breakdown", "PointFigures", "PointResult", "SweepError", "SweepPoint", "SweepSpec",
-           "derive_points", "parse_layouts", "parse_world_sizes", "point_figures", "run_point", "run_points",
-           "step_breakdown", "sweep_document"]
+           "default_jobs", "derive_points", "parse_layouts", "parse_world_sizes", "peak_bf16", "point_figures",
+           "run_point", "run_points", "step_breakdown", "sweep_document"]
 
 SCHEMA = "prism-sweep/1"
-LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "vpp")
 
-
-class SweepError(ConfigError):
-    """A sweep that cannot run: the message names the option or recipe field and the fix."""
-
-
-def parse_world_sizes(text: str) -> tuple[int, ...]:
-    """``"512,2048,8192"`` -> (512, 2048, 8192): positive, distinct, in the order given."""
-    sizes = []
-    for part in text.split(","):
-        part = part.strip().replace("_", "")
-        if not part.isdigit() or int(part) < 1:
-            raise SweepError(f"--world-sizes: {part!r} is not a positive integer; write e.g. 512,2048,8192")
-        sizes.append(int(part))
-    if len(set(sizes)) != len(sizes):
-        raise SweepError(f"--world-sizes lists a size twice ({text}); give each once")
-    return tuple(sizes)
-
-
-def parse_layouts(text: str, base: Layout) -> tuple[Layout, ...]:
-    """``"tp=1;tp=2,pp=2"`` -> one `Layout` per ``;``-separated item, each `base` with the keys given replaced.
-
-    Keys: tp, pp, cp, ep, vpp. Example: parse_layouts("tp=2;tp=4", Layout()) -> (Layout(tp=2), Layout(tp=4)).
-    """
-    layouts = []
-    for item in (t.strip() for t in text.split(";")):
-        if not item:
-            raise SweepError(f"--layouts {text!r} has an empty item; separate layouts with ';', e.g. \"tp=1;tp=2\"")
-        changes: dict[str, int] = {}
-        for pair in item.split(","):
-            key, sep, value = (s.strip() for s in pair.partition("="))
-            if not sep or key not in LAYOUT_KEYS or not value.isdigit():
-                raise SweepError(f"--layouts: {pair.strip()!r} in {item!r} is not KEY=INT with KEY one of "
-                                 f"{', '.join(LAYOUT_KEYS)}; write e.g. \"tp=2,pp=2\"")
-            changes[key] = int(value)
-        try:
-            layouts.append(dataclasses.replace(base, **changes))
-        except RecipeError as exc:
-            raise SweepError(f"--layouts {item!r}: {exc}") from None
-    return tuple(layouts)
-
-
-def _layout_label(layout: Layout) -> str:
-    """``tp2_pp2`` (every size above 1; ``dp`` for data parallelism only)."""
-    parts = [f"{k}{getattr(layout, k)}" for k in LAYOUT_KEYS if getattr(layout, k) not in (None, 1)]
-    return "_".join(parts) or "dp"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SweepSpec:
-    """What to sweep: the recipe's emulation at each world size (x each layout)."""
-
-    recipe: Recipe
-    world_sizes: tuple[int, ...]
-    layouts: tuple[Layout, ...] = ()
-    """Empty: the recipe's layout only."""
-    global_batch: int | None = None
-    """Sequences per step at every point (fixed global batch); None: the recipe's per-replica batch (weak scaling)."""
-    rank: int | None = None
-    """The real rank of every point; None: the emulation's first real rank."""
-    emulation: str | None = None
-    """The recipe emulation to sweep; None: its first."""
-    oom: OomMode | None = None
-    """What a virtual GPU does at an allocation past its memory; None: the emulation's own setting."""
-
-    def __post_init__(self) -> None:
-        if not self.world_sizes:
-            raise SweepError("--world-sizes: give at least one world size, e.g. 512,2048")
-        if self.global_batch is not None and (isinstance(self.global_batch, bool) or self.global_batch < 1):
-            raise SweepError(f"--global-batch must be a positive number of sequences, got {self.global_batch!r}")
-        if self.rank is not None and self.rank < 0:
-            raise SweepError(f"--rank must be >= 0, got {self.rank}")
-
-    def base_emulation(self) -> Emulation:
-        """The swept emulation; it must run on virtual GPUs."""
-        try:
-            emu = self.recipe.emulated[0] if self.emulation is None else self.recipe.emulation(self.emulation)
-        except KeyError:
-            names = ", ".join(e.name for e in self.recipe.emulated)
-            raise SweepError(f"--emulation {self.emulation!r}: recipe {self.recipe.name} has {names}") from None
-        if emu.device is not DeviceMode.VIRTUAL_GPU:
-            raise SweepError(f"recipe {self.recipe.name}: emulated[{emu.name}] has device: {emu.device.value}; a "
-                             "sweep runs virtual-GPU emulations (device: virtual-gpu, e.g. virtual-gpu-llama-1b)")
-        return emu
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SweepPoint:
-    """One point: the recipe rewritten to a single one-rank emulation at this world size and layout."""
-
-    name: str
-    """``n<N>`` (``n<N>_<layout>`` when layouts are swept): the point's folder and its emulation's name."""
-    world_size: int
-    layout: Layout
-    dp: int
-    rank: int
-    micro_batch: int
-    accumulation: int
-    """Micro-batches per replica per step (gradient accumulation)."""
-    recipe: Recipe
-    """The rewritten recipe: its one emulation is this point."""
-
-    @property
-    def global_batch(self) -> int:
-        """Sequences per step: micro x accumulation x dp."""
-        return self.micro_batch * self.accumulation * self.dp
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch * (self.recipe.model.seq_length or 0)
-
-    def to_dict(self) -> dict[str, Any]:
-        lay = self.layout
-        return {"name": self.name, "world_size": self.world_size, "rank": self.rank, "dp": self.dp,
-                "layout": {k: getattr(lay, k) for k in LAYOUT_KEYS}, "micro_batch": self.micro_batch,
-                "accumulation": self.accumulation, "global_batch": self.global_batch,
-                "tokens_per_step": self.tokens_per_step, "profile": self.recipe.emulated[0].profile,
-                "oom": self.recipe.emulated[0].oom.value}
-
-
-def derive_points(spec: SweepSpec) -> list[SweepPoint]:
-    """Every (layout, world size) point of `spec`, validated before anything runs.
-
-    Example: llama-1b (micro 1), world sizes 512, 2048 at global batch 2048 -> n512 (dp 512, accumulation 4),
-    n2048 (dp 2048, accumulation 1).
-    """
-    recipe = spec.recipe
-    emu = spec.base_emulation()
-    layouts = spec.layouts or (recipe.layout,)
-    rank = emu.runs[0][0] if spec.rank is None else spec.rank
-    micro = recipe.model.micro_batch_size
-    points = []
-    for layout in layouts:
-        for n in spec.world_sizes:
-            name = f"n{n}" if not spec.layouts else f"n{n}_{_layout_label(layout)}"
-            if n % layout.model_parallel:
-                raise SweepError(f"point {name}: world size {n} is not a multiple of tp x pp x cp = "
-                                 f"{layout.model_parallel}; use multiples in --world-sizes or change --layouts")
-            dp = n // layout.model_parallel
-            if spec.global_batch is None:
-                accumulation = recipe.model.microbatches_per_step
-            elif spec.global_batch % (micro * dp):
-                raise SweepError(
-                    f"point {name}: --global-batch {spec.global_batch} is not a multiple of model.micro_batch_size x "
-                    f"dp = {micro} x {dp} = {micro * dp} (each replica runs whole micro-batches); use a multiple of "
-                    f"{micro * dp}, or lower model.micro_batch_size")
-            else:
-                accumulation = spec.global_batch // (micro * dp)
-            if rank >= n:
-                raise SweepError(f"point {name}: --rank {rank} is outside 0..{n - 1}; pass a --rank below the "
-                                 "smallest world size")
-            points.append(SweepPoint(name=name, world_size=n, layout=layout, dp=dp, rank=rank, micro_batch=micro,
-                                     accumulation=accumulation,
-                                     recipe=_point_recipe(recipe, emu, name, n, layout, rank, accumulation, spec.oom)))
-    return points
-
-
-def _point_recipe(recipe: Recipe, emu: Emulation, name: str, world_size: int, layout: Layout, rank: int,
-                  accumulation: int, oom: OomMode | None) -> Recipe:
-    try:  # the recipe schema's own checks (layout vs program, gpus_per_node vs N, ...) run on the point
-        # the schema needs stated figures on a virtual-GPU emulation; a sweep reports figures and checks none
-        point = dataclasses.replace(emu, name=name, world_size=world_size, runs=((rank,),), ranks=None,
-                                    oom=emu.oom if oom is None else oom, expect=Expect(fits=True))
-        model = dataclasses.replace(recipe.model, microbatches_per_step=accumulation)
-        return dataclasses.replace(recipe, model=model, layout=layout, emulated=(point,))
-    except ConfigError as exc:
-        raise SweepError(f"point {name}: {exc}") from None
-
-
-# -- figures ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Breakdown:
-    """Mean per measured step, seconds, from a timeline (`step_breakdown`); compute + exposed + other = step."""
-
-    steps: int
-    step_s: float
-    compute_s: float
-    exposed_comm_s: float
-    other_s: float
-    dropped_spans: int
-
-
-_COMPUTE_ROW = re.compile(r"^cuda:\d+ stream \S+$")
-_COMM_ROW = re.compile(r"^comm stream ")
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            if end > merged[-1][1]:
-                merged[-1] = (merged[-1][0], end)
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def _clip(spans: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
-    return [(max(a, lo), min(b, hi)) for a, b in spans if b > lo and a < hi]
-
-
-def _length(spans: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in spans)
-
-
-def _minus(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
-    """Length of `spans` not covered by `cover` (both merged, sorted)."""
-    return _length(spans) - sum(_length(_clip(cover, a, b)) for a, b in spans)
-
-
-def step_breakdown(timeline: Mapping[str, Any]) -> Breakdown | None:
-    """Compute / exposed communication / other per measured step from a prism timeline (Chrome trace JSON,
-    ``prism-timeline`` format: kernel rows ``cuda:D stream S``, ``comm stream G`` rows, the host row's closed
-    ``iteration i`` spans); only steps i >= 1 whose iterations i - 1 and i + 1 the timeline kept too
-    (``otherData.iterations_kept``: it drops the oldest when over its record budget); None when no step qualifies.
-
-    Example: a 10 ms step whose compute stream runs 7 ms and whose comm stream runs 4 ms, 1 ms of it while a
-    kernel runs -> compute 7 ms, exposed 3 ms, other 0 ms.
-    """
-    events = timeline.get("traceEvents", [])
-    other = timeline.get("otherData", {})
-    rank = other.get("rank")
-    kept = other.get("iterations_kept")
-    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-            if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    compute: list[tuple[float, float]] = []
-    comm: list[tuple[float, float]] = []
-    windows: list[tuple[float, float]] = []
-    for e in events:
-        if e.get("ph") != "X" or (rank is not None and e.get("pid") != rank):
-            continue
-        span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-        if e.get("cat") == "iteration":
-            i = e["args"].get("iteration", 0)
-            # a measured step whose neighbours were kept too: the one before holds kernels that run into this
-            # window, and a step that alone filled the timeline's budget is dropped by the next one's records
-            if not e["args"].get("open") and i >= 1 and (kept is None or {i - 1, i + 1} <= set(kept)):
-                windows.append(span)
-            continue
-        row = rows.get((e["pid"], e["tid"]), "")
-        if _COMPUTE_ROW.match(row):
-            compute.append(span)
-        elif _COMM_ROW.match(row):
-            comm.append(span)
-    if not windows:
-        return None
-    # spans of one row do not overlap, but the program's streams (or comm streams) may: their union counts
-    compute, comm = _union(compute), _union(comm)
-    parts = []
-    for lo, hi in windows:
-        busy = _clip(compute, lo, hi)
-        exposed = _minus(_clip(comm, lo, hi), busy)
-        parts.append((hi - lo, _length(busy), exposed))
-    n = len(parts)
-    step, comp, exp = (sum(p[i] for p in parts) / n * 1e-6 for i in range(3))
-    dropped = int(other.get("dropped", {}).get("spans", 0))
-    return Breakdown(steps=n, step_s=step, compute_s=comp, exposed_comm_s=exp, other_s=max(step - comp - exp, 0.0),
-                     dropped_spans=dropped)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PointFigures:
-    """A point's figures (see the module docstring for each definition); times in emulated seconds."""
-
-    step_time_s: float | None
-    step_times_s: tuple[float, ...]
-    tokens_per_s_per_gpu: float | None
-    mfu: float | None
-    flops_per_step: int | None
-    """This rank's kernel FLOPs in one step."""
-    peak_bf16_flops_per_s: float | None
-    compute_s: float | None
-    exposed_comm_s: float | None
-    bubble_s: float | None
-    other_s: float | None
-    modelled_comm_s: float | None
-    """Modelled communication per step (hidden or exposed)."""
-    breakdown_note: str
-    gpu: str
-    gpu_memory_bytes: int
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    device_total_bytes: int
-    fits: bool
-    ooms: int
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["step_times_s"] = list(self.step_times_s)
-        return d
-
-
-def _own_device(vgpu: Mapping[str, Any], local_rank: int = 0) -> Mapping[str, Any]:
-    devices = vgpu["devices"]
-    return devices[local_rank % max(1, len(devices))]
-
-
-def point_figures(summary: Mapping[str, Any], point: SweepPoint, *, peak_bf16_flops_per_s: float | None,
-                  timeline: Mapping[str, Any] | None = None) -> PointFigures:
-    """The figures of `point` from its real rank's prism summary (and timeline, for the breakdown).
-
-    The rank's own device is ``cuda:0`` (one real rank per point: LOCAL_RANK 0).
-    """
-    vgpu = summary.get("virtual_gpu")
-    if not vgpu:
-        raise RunFailed(f"point {point.name}: the summary has no virtual_gpu section (not a virtual-GPU run?)")
-    steps_total = point.recipe.steps.total
-    vt = vgpu.get("virtual_time") or {}
-    steps = tuple(float(s) for s in vt.get("step_times_s", ()))
-    step = statistics.median(steps) if steps else None
-    kernels = vgpu.get("kernels") or {}
-    flops = int(kernels["flops"]) // steps_total if "flops" in kernels else None  # every step runs the same kernels
-    mfu = None
-    if step and flops is not None and peak_bf16_flops_per_s:
-        mfu = flops / step / peak_bf16_flops_per_s
-    tokens = point.tokens_per_step / step / point.world_size if step and point.tokens_per_step else None
-    bd = step_breakdown(timeline) if timeline is not None else None
-    note = "no timeline: breakdown not measured"
-    if timeline is not None and bd is None:
-        dropped = timeline.get("otherData", {}).get("dropped", {}).get("spans", 0)
-        note = (f"the timeline kept no complete measured step ({dropped} spans dropped by its record budget): "
-                "breakdown not measured; fewer micro-batches per step fit")
-    if bd is not None:
-        note = f"timeline: mean of {bd.steps} measured steps"
-        if bd.dropped_spans:
-            note += f" ({bd.dropped_spans} spans dropped by the timeline's bound: kept steps only)"
-    bubble = (0.0 if point.layout.pp == 1 else None) if bd is not None else None
-    comm = summary.get("modelled_comm_s")
-    dev = _own_device(vgpu)
-    return PointFigures(
-        step_time_s=step, step_times_s=steps, tokens_per_s_per_gpu=tokens, mfu=mfu, flops_per_step=flops,
-        peak_bf16_flops_per_s=peak_bf16_flops_per_s, compute_s=None if bd is None else bd.compute_s,
-        exposed_comm_s=None if bd is None else bd.exposed_comm_s, bubble_s=bubble,
-        other_s=None if bd is None else bd.other_s,
-        modelled_comm_s=None if comm is None else float(comm) / steps_total, breakdown_note=note,
-        gpu=vgpu["gpu"], gpu_memory_bytes=int(vgpu["gpu_memory_bytes"]),
-        peak_allocated_bytes=int(dev["peak_allocated_bytes"]), peak_reserved_bytes=int(dev["peak_reserved_bytes"]),
-        device_total_bytes=int(dev["device_total_bytes"]), fits=bool(dev["fits"]), ooms=len(dev["ooms"]))
-
-
-def peak_bf16(point: SweepPoint) -> float | None:
-    """The dense bf16 peak FLOP/s of the point's GPU (the emulation's ``gpu``, else its profile's)."""
-    from prism_plugin.cost.gpu import gpu_spec
-    from prism_plugin.cost.profiles import load_profile
-
-    emu = point.recipe.emulated[0]
-    name = emu.gpu or load_profile(point.recipe.resolve_profile(emu)).gpu
-    return None if name is None else gpu_spec(name).peak_flops_per_s.get("bfloat16")
-
-
-# -- running ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PointResult:
     """What one point produced: its figures, or its error (with what figures its summary still had)."""
@@ -612,7 +269,7 @@ def sweep_document(spec: SweepSpec, results: Sequence[PointResult], *, engine: s
             "exposed_comm_s": "mean per measured step: time a comm stream runs an op while no kernel runs",
             "bubble_s": "pipeline bubble: 0 at pp = 1",
             "other_s": "the rest of the step: no stream busy (host launch overhead, syncs)",
-            "modelled_comm_s": "modelled communication per step, hidden or exposed",
+            "modelled_comm_s": "mean per measured step: time a comm stream runs an op, hidden or exposed",
             "device_total_bytes": "peak reserved + CUDA context"},
         "plots": [str(p) for p in plots],
         "points": [r.to_dict() for r in results],

@@ -115,7 +115,7 @@ def test_step_breakdown_counts_exposed_comm_only_where_no_kernel_runs() -> None:
     assert bd is not None and bd.steps == 2
     # comm busy 6-10 ms of each step (two overlapping streams: union), kernels 0-7 ms: exposed 7-10 ms
     assert (bd.step_s, bd.compute_s, bd.exposed_comm_s) == pytest.approx((0.010, 0.007, 0.003))
-    assert bd.other_s == pytest.approx(0.0, abs=1e-12)
+    assert bd.other_s == pytest.approx(0.0, abs=1e-12) and bd.comm_s == pytest.approx(0.004)
     trimmed = _timeline()
     trimmed["otherData"]["iterations_kept"] = [1, 2, 3]  # iteration 0 dropped: step 1 lost its predecessor
     assert step_breakdown(trimmed).steps == 1  # type: ignore[union-attr]
@@ -142,11 +142,12 @@ def test_figures_from_a_canned_summary_and_timeline() -> None:
     assert f.tokens_per_s_per_gpu == pytest.approx(1024 * 4096 / 0.010 / 512)  # 819,200
     assert f.mfu == pytest.approx(2e12 / 0.010 / 989.4e12)  # 20.2%
     assert (f.compute_s, f.exposed_comm_s, f.bubble_s) == pytest.approx((0.007, 0.003, 0.0))
-    assert f.modelled_comm_s == pytest.approx(0.0015) and f.ooms == 0 and f.fits
+    assert f.modelled_comm_s == pytest.approx(0.004) and f.ooms == 0 and f.fits  # the timeline's comm busy time
     assert (f.peak_allocated_bytes, f.peak_reserved_bytes, f.device_total_bytes) == (70_034_863_616, 73_637_298_176,
                                                                                      74_174_169_088)
     bare = point_figures(_summary(), p, peak_bf16_flops_per_s=None)
     assert bare.compute_s is None and bare.mfu is None and bare.breakdown_note.startswith("no timeline")
+    assert bare.modelled_comm_s == pytest.approx(0.0015)  # the summary's 4.5 ms over 3 steps
     assert sweep.peak_bf16(p) == 989.4e12
 
 
