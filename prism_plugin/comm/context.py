@@ -25,6 +25,10 @@ The session's order, and why:
   records what was delivered;
 - tracer (`prism_plugin.runtime.tracer`): records the op with its final figures and links the record to
   the handle (wait() stamps the wait point); after everything that changes the op;
+- timeline (`prism_plugin.runtime.timeline`, ``PRISM_TIMELINE``), torch.profiler ranges
+  (`prism_plugin.runtime.profiler`: the ranges a real backend opens inside a user's profiler) and the Kineto
+  trace (`prism_plugin.runtime.kineto`, ``PRISM_KINETO``, virtual GPUs): record the op as the tracer does
+  (their ``on_issued`` sees every ``on_op`` done, the clock's included); read-only;
 - counters (the session's op counts, bytes, modelled communication, communicator use): read-only;
 - the clock, when it observes (an emulated clock places the op on its stream); last, with the op final.
   The wall clock (`prism_plugin.runtime.clock.WallClock`) observes nothing and is not in the list.
