@@ -3,6 +3,7 @@
     prism calibrate --out local.yaml                       # gloo, 2 local processes
     prism calibrate --backend nccl --processes 8 --out node.yaml
     prism calibrate --from-nccl-tests logs/ --out cluster.yaml
+    prism calibrate ... --json                             # the fit as JSON on stdout instead of the table
 
 The measuring is `prism_plugin.runtime.calibrate` (its docstring states how ops are timed and the
 limitations); the fit is `prism_plugin.cost.calibrate.fit_profile`, nccl-tests parsing
@@ -19,7 +20,7 @@ from typing import Any
 from prism_plugin.config.errors import ConfigError
 from prism_plugin.runtime.calibrate import BACKENDS, CALIBRATION_OPS, CalibrationPlan, calibrate_fit
 
-__all__ = ["add_calibrate_parser"]
+__all__ = ["add_calibrate_parser", "fit_document"]
 
 
 def _parse_size(text: str) -> int:
@@ -55,7 +56,24 @@ def add_calibrate_parser(subparsers: Any) -> None:
     # needed by the recipes (issue 6): like-for-like CPU step times need gloo's per-op rates
     p.add_argument("--per-op", action="store_true",
                    help="also fit one transfer multiplier per op (op_transfer_factors in the profile)")
+    p.add_argument("--json", action="store_true",
+                   help="print the fit (profile, residuals, unfitted fields) as JSON on stdout instead of the table")
     p.set_defaults(func=_cmd_calibrate)
+
+
+def fit_document(fit: Any, out: Path) -> dict[str, Any]:
+    """``prism calibrate --json``: the fitted profile (as its YAML reads back), where it was written, each op's
+    residuals and the fields no measurement determined."""
+    import yaml
+
+    from prism_plugin.cost.profiles import profile_to_yaml
+
+    return {"schema": "prism-calibrate/1", "profile": yaml.safe_load(profile_to_yaml(fit.profile)), "out": str(out),
+            "measurements": len(fit.measurements),
+            "residuals": [{"op": r.label, "kind": r.kind.value, "num_ranks": r.num_ranks, "num_nodes": r.num_nodes,
+                           "sizes": r.count, "max_rel_error": r.max_rel_error, "median_rel_error": r.median_rel_error,
+                           "worst_size_bytes": r.worst_size_bytes} for r in fit.residuals],
+            "not_fitted": list(fit.not_fitted)}
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -89,6 +107,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                 per_op=args.per_op)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(fit.to_yaml(), encoding="utf-8")
+    if args.json:
+        import json
+
+        print(json.dumps(fit_document(fit, args.out), indent=2))
+        return 0
     table = Table(title=f"prism calibrate: {fit.profile.name} -> {args.out}")
     for col in ("op", "sizes", "max error", "median error", "worst at (B)"):
         table.add_column(col, justify="right")

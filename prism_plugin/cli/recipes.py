@@ -1,6 +1,7 @@
 """`prism recipe`: run, list, check recipes and measure their real run's noise.
 
     prism recipe run recipes/toy-tp2-dp2.yaml [more.yaml ...] [--json out.json] [--output DIR]
+    prism recipe run toy-tp2 --json                    # the result document on stdout (tables on stderr)
     prism recipe run toy-tp2-dp2                       # a name: looked up in ./recipes, then the repo's recipes/
     prism recipe run                                   # the default recipes, DEFAULT_RECIPES
     prism recipe list [--tier ci|small|benchmark|faults]
@@ -105,12 +106,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
         console.print(f"index: {write_index(results, args.output)}")
     if args.json is not None:
         docs = [r.to_dict() for r in results]
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(docs[0] if len(docs) == 1 and not failed_runs else
-                                        {"results": docs, "failed_runs": failed_runs}, indent=2))
+        write_json(args.json, docs[0] if len(docs) == 1 and not failed_runs else
+                   {"results": docs, "failed_runs": failed_runs})
     if failed_runs:
         return 1
     return 0 if all(r.passed for r in results) else 1
+
+
+def write_json(dest: Path, doc: Any) -> None:
+    """`doc` as indented JSON into `dest`, or on stdout when `dest` is ``-`` (``--json`` without a path: the
+    tables and progress are on stderr, so stdout is the document alone)."""
+    text = json.dumps(doc, indent=2)
+    if str(dest) == "-":
+        print(text)
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(text)
 
 
 def _all_recipes() -> list[Path]:
@@ -199,7 +210,8 @@ def add_recipe_parser(subparsers: Any) -> None:
                                                 f"{' then '.join(DEFAULT_RECIPES)})")
     run.add_argument("--output", type=Path, default=Path("prism_output") / "recipes",
                      help="results go to OUTPUT/<recipe>/ (default prism_output/recipes)")
-    run.add_argument("--json", type=Path, default=None, help="also write the result(s) as JSON here")
+    run.add_argument("--json", type=Path, nargs="?", const=Path("-"), default=None, metavar="PATH",
+                     help="also write the result(s) as JSON into PATH; --json alone: on stdout (tables on stderr)")
     run.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
     run.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run (default 900)")
     run.add_argument("--repeats", type=int, default=None,
