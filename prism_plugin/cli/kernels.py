@@ -1,17 +1,19 @@
 """`prism kernels record`: a kernel table measured on this machine's device, for ``PRISM_KERNEL_MODEL=table``.
 
     prism kernels record --output table.json --warmup 2 --steps 10 -- train.py --lr 0.1
-    prism kernels record -m prism_plugin.programs.toy_train --tp 1 --steps 12
+    prism kernels record --clock cpu -m prism_plugin.programs.toy_train --tp 1 --steps 12
 
 Runs the program once, in this process, on whatever device it uses (``--device auto``: ``cuda`` when torch
 has one, else ``cpu``), under `prism_plugin.runtime.virtual_gpu.record.KernelRecorder`: after ``--warmup``
 optimizer steps it times every ATen op on that device for ``--steps`` optimizer steps (default: to the end)
 and writes one entry per (op, shape, dtype) with its median duration, plus metadata (torch version, threads,
-host, program, steps, and on ``cpu`` the host overhead per kernel to use as ``kernels.launch_overhead_us``).
-``--threads`` (default 1) is ``torch.set_num_threads`` before the program starts (a program may set its own;
-the table's metadata reports what was in force at the end). A program that is not a torch.distributed job
-runs as it is; one that calls ``init_process_group`` without a rendezvous in the environment runs as rank 0
-of 1. Bad input (no program, ``--steps 0``, no step recorded) exits 2 with one line saying what to fix.
+host, program, steps, and on ``cpu`` the host overhead per launch to use as ``kernels.launch_overhead_us``).
+``--clock cpu`` times a ``cpu`` run by this thread's CPU time instead of the wall clock (a shared machine's
+descheduling left out). ``--threads`` (default 1) is ``torch.set_num_threads`` before the program starts (a
+program may set its own; the table's metadata reports what was in force at the end). A program that is not
+a torch.distributed job runs as it is; one that calls ``init_process_group`` without a rendezvous in the
+environment runs as rank 0 of 1. Bad input (no program, ``--steps 0``, no step recorded) exits 2 with one line
+saying what to fix.
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ def _cmd_record(args: argparse.Namespace) -> int:
     elif device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("prism kernels record --device cuda: this torch has no CUDA device; use --device cpu")
     torch.set_num_threads(args.threads)
-    recorder = KernelRecorder(device, warmup=args.warmup, steps=args.steps)
+    if args.clock == "cpu" and device != "cpu":
+        raise ConfigError("prism kernels record --clock cpu times a cpu device; on cuda the clock is CUDA events")
+    recorder = KernelRecorder(device, warmup=args.warmup, steps=args.steps, clock=args.clock)
     with recorder.record():
         rc = run_program(target)
     if rc != 0:
@@ -84,7 +88,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
     host = meta["host_overhead_us_per_launch"]
     Console(stderr=True).print(
         f"prism kernels record: {len(table['entries'])} kernels (op, shape, dtype) from {meta['recorded_steps']} "
-        f"steps on {meta['device']} ({meta['threads']} thread(s)) -> {args.output}; per step: "
+        f"steps on {meta['device']} ({meta['threads']} thread(s), {meta['clock']} clock) -> {args.output}; per step: "
         f"{meta['kernels_per_step']:g} kernels, {1e3 * meta['kernel_time_per_step_median_s']:.3f} ms kernel time, "
         f"{1e3 * meta['step_time_median_s']:.3f} ms wall"
         + (f"; host overhead {host:g} us per launch (profile kernels.launch_overhead_us)" if host is not None else ""),
@@ -107,6 +111,9 @@ def add_kernels_parser(sub: Any) -> None:
                      help="torch.set_num_threads before the program starts (default 1)")
     rec.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                      help="the device type whose ops are recorded (auto: cuda if available, else cpu)")
+    rec.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                     help="cpu device: time ops and steps by the wall clock (default), or by this thread's CPU time "
+                          "(a shared machine's descheduling left out)")
     rec.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None,
                      help="record a module and its arguments, like python -m")
     rec.add_argument("target", nargs=argparse.REMAINDER, help="-- script.py args")

@@ -17,7 +17,7 @@ from prism_plugin.runtime.virtual_gpu.record import KernelRecorder, KeySamples, 
 
 ENTRY_KEYS = {"op", "kernel_class", "shape", "dtype", "device", "flops", "bytes", "duration_us", "count"}
 METADATA_KEYS = {"torch_version", "threads", "host", "machine", "processor", "program", "device_type", "device",
-                 "warmup_steps", "recorded_steps", "optimizer_steps_seen", "kernels_per_step",
+                 "clock", "warmup_steps", "recorded_steps", "optimizer_steps_seen", "kernels_per_step",
                  "collectives_per_step", "step_time_median_s", "kernel_time_per_step_median_s",
                  "recorder_overhead_per_step_median_s", "host_overhead_us_per_launch", "recorded_at", "note"}
 
@@ -140,7 +140,7 @@ def test_cli_records_a_script_into_the_output(tmp_path: Path, capsys: pytest.Cap
     table = json.loads(out.read_text())
     assert table["metadata"]["recorded_steps"] == 2 and table["metadata"]["threads"] == 1
     assert table["metadata"]["program"] == [str(script)]
-    assert "2 steps on cpu (1 thread(s))" in capsys.readouterr().err
+    assert "2 steps on cpu (1 thread(s), wall clock)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "message"), [

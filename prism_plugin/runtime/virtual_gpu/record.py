@@ -6,7 +6,10 @@ shape, dtype: the key virtual time looks up, so a table recorded here answers th
 exactly) and times it:
 
 - ``cpu``: ``time.perf_counter_ns()`` around the op's execution below the mode (the op runs on the host
-  thread: its wall time is its kernel time; run with ``torch.set_num_threads(1)`` for a one-core figure);
+  thread: its wall time is its kernel time; run with ``torch.set_num_threads(1)`` for a one-core figure), or
+  with ``clock="cpu"`` ``time.thread_time_ns()``, this thread's CPU time: what the op costs when it has a core
+  to itself (time descheduled on a shared machine left out; one thread only: torch's intra-op threads and
+  other threads' work are not counted);
 - ``cuda``: CUDA events recorded on the current stream around the op after a ``torch.cuda.synchronize()``, so
   the figure is the device time of the op's kernel(s) (launch gaps between the kernels of one op included).
 
@@ -81,21 +84,25 @@ class KernelRecorder(TorchDispatchMode):
         table = table_data(recorder, program=["train.py"])
     """
 
-    def __init__(self, device_type: str = "cpu", *, warmup: int = 1, steps: int | None = None) -> None:
+    def __init__(self, device_type: str = "cpu", *, warmup: int = 1, steps: int | None = None,
+                 clock: str = "wall") -> None:
         if device_type not in ("cpu", "cuda"):
             raise ValueError(f"device_type={device_type!r}: record on cpu or cuda")
+        if clock not in ("wall", "cpu") or (clock == "cpu" and device_type != "cpu"):
+            raise ValueError(f"clock={clock!r}: wall (perf_counter), or cpu (this thread's CPU time) on a cpu device")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup={warmup!r} must be an integer >= 0 (optimizer steps skipped)")
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(f"steps={steps!r} must be an integer >= 1 (optimizer steps recorded), or None")
         super().__init__()
-        self.device_type, self.warmup, self.steps = device_type, warmup, steps
+        self.device_type, self.warmup, self.steps, self.clock = device_type, warmup, steps, clock
+        self._now = time.perf_counter_ns if clock == "wall" else time.thread_time_ns
         self.samples: dict[_Key, KeySamples] = {}
         self.optimizer_steps = 0
         """Optimizer steps seen so far (all of them, warm-up included)."""
         self.recording = warmup == 0
         self.step_ends_ns: list[int] = []
-        """perf_counter_ns at the start of the window and at the end of each recorded step."""
+        """The clock (ns) at the start of the window and at the end of each recorded step."""
         self.kernels_per_step: list[int] = []
         self.collectives_per_step: list[int] = []
         """c10d collectives per recorded step: launches too (virtual time's host pays each one overhead)."""
@@ -107,7 +114,7 @@ class KernelRecorder(TorchDispatchMode):
     # -- steps -----------------------------------------------------------------------------------------------
     def on_optimizer_step(self, *_: Any) -> None:
         """The optimizer-step post hook: opens the window after warm-up, closes each recorded step."""
-        now = time.perf_counter_ns()
+        now = self._now()
         self.optimizer_steps += 1
         if self.recording and self.step_ends_ns:
             self.step_ends_ns.append(now)
@@ -122,7 +129,7 @@ class KernelRecorder(TorchDispatchMode):
         if self.recording and not self.step_ends_ns:
             self.step_ends_ns.append(now)
         self._kernels = self._kernel_ns = self._bookkeeping_ns = self._collectives = 0
-        self._bookkeeping_ns += time.perf_counter_ns() - now
+        self._bookkeeping_ns += self._now() - now
 
     @property
     def recorded_steps(self) -> int:
@@ -135,7 +142,7 @@ class KernelRecorder(TorchDispatchMode):
 
         handle = register_optimizer_step_post_hook(self.on_optimizer_step)
         if self.recording:  # warmup 0: the window opens now
-            self.step_ends_ns.append(time.perf_counter_ns())
+            self.step_ends_ns.append(self._now())
         try:
             with self:
                 yield self
@@ -147,25 +154,25 @@ class KernelRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.recording or not self.step_ends_ns:
             return func(*args, **kwargs)
-        entry = time.perf_counter_ns()
+        entry = self._now()
         if self.device_type == "cuda":
             torch.cuda.synchronize()
             begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            start = time.perf_counter_ns()
+            start = self._now()
             out = func(*args, **kwargs)
-            end = time.perf_counter_ns()
+            end = self._now()
             finish.record()
             finish.synchronize()
             duration_ns = int(round(begin.elapsed_time(finish) * 1e6))
         else:
-            start = time.perf_counter_ns()
+            start = self._now()
             out = func(*args, **kwargs)
-            end = time.perf_counter_ns()
+            end = self._now()
             duration_ns = end - start
         self._account(func, args, kwargs, out, duration_ns)
         # the program's own time in this call is the op's (end - start); the rest is the recorder's
-        self._bookkeeping_ns += time.perf_counter_ns() - entry - (end - start)
+        self._bookkeeping_ns += self._now() - entry - (end - start)
         return out
 
     def _account(self, func: Any, args: tuple, kwargs: dict, out: Any, duration_ns: int) -> None:
@@ -213,7 +220,8 @@ def table_data(recorder: KernelRecorder, *, program: Sequence[str], device: str 
     metadata = {
         "torch_version": torch.__version__, "threads": torch.get_num_threads(), "host": platform.node(),
         "machine": platform.machine(), "processor": platform.processor() or None, "program": list(program),
-        "device_type": recorder.device_type, "device": device, "warmup_steps": recorder.warmup,
+        "device_type": recorder.device_type, "device": device, "clock": recorder.clock,
+        "warmup_steps": recorder.warmup,
         "recorded_steps": recorder.recorded_steps, "optimizer_steps_seen": recorder.optimizer_steps,
         "kernels_per_step": round(kernels / recorder.recorded_steps, 3),
         "collectives_per_step": round(collectives / recorder.recorded_steps, 3),
