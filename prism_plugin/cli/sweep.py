@@ -2,6 +2,7 @@
 
     prism sweep recipes/virtual-gpu-llama-1b.yaml --world-sizes 512,1024,2048,4096 --global-batch 4096
     prism sweep virtual-gpu-llama-1b --world-sizes 8,64,512 [--layouts "tp=1;tp=2"] [--rank 5]
+    prism sweep virtual-gpu-llama-1b --world-sizes 512,4096 --profiles dgx-h100,dgx-a100   # hardware what-if
     prism sweep ... --jobs 2                          # points at a time on this machine (default min(2, cores))
     prism sweep ... --ray auto | --ray ray://head:10001 | --ray local   # points as Ray tasks (pip install .[cluster])
     prism sweep ... --json                            # the sweep.json document on stdout instead of the table
@@ -50,6 +51,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     recipe = load_recipe(find_recipe(args.recipe))
     spec = SweepSpec(recipe=recipe, world_sizes=parse_world_sizes(args.world_sizes),
                      layouts=parse_layouts(args.layouts, recipe.layout) if args.layouts else (),
+                     profiles=tuple(x.strip() for x in args.profiles.split(",")) if args.profiles else (),
                      global_batch=args.global_batch, rank=args.rank, emulation=args.emulation,
                      oom=None if args.oom is None else OomMode(args.oom))
     points = derive_points(spec)  # every point validated before any runs
@@ -106,6 +108,8 @@ def add_sweep_parser(sub: Any) -> None:
                         "(micro-batch x dp)); default: the recipe's per-replica batch (grows with dp)")
     p.add_argument("--layouts", default=None, help="';'-separated layouts, each KEY=INT[,...] of tp, pp, cp, ep, "
                                                    "vpp, e.g. \"tp=1;tp=2\" (default: the recipe's)")
+    p.add_argument("--profiles", default=None, help="comma-separated hardware profiles to run every point on "
+                                                   "(a what-if of the cluster), e.g. dgx-h100,dgx-a100")
     p.add_argument("--rank", type=int, default=None, help="the real rank of every point (default: the "
                                                           "emulation's first)")
     p.add_argument("--emulation", default=None, help="the recipe emulation to sweep (default: its first)")

@@ -1,9 +1,9 @@
 """`prism sweep`: one recipe's job over several scales or layouts, each point a virtual-GPU emulation.
 
 A sweep takes a ``device: virtual-gpu`` recipe (`prism_plugin.recipes.virtual_gpu`), its first emulation (or the
-one named) and a list of world sizes N (x an optional list of layouts), and runs each point as that emulation with
-N, the layout and the per-rank batch replaced: one ``prism run --device virtual-gpu`` process tree per point,
-one real rank, the program at real size. Example::
+one named) and a list of world sizes N (x optional layouts, x optional hardware profiles), and runs each point as
+that emulation with N, the layout, the profile and the per-rank batch replaced: one ``prism run --device
+virtual-gpu`` process tree per point, one real rank, the program at real size. Example::
 
     spec = SweepSpec(recipe=load_recipe("recipes/virtual-gpu-llama-1b.yaml"), world_sizes=(512, 1024, 2048),
                      global_batch=2048)
@@ -50,8 +50,9 @@ Limitations: one real rank per point (symmetric DP ranks: any rank stands for al
 parallel only, so layouts other than tp = pp = cp = 1 are refused by the recipe schema until a virtual-GPU
 program with model parallelism exists; a breakdown needs the timeline to keep every span of the measured steps
 (``MAX_RECORDS``; a point whose timeline dropped spans says so in ``breakdown_note``).
-Non-goals: choosing the best layout, real (non-virtual) runs, profiles or what-ifs as sweep axes (one recipe
-per profile for now).
+Non-goals: choosing the best layout, real (non-virtual) runs, what-ifs other than the hardware profile
+(faults, stragglers: the recipe's own emulations). With several profiles the memory plot draws the first
+point's GPU capacity.
 """
 
 from __future__ import annotations
@@ -253,6 +254,7 @@ def sweep_document(spec: SweepSpec, results: Sequence[PointResult], *, engine: s
         "emulation": emu.name, "program": recipe.program.value,
         "spec": {"world_sizes": list(spec.world_sizes),
                  "layouts": [{k: getattr(lay, k) for k in LAYOUT_KEYS} for lay in spec.layouts] or None,
+                 "profiles": list(spec.profiles) or None,
                  "global_batch": spec.global_batch,
                  "batch": ("fixed global batch: micro-batch x accumulation x dp = global_batch" if spec.global_batch
                            else "fixed per-replica batch (the recipe's micro x microbatches_per_step): grows with dp"),

@@ -200,3 +200,16 @@ def test_the_cli_refuses_bad_input_before_running(capsys: pytest.CaptureFixture[
     err = capsys.readouterr().err
     assert "prism: invalid input:" in err and "--global-batch 1000 is not a multiple" in err
     assert not any(tmp_path.iterdir())  # nothing ran
+
+
+def test_profiles_are_a_what_if_axis(tmp_path: Path) -> None:
+    points = derive_points(_spec(world_sizes=(512,), profiles=("dgx-h100", "dgx-a100")))
+    assert [p.name for p in points] == ["n512_dgx_h100", "n512_dgx_a100"]
+    assert [p.recipe.emulated[0].profile for p in points] == ["dgx-h100", "dgx-a100"]
+    assert [sweep.peak_bf16(p) for p in points] == [989.4e12, 312e12]  # MFU against each point's own GPU
+    argv = list(virtual_gpu_plan(points[1].recipe, points[1].recipe.emulated[0], 0, tmp_path).processes[0].argv)
+    assert argv[argv.index("--profile") + 1] == "dgx-a100"
+    with pytest.raises(SweepError, match=r"--profiles 'local-cpu-gloo' names no GPU model .* such as dgx-h100"):
+        derive_points(_spec(profiles=("local-cpu-gloo",)))
+    with pytest.raises(SweepError, match=r"--profiles 'dgx-b900': "):
+        derive_points(_spec(profiles=("dgx-b900",)))
