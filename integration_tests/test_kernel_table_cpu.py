@@ -43,8 +43,11 @@ STEPS, WARMUP, REAL_RUNS = 25, 5, 3
 PROGRAM = ["-m", "prism_plugin.programs.toy_train", "--tp", "1", "--hidden", "512", "--batch", "64",
            "--steps", str(STEPS), "--json"]
 MAX_LOAD = float(os.environ.get("PRISM_RECIPES_MAX_LOAD", (os.cpu_count() or 1) + 1))
-FLOOR_REL = 0.05
-"""The least tolerated error: 5% (the three real runs' medians spread 1-6% on an idle 2-core machine)."""
+FLOOR_REL = 0.10
+"""The least tolerated error, 10%: the check's known bias (the prediction against the recording run's own step,
+cpu clock: -0.3% .. -6.1% over 6 runs: the batch's randn is host work in the emulation, ~1.4%, and per-op
+medians against a step's sum) plus the recording's own noise (real runs' medians spread >= 7.5% in every
+measurement here, loads 1.6-5.5 on 2 cores)."""
 
 # the real run: the unmodified program under an optimizer-step post hook that only reads the clocks
 REAL = textwrap.dedent("""
