@@ -85,13 +85,15 @@ def test_the_session_orders_its_observers_as_the_seam_documents(tmp_path) -> Non
     from prism_plugin.comm.recording import Recorder
     from prism_plugin.runtime.clock import WallClock
     from prism_plugin.runtime.live_faults import LiveFaults
+    from prism_plugin.runtime.profiler import ProfilerRanges
     from prism_plugin.runtime.session import OpCounters
     from prism_plugin.runtime.tracer import Tracer
 
     session = P.activate(EmulationConfig(world=VirtualWorld(world_size=4, real_ranks=(0,)), trace_dir=tmp_path,
                                          record_dir=tmp_path / "rec", faults=("jitter:sigma=0.1,seed=1",)))
     try:
-        assert [type(o) for o in session.observers] == [LiveFaults, Recorder, Tracer, OpCounters]
+        # the profiler ranges observer is always there: it opens ranges only while a torch.profiler runs
+        assert [type(o) for o in session.observers] == [LiveFaults, Recorder, Tracer, ProfilerRanges, OpCounters]
         assert all(isinstance(o, OpObserver) for o in session.observers)
         assert isinstance(session.op_clock, WallClock) and not isinstance(session.op_clock, OpObserver)
         assert dist.group.WORLD.vg.ctx is session

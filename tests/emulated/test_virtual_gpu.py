@@ -172,3 +172,24 @@ def test_starting_without_the_device_library_is_refused() -> None:
             print(exc)
     """)], capture_output=True, text=True, timeout=120, env={**os.environ, "PRISM_CACHE_DIR": "/nonexistent"})
     assert "has no virtual CUDA device; start it with `prism run --device virtual-gpu`" in proc.stdout
+
+
+def test_sdpa_takes_flash_attention_as_on_an_h100(library: None) -> None:
+    # bf16 causal GQA attention: torch on an sm90 GPU runs FlashAttention, which keeps the output and the fp32
+    # log-sum-exp (b x h x s), not the s x s scores; fp32 has no flash kernel: the math path (scores kept)
+    out = run("""
+        import torch.nn.functional as F
+        with VirtualGpu(gpu_spec("h100-sxm"), num_devices=1) as vg:
+            for dtype in (torch.bfloat16, torch.float32):
+                q = torch.randn(2, 32, 4096, 64, device="cuda", dtype=dtype, requires_grad=True)
+                kv = [torch.randn(2, 8, 4096, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2)]
+                before = torch.cuda.memory_allocated()
+                o = F.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=True)
+                out[str(dtype)] = torch.cuda.memory_allocated() - before
+                o.sum().backward()
+                out[str(dtype) + " grads"] = [list(t.grad.shape) for t in (q, *kv)]
+    """)
+    o, lse = 2 * 32 * 4096 * 64 * 2, 2 * 32 * 4096 * 4
+    assert out["torch.bfloat16"] == round_size(o) + round_size(lse) + 2 * round_size(8)  # + philox seed, offset
+    assert out["torch.float32"] > 2 * 32 * 4096 * 4096 * 4  # the math path keeps the fp32 scores
+    assert out["torch.bfloat16 grads"] == [[2, 32, 4096, 64], [2, 8, 4096, 64], [2, 8, 4096, 64]]

@@ -83,6 +83,10 @@ class _DeviceCalls(TorchFunctionMode):
                 return moved
             self.values.tag_data(moved, real)
             return moved
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            flash = _flash_attention(args, kwargs)
+            if flash is not None:
+                return flash
         i = _DEVICE_ARG.get(func)
         if i is not None and len(args) > i and isinstance(args[i], int) and not isinstance(args[i], bool):
             args = (*args[:i], torch.device("cuda", args[i]), *args[i + 1:])
@@ -104,6 +108,35 @@ class _DeviceCalls(TorchFunctionMode):
             with _disable_current_modes():  # the constant is a real tensor: copy it outside the fake modes
                 self.values.tag_data(moved, constant.clone())
         return moved
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _flash_attention(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``F.scaled_dot_product_attention`` as torch runs it on an sm80+ GPU when FlashAttention applies: the fused
+    ``aten._scaled_dot_product_flash_attention`` (saves the output and log-sum-exp, not the s x s scores; one
+    kernel forward, one backward). torch picks its backend in C++ from the device's kernels, which the CPU wheel
+    lacks for cuda (it would take the unfused math path); this is the choice of torch's sdp_utils for flash:
+    fp16/bf16, no explicit mask, head dim a multiple of 8 up to 256, 4-d inputs, flash enabled
+    (``torch.backends.cuda.flash_sdp_enabled()``); key/value heads dividing the query heads (GQA). Anything else
+    (None) runs the call as given."""
+    bound = dict(zip(_SDPA_ARGS, args, strict=False))
+    bound.update(kwargs)
+    q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
+    if not all(isinstance(t, FakeTensor) and t.device.type == "cuda" for t in (q, k, v)):
+        return None
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if (bound.get("attn_mask") is not None or not torch.backends.cuda.flash_sdp_enabled()
+            or q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype
+            or q.dim() != 4 or k.dim() != 4 or q.size(-1) % 8 or q.size(-1) > 256 or q.size(-1) != k.size(-1)):
+        return None
+    if q.size(1) != k.size(1) and (not bound.get("enable_gqa") or q.size(1) % k.size(1)):
+        return None
+    out = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, float(bound.get("dropout_p") or 0.0), bool(bound.get("is_causal")), False,
+        scale=bound.get("scale"))
+    return out[0]
 
 
 def _holds_cuda_fakes(data: Any) -> bool:
