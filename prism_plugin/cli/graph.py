@@ -115,6 +115,8 @@ def add_profile_parser(subparsers: Any) -> None:
     p.add_argument("--warmup", type=int, default=2, help="iterations dropped when building the graph")
     p.add_argument("--no-graph", action="store_true", help="only write the traces")
     p.add_argument("--timeout", type=float, default=None, help="seconds per profiling run")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH",
+                   help="write the runs and the graph as one JSON document to PATH (the programs own stdout)")
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None)
     p.add_argument("target", nargs=argparse.REMAINDER, help="-- script.py args")
     p.set_defaults(func=_cmd_profile)
@@ -122,8 +124,9 @@ def add_profile_parser(subparsers: Any) -> None:
 
 def profile_plan(plan_path: Path, out: Path, target: list[str], *, profile: str = "local-cpu-gloo",
                  gpus_per_node: int = 8, trace_iterations: int = 64, iteration_marker: str = "auto",
-                 timeout_s: float | None = None) -> list[Path]:
-    """Run every profiling run of the plan (tracing on); returns the run directories. Raises on failure."""
+                 timeout_s: float | None = None, progress: Any = None) -> list[Path]:
+    """Run every profiling run of the plan (tracing on); returns the run directories. Raises on failure.
+    `progress(text)`, when given, hears which run starts."""
     from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
     from prism_plugin.graph.slicing import SlicingPlan
     from prism_plugin.runtime.launch import LaunchSpec, launch
@@ -144,6 +147,8 @@ def profile_plan(plan_path: Path, out: Path, target: list[str], *, profile: str 
     load_profile(profile)
     dirs = []
     for i, (run_dir, config) in enumerate(configs):
+        if progress is not None:
+            progress(f"profiling run {i + 1}/{len(configs)}: real ranks {list(config.world.real_ranks)}")
         run_dir.mkdir(parents=True, exist_ok=True)
         rc = launch(LaunchSpec(config=config, target=target, store_dir=run_dir), timeout_s=timeout_s)
         if rc != 0:
@@ -165,21 +170,47 @@ def run_target_args(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
     from prism_plugin.graph.slicing import SlicingPlan
 
     plan = SlicingPlan.load(args.plan)
+    if args.json is not None:
+        from prism_plugin.runtime.preflight import check_file_output
+
+        check_file_output("--json", args.json)
+    err = Console(stderr=True)
+    t0 = time.perf_counter()
     try:
-        dirs = profile_plan(args.plan, args.out, run_target_args(args), profile=args.profile,
-                            gpus_per_node=args.gpus_per_node, trace_iterations=args.trace_iterations,
-                            iteration_marker=args.iteration_marker, timeout_s=args.timeout)
+        with err.status("prism profile") as status:
+            dirs = profile_plan(args.plan, args.out, run_target_args(args), profile=args.profile,
+                                gpus_per_node=args.gpus_per_node, trace_iterations=args.trace_iterations,
+                                iteration_marker=args.iteration_marker, timeout_s=args.timeout,
+                                progress=lambda text: status.update(f"prism profile: {text}"))
     except RuntimeError as exc:  # a profiling run failed: its own output says why
-        _console().print(f"[bold red]{exc}[/]")
+        err.print(f"[bold red]{exc}[/]")
         return 1
-    if args.no_graph:
-        return 0
-    graph = _build(dirs, plan.job.world, plan.class_axes, args.warmup, {"plan": str(args.plan)})
-    path = graph.save(args.out / "job.graph")
-    _console().print(f"prism profile: {len(dirs)} runs, graph with {len(graph.classes)} classes -> {path}")
+    doc: dict[str, Any] = {"plan": str(args.plan), "out": str(args.out), "profile": args.profile,
+                           "runs": [{"run": i, "real_ranks": list(r), "dir": str(d)}
+                                    for i, (r, d) in enumerate(zip(plan.runs, dirs, strict=True))],
+                           "graph": None, "wall_s": None}
+    if not args.no_graph:
+        graph = _build(dirs, plan.job.world, plan.class_axes, args.warmup, {"plan": str(args.plan)})
+        doc["graph"] = {"path": str(graph.save(args.out / "job.graph")), "classes": len(graph.classes),
+                        "nodes": sum(len(t) for t in graph.classes.values())}
+    doc["wall_s"] = round(time.perf_counter() - t0, 3)
+    table = Table(title=f"prism profile: {len(dirs)} profiling runs of {args.plan} ({doc['wall_s']:.1f} s)")
+    for col in ("run", "real ranks", "traces"):
+        table.add_column(col, justify="left" if col == "traces" else "right")
+    for run in doc["runs"]:
+        table.add_row(str(run["run"]), ",".join(map(str, run["real_ranks"])), run["dir"])
+    graph_doc = doc["graph"]
+    table.caption = ("graph not built (--no-graph)" if graph_doc is None else
+                     f"graph: {graph_doc['classes']} classes, {graph_doc['nodes']} nodes -> {graph_doc['path']}")
+    _console().print(table)
+    if args.json is not None:
+        args.json.write_text(json.dumps(doc, indent=1))
     return 0
 
 

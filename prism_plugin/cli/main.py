@@ -57,7 +57,8 @@ def _add_world_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="collective timeout of the job, seconds")
     p.add_argument("--device", default="real", choices=["real", "virtual-gpu"],
                    help="real: tensors on this host's devices; virtual-gpu: fake cuda tensors on virtual GPUs of the "
-                        "profile's GPU model (real-size jobs on a host without GPUs; memory exact, no step time)")
+                        "profile's GPU model (real-size jobs on a host without GPUs: exact memory, and virtual time's "
+                        "modelled step unless --virtual-time off)")
     p.add_argument("--gpu", default=None, help="GPU model of the virtual GPUs (default: the profile's), e.g. h100-sxm")
 
 
@@ -81,10 +82,8 @@ def build_config(args: argparse.Namespace) -> EmulationConfig:
     return config
 
 
-def _summaries_table(output: Path, run_id: str | None = None, real_ranks: tuple[int, ...] = ()) -> Table | None:
-    """The table of the summaries in `output` written by run `run_id` (None: every summary there); None when
-    there is none. A concurrent run into the same folder, or an older one, is not shown; a real rank of
-    `real_ranks` without a summary of this run is named in the caption."""
+def _run_summaries(output: Path, run_id: str | None = None) -> list[dict]:
+    """The summaries in `output` written by run `run_id` (None: every summary there), by rank."""
     summaries = []
     for f in output.glob("rank*.summary.json"):
         try:
@@ -93,21 +92,31 @@ def _summaries_table(output: Path, run_id: str | None = None, real_ranks: tuple[
             continue
         if isinstance(s, dict) and "rank" in s and (run_id is None or s.get("run_id") == run_id):
             summaries.append(s)
+    return sorted(summaries, key=lambda s: int(s["rank"]))
+
+
+def _summaries_table(output: Path, run_id: str | None = None, real_ranks: tuple[int, ...] = ()) -> Table | None:
+    """The table of the summaries in `output` written by run `run_id` (None: every summary there); None when
+    there is none. A concurrent run into the same folder, or an older one, is not shown; a real rank of
+    `real_ranks` without a summary of this run is named in the caption."""
+    summaries = _run_summaries(output, run_id)
     if not summaries:
         return None
-    summaries.sort(key=lambda s: int(s["rank"]))
     table = Table(title=f"prism: what the real ranks saw ({output})")
-    for col in ("rank", "of N", "profile", "policy", "groups", "ops", "bytes", "modelled comm (ms)"):
+    virtual = any("virtual_gpu" in s for s in summaries)
+    for col in ("rank", "of N", "profile", "policy", "groups", "ops", "bytes", "modelled comm (ms)",
+                *(("emulated step (ms)", "peak allocated", "fits") if virtual else ())):
         table.add_column(col, justify="right")
     notes: list[str] = []
     for s in summaries:
         if s.get("emulated") is False:  # the script never called init_process_group
-            table.add_row(str(s["rank"]), str(s["world_size"]), "-", "-", "-", "-", "-", "-")
+            table.add_row(str(s["rank"]), str(s["world_size"]), *["-"] * (9 if virtual else 6))
             notes.append(f"rank {s['rank']}: {s['note']}")
             continue
         table.add_row(str(s["rank"]), str(s["world_size"]), s["profile"], s["data_policy"],
                       str(s["groups_created"]), str(sum(s["op_counts"].values())),
-                      f"{sum(s['op_bytes'].values()):,}", f"{1e3 * s['modelled_comm_s']:.3f}")
+                      f"{sum(s['op_bytes'].values()):,}", f"{1e3 * s['modelled_comm_s']:.3f}",
+                      *(_virtual_cells(s) if virtual else ()))
         notes.extend(_graph_and_fault_notes(s))
     emulated = [s for s in summaries if s.get("emulated") is not False]
     caption = ["arrivals: " + emulated[0]["arrivals_note"]] if emulated else []
@@ -117,6 +126,17 @@ def _summaries_table(output: Path, run_id: str | None = None, real_ranks: tuple[
                      "overwritten by another run into the same --output)")
     table.caption = "\n".join(caption + notes)
     return table
+
+
+def _virtual_cells(s: dict) -> tuple[str, str, str]:
+    """Emulated step (virtual time's median, modelled), peak allocated and fits of a virtual-GPU summary."""
+    vgpu = s.get("virtual_gpu")
+    if not vgpu:
+        return ("-", "-", "-")
+    steps = (vgpu.get("virtual_time") or {}).get("step_times_s") or []
+    step = f"{1e3 * sorted(steps)[len(steps) // 2]:.3f}" if steps else "n/a"
+    device = max(vgpu["devices"], key=lambda d: d["peak_allocated_bytes"])
+    return (step, f"{device['peak_allocated_bytes'] / 2**30:.2f} GiB", "yes" if device["fits"] else "NO")
 
 
 def _graph_and_fault_notes(s: dict) -> list[str]:
@@ -153,6 +173,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     target = run_target_args(args)
     config = build_config(args)
     check_memory(config.world, config.world.num_real)  # N too large for this machine: refused before any process
+    if args.json is not None:
+        from prism_plugin.runtime.preflight import check_file_output
+
+        if config.output_dir is None:
+            raise ConfigError("--json PATH writes this run's summaries, which the ranks write into --output DIR: "
+                              "give --output too")
+        check_file_output("--json", args.json)
+    _virtual_time_env(args, config)
     run_id = uuid.uuid4().hex[:16]  # this launch's summaries carry it; the table shows only those
     previous = os.environ.get(RUN_ID_ENV)
     os.environ[RUN_ID_ENV] = run_id
@@ -169,7 +197,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
             console.print(table)
         else:
             console.print(f"prism run: no real rank of this run wrote a summary into {config.output_dir}")
+        if args.json is not None:  # the program owns stdout: the document goes to a file
+            doc = {"run_id": run_id, "exit_code": rc, "world_size": config.world.world_size,
+                   "real_ranks": list(config.world.real_ranks), "summaries": _run_summaries(config.output_dir, run_id)}
+            args.json.write_text(json.dumps(doc, indent=1))
     return rc
+
+
+def _virtual_time_env(args: argparse.Namespace, config: EmulationConfig) -> None:
+    """`prism run`'s virtual-time flags as the environment the real ranks read (checked before any process)."""
+    import os
+
+    env = {name: value for name, value in (
+        ("PRISM_VIRTUAL_TIME", args.virtual_time), ("PRISM_KERNEL_MODEL", args.kernel_model),
+        ("PRISM_KERNEL_TABLE", None if args.kernel_table is None else str(args.kernel_table)),
+        ("PRISM_PROGRAM_TIME", args.program_time)) if value is not None}
+    if not env:
+        return
+    if config.device is not DeviceMode.VIRTUAL_GPU:
+        raise ConfigError(f"{', '.join('--' + k[6:].lower().replace('_', '-') for k in env)}: virtual time runs on "
+                          "virtual GPUs; add --device virtual-gpu (or drop the flag)")
+    from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions
+
+    VirtualTimeOptions.from_env({**os.environ, **env})  # a ConfigError naming the variable and the fix
+    os.environ.update(env)
 
 
 def _cmd_profiles(args: argparse.Namespace) -> int:
@@ -198,6 +249,17 @@ def make_parser() -> argparse.ArgumentParser:
     add_trace_run_args(run)
     run.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None,
                      help="run a module and its arguments, like python -m")
+    run.add_argument("--virtual-time", choices=["on", "off"], default=None,
+                     help="virtual-gpu: modelled kernel and communication time on emulated CUDA streams (on, the "
+                          "default) or memory only (off); sets PRISM_VIRTUAL_TIME")
+    run.add_argument("--kernel-model", choices=["roofline", "table"], default=None,
+                     help="virtual time's kernel model (default roofline; table needs --kernel-table)")
+    run.add_argument("--kernel-table", type=Path, default=None, help="a table from `prism kernels record`")
+    run.add_argument("--program-time", choices=["wall", "emulated"], default=None,
+                     help="emulated: the program's time.time/perf_counter/monotonic read the emulated host clock")
+    run.add_argument("--json", type=Path, default=None, metavar="PATH",
+                     help="write this run's summaries (one per real rank) as one JSON document to PATH (needs "
+                          "--output; the program itself owns stdout)")
     run.add_argument("target", nargs=argparse.REMAINDER, help="-- script.py args")
     run.set_defaults(func=_cmd_run)
     sub.add_parser("megatron", help="run a Megatron script emulated: prism megatron pretrain_gpt.py <args> "

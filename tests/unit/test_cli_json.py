@@ -38,3 +38,18 @@ def test_recipe_run_json_alone_means_stdout(tmp_path: Path, capsys: pytest.Captu
     assert json.loads(capsys.readouterr().out) == {"recipe": "x"}
     write_json(tmp_path / "sub" / "r.json", {"recipe": "y"})
     assert json.loads((tmp_path / "sub" / "r.json").read_text()) == {"recipe": "y"}
+
+
+def test_run_json_and_virtual_time_flags_are_checked_before_any_process(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    base = ["run", "--world-size", "8", "--real-ranks", "0"]
+    assert main([*base, "--json", str(tmp_path / "r.json"), "--", str(script)]) == 2  # no --output
+    assert "give --output too" in capsys.readouterr().err
+    assert main([*base, "--kernel-model", "roofline", "--", str(script)]) == 2  # virtual time without virtual GPUs
+    assert "add --device virtual-gpu" in capsys.readouterr().err
+    assert main([*base, "--device", "virtual-gpu", "--profile", "dgx-h100", "--kernel-model", "table", "--",
+                 str(script)]) == 2  # the table model without a table
+    assert "PRISM_KERNEL_TABLE" in capsys.readouterr().err
+    assert "never runs" not in capsys.readouterr().out
