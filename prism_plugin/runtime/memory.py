@@ -74,6 +74,10 @@ class StorageTracker(TorchDispatchMode):
         self.allocations = 0
         """Storages registered so far."""
         self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self.history: list[tuple[str, int, int, int]] | None = None
+        """With `record_history`: (action ``alloc`` / ``free_completed``, storage key, bytes, sequence), bounded."""
+        self._history_max = 0
+        self._sequence = 0
 
     # -- accounting ----------------------------------------------------------------------------
     def _register(self, t: torch.Tensor) -> None:
@@ -91,6 +95,8 @@ class StorageTracker(TorchDispatchMode):
             return
         self._live[key] = (weakref.ref(storage, lambda _ref, k=key: self._free(k)), nbytes)
         self._allocated(key, nbytes, t)
+        if self.history is not None:
+            self._record("alloc", key, nbytes)
         self.allocations += 1
         self.current_bytes += nbytes
         if self.current_bytes > self.peak_bytes:
@@ -101,6 +107,30 @@ class StorageTracker(TorchDispatchMode):
         if entry is not None:
             self.current_bytes -= entry[1]
             self._released(key)
+            if self.history is not None:
+                self._record("free_completed", key, entry[1])
+
+    def _record(self, action: str, key: int, nbytes: int) -> None:
+        assert self.history is not None
+        self._sequence += 1
+        self.history.append((action, key, nbytes, self._sequence))
+        if len(self.history) > self._history_max:  # a ring, like torch's max_entries
+            del self.history[0]
+
+    def record_history(self, max_entries: int = 100_000) -> None:
+        """Keep the last `max_entries` allocations and frees, for `snapshot` (torch's memory_viz format)."""
+        if max_entries < 1:
+            raise ValueError(f"max_entries={max_entries!r} must be >= 1")
+        self.history, self._history_max = [], max_entries
+
+    def snapshot(self) -> dict[str, Any]:
+        """This tracker's storages in the format of ``torch.cuda.memory._snapshot()`` where it fits: no segments
+        (a CPU tensor's storage is its own ``malloc``; no caching allocator), one trace of ``alloc`` /
+        ``free_completed`` entries (storage key as the address, bytes, the sequence as ``time_us``) from
+        `record_history`; ``torch.cuda._memory_viz.trace_plot`` draws it."""
+        trace = [{"action": action, "addr": key, "size": nbytes, "stream": 0, "time_us": seq, "frames": []}
+                 for action, key, nbytes, seq in (self.history or ())]
+        return {"segments": [], "device_traces": [trace], "allocator_settings": {"device": "cpu"}}
 
     def _allocated(self, key: int, nbytes: int, tensor: torch.Tensor) -> None:
         """Called once per new storage (a subclass's hook: the virtual GPU feeds its allocator model)."""

@@ -64,3 +64,25 @@ def test_reset_peak() -> None:
         small = torch.empty(10)
         assert mem.peak_bytes == 40
         del small
+
+
+def test_the_cpu_trackers_history_opens_in_torchs_memory_viz() -> None:
+    import pickle
+
+    from torch.cuda import _memory_viz
+
+    from prism_plugin.runtime.memory import StorageTracker
+
+    tracker = StorageTracker()
+    tracker.record_history(max_entries=3)
+    with tracker:
+        a = torch.empty(1000)  # 4000 B
+        b = torch.empty(10)  # 40 B
+        del a
+        c = torch.empty(7)  # 28 B: the oldest entry falls out of the ring of 3
+    snap = pickle.loads(pickle.dumps(tracker.snapshot()))  # what a dump holds: builtin types only
+    (trace,) = snap["device_traces"]
+    assert [(e["action"], e["size"], e["time_us"]) for e in trace] == [("alloc", 40, 2), ("free_completed", 4000, 3),
+                                                                        ("alloc", 28, 4)]
+    assert snap["segments"] == [] and "<html" in _memory_viz.trace_plot(snap).lower()
+    del b, c

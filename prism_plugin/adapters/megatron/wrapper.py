@@ -262,6 +262,7 @@ def start_run(config: EmulationConfig, process_index: int, k: int, cpu_mode: boo
         if cpu_mode:
             tracker = StorageTracker().start()
             run.on_stop(tracker.stop)
+            _cpu_snapshot_on_stop(run, tracker, config.world.virtual_rank_of(process_index))
             run.add_summary(lambda: {"memory": {"source": "cpu tensor-storage tracker", **tracker.summary()}})
         elif cuda_peak and torch.cuda.is_available():
             run.add_summary(lambda: {"memory": {"source": "torch.cuda",
@@ -271,6 +272,24 @@ def start_run(config: EmulationConfig, process_index: int, k: int, cpu_mode: boo
         run.finish()
         raise
     return run
+
+
+def _cpu_snapshot_on_stop(run: EmulatedRun, tracker: Any, rank: int) -> None:
+    """``PRISM_MEMORY_SNAPSHOT=<path, {rank}>`` in CPU mode: the tracker's allocations and frees, dumped at the end
+    in torch's ``_dump_snapshot`` format where it fits (`StorageTracker.snapshot`; memory_viz's trace_plot)."""
+    template = os.environ.get("PRISM_MEMORY_SNAPSHOT")
+    if not template:
+        return
+    import pickle
+
+    path = Path(template.replace("{rank}", str(rank)))
+    tracker.record_history()
+
+    def dump() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(pickle.dumps(tracker.snapshot()))
+
+    run.on_stop(dump)
 
 
 def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
