@@ -14,6 +14,8 @@ Prints one JSON object:
 - ``step_time_s``: median over repeats of each repeat's median host wall seconds per iteration, after
   `warmup` iterations; each iteration's time is Megatron's own ``elapsed time per iteration`` (its
   ``interval-time`` timer, wall clock; log interval 1); ``step_time_s_per_repeat`` lists the repeats';
+- ``iteration_s`` / ``build_s``: the issue's names for ``step_time_s`` and ``startup_s`` (of the runs with virtual
+  time when they ran);
 - ``startup_s``: median over repeats of the process's wall time less the sum of its iterations: interpreter
   and imports, the drop-in's re-execution with the device library, Megatron's initialisation, model and
   optimizer build, and exit;
@@ -187,6 +189,8 @@ def run(spec: JobSpec, *, repeats: int, warmup: int, virtual_time_pairs: bool = 
         "layout": {**spec.layout, "dp": dp}, "global_batch": spec.global_batch, "world_size": spec.world_size,
         "rank": spec.rank, "processes": 1, "profile": spec.profile, "iterations": spec.iterations,
         "warmup_iterations": warmup, "repeats": repeats,
+        "iteration_s": round(step_time_s, 4), "build_s": round(statistics.median(m.wall_s - sum(m.iteration_s)
+                                                                                for m in timed), 3),
         "step_time_s": round(step_time_s, 4), "step_time_s_per_repeat": [round(s, 4) for s in steps],
         "step_time_s_without_virtual_time": round(statistics.median(steps_without), 4),
         "emulated_step_time_s": emulated[0] if emulated else None,
