@@ -244,7 +244,10 @@ class MegatronAdapter:
 
 def _job_figures() -> dict[str, Any]:
     """The job's batch and Megatron's own model FLOPs per iteration (``num_floating_point_operations``, what its
-    TFLOP/s/GPU log divides), from the parsed arguments; empty before Megatron parsed them."""
+    TFLOP/s/GPU log divides), from the parsed arguments; empty before Megatron parsed them, or when the program
+    never imported megatron.training (importing it here would leave a half-imported package on Python 3.11)."""
+    if "megatron.training.training" not in sys.modules or "megatron.training.global_vars" not in sys.modules:
+        return {}
     try:
         from megatron.training.global_vars import get_args
         from megatron.training.training import num_floating_point_operations
