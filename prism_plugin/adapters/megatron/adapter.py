@@ -126,6 +126,10 @@ class MegatronAdapter:
             self._select_device()
             if self.cpu_mode:
                 self.shim = CpuShim().install()
+            elif self.virtual_gpu:  # the local spec's norm with sequence parallelism (the CPU shim's patch 10)
+                from prism_plugin.adapters.megatron.cpu_shim import install_sp_norm
+
+                install_sp_norm(self._patches)
             if self.cpu_mode or self.virtual_gpu:
                 self._hook_parse_args()
             self._hook_schedules()

@@ -82,7 +82,7 @@ import torch.overrides
 
 from prism_plugin.runtime.undo import Patches
 
-__all__ = ["CpuPatch", "CpuShim", "PATCHES", "active_shim"]
+__all__ = ["CpuPatch", "CpuShim", "PATCHES", "active_shim", "install_sp_norm", "sp_norm_new"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +233,35 @@ class _DeviceProperties:
     multi_processor_count = 1
 
 
+def sp_norm_new(original: Any) -> Any:
+    """Patch 10's ``WrappedTorchNorm.__new__``: with ``sequence_parallel`` (or ``persist_layer_norm``) the local
+    spec's norm is the same ``torch.nn.LayerNorm`` / ``RMSNorm`` (the math of apex's ``FusedLayerNorm``), its
+    parameters marked ``sequence_parallel`` as ``FusedLayerNorm`` marks them (so ``finalize_model_grads``
+    all-reduces their gradients over the TP group); anything else goes to `original`. Also used on virtual GPUs
+    (`install_sp_norm`), where the rest of the CPU shim is not."""
+
+    def norm_new(cls: Any, config: Any, hidden_size: int, eps: float = 1e-5, *args: Any, **kwargs: Any) -> Any:
+        plain = not (config.sequence_parallel or config.persist_layer_norm)
+        if plain or config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
+            return original(cls, config, hidden_size, eps, *args, **kwargs)
+        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in norms:
+            return original(cls, config, hidden_size, eps, *args, **kwargs)
+        norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+    return norm_new
+
+
+def install_sp_norm(patches: Patches) -> None:
+    """Patch 10 alone (virtual GPUs: sequence parallelism with the local spec), undone by `patches`."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    patches.setattr(WrappedTorchNorm, "__new__", staticmethod(sp_norm_new(WrappedTorchNorm.__new__)))
+
+
 class CpuShim:
     """The set of installed patches; `install()` / `uninstall()` are exact inverses."""
 
@@ -352,21 +381,7 @@ class CpuShim:
     def _install_sp_norm(self) -> None:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        original = WrappedTorchNorm.__new__
-
-        def norm_new(cls: Any, config: Any, hidden_size: int, eps: float = 1e-5, *args: Any, **kwargs: Any) -> Any:
-            plain = not (config.sequence_parallel or config.persist_layer_norm)
-            if plain or config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
-                return original(cls, config, hidden_size, eps, *args, **kwargs)
-            norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
-            if config.normalization not in norms:
-                return original(cls, config, hidden_size, eps, *args, **kwargs)
-            norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps)
-            for param in norm.parameters():
-                param.sequence_parallel = bool(config.sequence_parallel)
-            return norm
-
-        self._set(10, WrappedTorchNorm, "__new__", staticmethod(norm_new))
+        self._set(10, WrappedTorchNorm, "__new__", staticmethod(sp_norm_new(WrappedTorchNorm.__new__)))
 
     def _exit_mode(self) -> None:
         if self._mode is not None:
