@@ -157,15 +157,16 @@ def profile_plan(plan_path: Path, out: Path, target: list[str], *, profile: str 
     return dirs
 
 
-def run_target_args(args: argparse.Namespace) -> list[str]:
-    """The program of `prism run` / `prism profile`: ``-- script.py args`` or ``-m module args``."""
+def run_target_args(args: argparse.Namespace, what: str = "run") -> list[str]:
+    """The program of `prism run` / `prism profile` / `prism kernels record`: ``-- script.py args`` or
+    ``-m module args`` (a ConfigError saying what to give when there is none; `what` names the verb)."""
     target = list(args.target)
     if target and target[0] == "--":
         target = target[1:]
     if args.module:
         target = ["-m", *args.module]
-    if not target:
-        raise ConfigError("name the program to run: `-- script.py args` or `-m module args`")
+    if not target or target == ["-m"]:
+        raise ConfigError(f"name the program to {what}: `-- script.py args` or `-m module args`")
     return target
 
 

@@ -44,14 +44,9 @@ def _positive(name: str, minimum: int) -> Any:
 
 
 def _target(args: argparse.Namespace) -> list[str]:
-    target = list(args.target)
-    if target and target[0] == "--":
-        target = target[1:]
-    if args.module:
-        target = ["-m", *args.module]
-    if not target or target == ["-m"]:
-        raise ConfigError("prism kernels record: name the program to record: `-- script.py args` or "
-                          "`-m module args`")
+    from prism_plugin.cli.graph import run_target_args
+
+    target = run_target_args(args, "record")
     if target[0] != "-m" and not Path(target[0]).is_file():
         raise ConfigError(f"prism kernels record: program {target[0]!r} is not a file; give a script path "
                           "(`-- script.py args`) or a module (`-m package.module args`)")
