@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from children import run_child
 from torch.profiler import ProfilerActivity, profile
 
 import prism_plugin as P
@@ -183,21 +182,11 @@ cuda_runtime.exit_now(code)
 
 
 @pytest.fixture(scope="module")
-def library() -> None:
-    subprocess.run([sys.executable, "-m", "prism_plugin.runtime.virtual_gpu.cuda_runtime"], check=True,
-                   capture_output=True, timeout=600)
-
-
-@pytest.fixture(scope="module")
 def kineto_run(library: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out_dir = tmp_path_factory.mktemp("kineto")
     # the timeline too: both record the clock's kernels (the Kineto trace's callback is chained after the timeline's)
     env = {**os.environ, "PRISM_KINETO": str(out_dir), "PRISM_TIMELINE": str(tmp_path_factory.mktemp("timeline"))}
-    proc = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=300, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
-    assert "error" not in result, proc.stderr[-4000:]
+    result = run_child(PROGRAM, env=env)
     return out_dir, result
 
 

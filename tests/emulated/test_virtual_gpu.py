@@ -7,13 +7,12 @@ allocator's rounding (`prism_plugin.cost.allocator_config.round_size`).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import textwrap
 
-import pytest
+from children import program, run_child
 
 from prism_plugin.cost.allocator_config import round_size
 
@@ -39,18 +38,8 @@ cuda_runtime.exit_now(code)
 """
 
 
-@pytest.fixture(scope="module")
-def library() -> None:
-    subprocess.run([sys.executable, "-m", "prism_plugin.runtime.virtual_gpu.cuda_runtime"], check=True,
-                   capture_output=True, timeout=600)
-
-
 def run(body: str) -> dict:
-    program = PRELUDE + textwrap.indent(textwrap.dedent(body), "    ") + EPILOGUE
-    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_child(program(PRELUDE, body, EPILOGUE), allow_error=True)
 
 
 def test_a_training_step_runs_on_fake_cuda_with_exact_allocated_bytes(library: None) -> None:

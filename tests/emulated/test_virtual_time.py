@@ -9,12 +9,8 @@ cost model's change with N) is what is tested, not a kernel model.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-
 import pytest
+from children import program, run_child
 
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost import CostModel, load_profile
@@ -52,20 +48,8 @@ cuda_runtime.exit_now(code)
 """
 
 
-@pytest.fixture(scope="module")
-def library() -> None:
-    subprocess.run([sys.executable, "-m", "prism_plugin.runtime.virtual_gpu.cuda_runtime"], check=True,
-                   capture_output=True, timeout=600)
-
-
 def run(body: str) -> dict:
-    program = PRELUDE + textwrap.indent(textwrap.dedent(body), "    ") + EPILOGUE
-    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
-    assert "error" not in result, proc.stderr[-4000:]
-    return result
+    return run_child(program(PRELUDE, body, EPILOGUE))
 
 
 def ps(times: list[float]) -> list[float]:
