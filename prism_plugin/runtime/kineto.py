@@ -40,6 +40,7 @@ from typing import Any
 
 from prism_plugin.comm.context import OpEvent, OpWork
 from prism_plugin.runtime.profiler import C10D_OPS, comm_args, nccl_kernel_name
+from prism_plugin.runtime.timeline import trace_meta
 
 __all__ = ["COMM_STREAM_BASE", "DEFAULT_STREAM", "KinetoTrace"]
 
@@ -51,11 +52,6 @@ _ROW = re.compile(r"cuda:(\d+) stream (\d+)")
 _CORRELATION_BASE = 1 << 24
 """Correlation / external ids start above it (real traces' are large too; HTA 0.5 with pandas >= 3 fails on
 ids small enough that its index column is stored as int8)."""
-
-
-def _meta(event: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
-    """A metadata event (a process's or thread's name or label)."""
-    return {"ph": "M", "ts": 0, "name": event, "pid": pid, "tid": tid, "args": args}
 
 
 def _op_name(name: str) -> str:
@@ -197,12 +193,13 @@ class KinetoTrace:
                 continue
             events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{iteration}", "pid": pid,
                            "tid": tid, "ts": start, "dur": round(stop - start, 3), "args": {}})
-        meta = [_meta("process_name", pid, 0, name="python"), _meta("process_labels", pid, 0, labels="CPU"),
-                _meta("thread_name", pid, tid, name="thread (emulated host)")]
+        meta = [trace_meta("process_name", pid, 0, name="python"), trace_meta("process_labels", pid, 0, labels="CPU"),
+                trace_meta("thread_name", pid, tid, name="thread (emulated host)")]
         for d in sorted({d for d, _ in streams} | ({0} if self.ops else set())):
-            meta += [_meta("process_name", d, 0, name="python"), _meta("process_labels", d, 0, labels=f"GPU {d}")]
-        meta += [_meta("thread_name", d, s, name=f"stream {s}") for d, s in sorted(streams)]
-        meta += [_meta("thread_name", 0, s, name=f"stream {s} (communication, group {group})")
+            meta += [trace_meta("process_name", d, 0, name="python"),
+                     trace_meta("process_labels", d, 0, labels=f"GPU {d}")]
+        meta += [trace_meta("thread_name", d, s, name=f"stream {s}") for d, s in sorted(streams)]
+        meta += [trace_meta("thread_name", 0, s, name=f"stream {s} (communication, group {group})")
                  for group, s in self.comm_streams.items()]
         return {
             "distributedInfo": {"backend": self.backend, "rank": self.rank, "world_size": self.world_size},

@@ -50,7 +50,7 @@ from typing import Any
 from prism_plugin.comm.context import OpClock, OpEvent, OpGroup, OpWork, WaitTrace
 from prism_plugin.config.kinds import OpKind
 
-__all__ = ["MAX_PEERS", "MAX_PEER_INSTANTS", "MAX_RECORDS", "Timeline", "chrome_trace_problems"]
+__all__ = ["MAX_PEERS", "MAX_PEER_INSTANTS", "MAX_RECORDS", "Timeline", "chrome_trace_problems", "trace_meta"]
 
 MAX_PEERS = 16
 """Virtual peers drawn, one row each (the smallest groups' first)."""
@@ -367,25 +367,16 @@ class Timeline:
                                         "arrival": "latest member (replay/fault)" if late else "symmetric"}})
         self.dropped_peer_instants = dropped_instants
         # metadata: process and row names, in this order
-        meta: list[dict[str, Any]] = [
-            {"ph": "M", "name": "process_name", "ts": 0, "pid": pid, "tid": 0,
-             "args": {"name": f"rank {self.rank} (real)"}},
-            {"ph": "M", "name": "process_sort_index", "ts": 0, "pid": pid, "tid": 0, "args": {"sort_index": 0}},
-        ]
+        meta = [trace_meta("process_name", pid, 0, name=f"rank {self.rank} (real)"),
+                trace_meta("process_sort_index", pid, 0, sort_index=0)]
         for row, t in tids.items():
-            meta.append({"ph": "M", "name": "thread_name", "ts": 0, "pid": pid, "tid": t, "args": {"name": row}})
-            meta.append({"ph": "M", "name": "thread_sort_index", "ts": 0, "pid": pid, "tid": t,
-                         "args": {"sort_index": t}})
+            meta += [trace_meta("thread_name", pid, t, name=row), trace_meta("thread_sort_index", pid, t, sort_index=t)]
         if peers:
-            meta.append({"ph": "M", "name": "process_name", "ts": 0, "pid": vpid, "tid": 0,
-                         "args": {"name": f"rank {self.rank}: virtual participants"}})
-            meta.append({"ph": "M", "name": "process_sort_index", "ts": 0, "pid": vpid, "tid": 0,
-                         "args": {"sort_index": 1}})
+            meta += [trace_meta("process_name", vpid, 0, name=f"rank {self.rank}: virtual participants"),
+                     trace_meta("process_sort_index", vpid, 0, sort_index=1)]
             for i, p in enumerate(peers):
-                meta.append({"ph": "M", "name": "thread_name", "ts": 0, "pid": vpid, "tid": p,
-                             "args": {"name": f"rank {p} (virtual)"}})
-                meta.append({"ph": "M", "name": "thread_sort_index", "ts": 0, "pid": vpid, "tid": p,
-                             "args": {"sort_index": i}})
+                meta += [trace_meta("thread_name", vpid, p, name=f"rank {p} (virtual)"),
+                         trace_meta("thread_sort_index", vpid, p, sort_index=i)]
         arrivals = ("symmetric: virtual participants arrive with this rank" if not moved else
                     f"moved: {moved} of {len(ops)} ops arrived after this rank issued them (an execution graph's "
                     "replay or a live fault delayed the latest member); the others symmetric")
@@ -423,6 +414,11 @@ class Timeline:
                 "time_name": self.time_name, "iterations": sum(1 for it in its if it.index > 0),
                 "ops": sum(len(it.ops) for it in its), "spans": sum(len(it.spans) for it in its),
                 "write_s": round(self.write_s, 4)}
+
+
+def trace_meta(event: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
+    """A Chrome-trace metadata event: a process's or thread's name, label or sort index."""
+    return {"ph": "M", "ts": 0, "name": event, "pid": pid, "tid": tid, "args": args}
 
 
 def _listed(ranks: Any) -> list[int] | dict[str, Any]:
