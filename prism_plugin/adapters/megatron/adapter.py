@@ -108,6 +108,8 @@ class MegatronAdapter:
         self._patches = Patches()
         self._p2p_fills = [0]
         self._tp_fills = [0]
+        self.moe_routing: Any = None
+        """Virtual GPUs: the MoE routing policy (`moe.RoutingPolicy`) answering the dispatcher's token counts."""
         self.switched_off: list[str] = []
         """The flags of the CPU-mode switch-offs applied (`refusals.cpu_switch_offs`), in order."""
 
@@ -130,6 +132,13 @@ class MegatronAdapter:
                 from prism_plugin.adapters.megatron.cpu_shim import install_sp_norm
 
                 install_sp_norm(self._patches)
+                from prism_plugin.adapters.megatron import attention  # --prism-attention flash: fused attention
+
+                if attention.attention_mode() is attention.AttentionMode.FLASH:
+                    self.attention = attention.install(self._patches, virtual_gpu=True)
+                from prism_plugin.adapters.megatron import moe  # MoE token counts from the routing policy
+
+                self.moe_routing = moe.install(self._patches)
             if self.cpu_mode or self.virtual_gpu:
                 self._hook_parse_args()
             self._hook_schedules()
@@ -242,6 +251,8 @@ class MegatronAdapter:
             "p2p_virtual_receives_filled": self._p2p_fills[0],
             "tp_batches_filled": self._tp_fills[0],
             "switched_off": list(self.switched_off),
+            **({"attention": self.attention.summary()} if getattr(self, "attention", None) is not None else {}),
+            **({"moe_routing": self.moe_routing.summary()} if self.moe_routing is not None else {}),
             **_job_figures(),
         }
 

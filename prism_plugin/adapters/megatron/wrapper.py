@@ -5,7 +5,8 @@
         [--prism-output DIR] [--prism-gpus-per-node G] [--prism-data-policy mirror|recorded|zeros] \\
         [--prism-record DIR] [--prism-replay DIR] [--prism-trace DIR] [--prism-trace-iterations K] \
         [--prism-iteration-marker auto|explicit|optimizer-step] [--prism-no-timing] \
-        [--prism-fault SPEC ...] [--prism-timeout S] [--prism-device real|virtual-gpu] [--prism-gpu MODEL]
+        [--prism-fault SPEC ...] [--prism-timeout S] [--prism-device real|virtual-gpu] [--prism-gpu MODEL] \\
+        [--prism-moe-routing balanced|skew:SEED[,ALPHA]] [--prism-attention local|flash]
 
 (or ``prism megatron ...``; without torchrun, K > 1 real ranks are launched as K local processes by the
 shared watch loop of `prism_plugin.runtime.lifecycle`, as ``prism run`` does.)
@@ -38,6 +39,10 @@ device library, what is refused and switched off).
 (straggler, link, jitter, hang, crash) or kills a real rank. The collective timeout is the job's own:
 Megatron's ``--distributed-timeout-minutes`` (default 10), unless ``--prism-timeout S`` overrides it, so a
 hung virtual peer surfaces after the time Megatron would wait at scale.
+
+``--prism-attention flash`` (virtual GPUs; travels to the processes as ``PRISM_ATTENTION``, which ``prism emulate``'s
+runs inherit) computes the local spec's core attention with fused flash attention, context parallelism included
+(`attention`); ``local`` (the default) runs the program's own kernels.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ __all__ = ["PrismFlags", "split_prism_flags", "main"]
 
 _VALUE_FLAGS = ("world-size", "real-ranks", "profile", "graph", "output", "gpus-per-node", "data-policy",
                 "record", "replay", "trace", "trace-iterations", "iteration-marker", "fault", "timeout",
-                "device", "gpu")
+                "device", "gpu", "moe-routing", "attention")
 _REPEATABLE = ("fault",)  # given several times: joined with ";"
 _MEGATRON_TIMEOUT_MIN = 10.0  # megatron.training.arguments: --distributed-timeout-minutes default
 _BOOL_FLAGS = ("no-timing",)
@@ -168,10 +173,12 @@ def split_prism_flags(argv: list[str]) -> tuple[list[str], PrismFlags]:
 
 def _check_job(config: EmulationConfig, script_args: list[str], cpu_mode: bool) -> Any:
     """Megatron's view of the job's arguments, checked against N and the refusals (no process group yet)."""
+    from prism_plugin.adapters.megatron.attention import attention_mode, check_job
     from prism_plugin.adapters.megatron.refusals import check_args, parse_megatron_argv
 
     ns = parse_megatron_argv(script_args)
     check_args(ns, cpu_mode=cpu_mode, virtual_gpu=config.device is DeviceMode.VIRTUAL_GPU)
+    check_job(ns, attention_mode(), virtual_gpu=config.device is DeviceMode.VIRTUAL_GPU)
     _check_layout(config, ns)
     return ns
 
@@ -328,6 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         script_argv, flags = split_prism_flags(argv)
+        if "moe-routing" in flags.values:  # virtual GPUs' MoE token counts (`moe`), for every process it starts
+            from prism_plugin.adapters.megatron.moe import ENV, parse_routing
+
+            os.environ[ENV] = parse_routing(flags.values["moe-routing"]).name
+        if "attention" in flags.values:  # likewise the attention stand-in's mode (`attention`)
+            from prism_plugin.adapters.megatron import attention
+
+            os.environ[attention.ENV] = attention.attention_mode(flags.values["attention"]).value
         config = flags.to_config()
         if config.device is DeviceMode.VIRTUAL_GPU:  # the Megatron process starts fresh with the device library
             from prism_plugin.adapters.megatron import virtual

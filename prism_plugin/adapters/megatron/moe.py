@@ -1,0 +1,246 @@
+"""MoE routing on virtual GPUs: the token counts per expert come from a stated routing policy (DESIGN §10).
+
+Under fake tensors the router's top-k has no values, so how many tokens each expert receives (what the all-to-all
+dispatcher reads on the host with ``.tolist()`` / ``.cpu()`` / ``.numpy()``: its ``input_splits``,
+``output_splits``, ``output_splits_tp``, ``num_global_tokens_per_local_expert`` and the ``tokens_per_expert``
+that shape the expert GEMMs) is data-dependent. The seam is ``MoEAlltoAllTokenDispatcher.preprocess``: it still
+issues what a real rank issues on the GPU (the routing map's column sums and their all-gather over the TP x EP
+group: the same collective, the same bytes), but the counts themselves, this rank's and every peer's in that group,
+are computed on the host from the policy. They are real host values, so every later read (Megatron's own D2H copies
+and syncs stay) is answered, the all-to-all splits, the received bytes and the expert GEMM shapes are those a real
+rank would see, and the routing map's own (unknown) values are never read.
+
+Policies (``--prism-moe-routing``, reaching each process as ``PRISM_MOE_ROUTING``):
+
+- ``balanced`` (default; published MoE benchmarks force-balance too, cf. Megatron's
+  ``--moe-router-force-load-balancing``): each source rank's T tokens x top-k assignments are split evenly,
+  ``T*k // E`` per expert; the remainder ``R = T*k % E`` goes one each to experts ``(s*R + i) mod E``, i < R, for
+  source s (its index in the TP x EP group), so that over the group it spreads evenly too;
+- ``skew:SEED[,ALPHA]`` (a what-if): per MoE layer (the dispatcher, numbered in the order of first use), a seeded
+  permutation ranks the experts and expert of rank j gets a share proportional to ``(j+1)**-ALPHA`` (Zipf;
+  ALPHA defaults to 1.0, 0 is balanced), at most T (a token picks an expert once), largest remainder rounding;
+  every source routes the same skewed counts (a global hot-expert pattern). Deterministic: the same seed gives the
+  same counts in every run, for a recomputed forward too.
+
+Every source is assumed to hold as many tokens as this rank (the same micro-batch and sequence shard).
+Megatron's ``--moe-router-force-load-balancing`` alone does not suffice on virtual GPUs: it replaces the logits by
+random normals, which fake tensors do not hold either, so the dispatcher's reads would still have no answer.
+
+Refused at the seam (`NoValueError`, naming the read and the call site): ``--moe-expert-capacity-factor`` without
+``--moe-pad-expert-input-to-capacity`` and ``--moe-router-padding-for-quantization`` (the dropped or padded
+counts depend on the routing values). With padding to capacity Megatron's own path runs (its counts are the
+capacity, no value read). The allgather and flex dispatchers are not covered: their reads raise as any unanswered
+read does (`values.ValuePolicy.read`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from prism_plugin.config.errors import ConfigError
+
+__all__ = ["ENV", "RoutingPolicy", "parse_routing", "install"]
+
+ENV = "PRISM_MOE_ROUTING"
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoutingSpec:
+    """A parsed ``--prism-moe-routing`` value."""
+
+    kind: str
+    """``balanced`` or ``skew``."""
+    seed: int = 0
+    alpha: float = 1.0
+
+    @property
+    def name(self) -> str:
+        return "balanced" if self.kind == "balanced" else f"skew:{self.seed},{self.alpha:g}"
+
+
+def parse_routing(text: str | None) -> RoutingSpec:
+    """``balanced`` (also None / empty) or ``skew:SEED[,ALPHA]``; a `ConfigError` naming the flag otherwise."""
+    if text is None or text.strip() in ("", "balanced"):
+        return RoutingSpec(kind="balanced")
+    kind, _, rest = text.strip().partition(":")
+    if kind == "skew" and rest:
+        seed_text, _, alpha_text = rest.partition(",")
+        try:
+            seed = int(seed_text)
+            alpha = float(alpha_text) if alpha_text else 1.0
+        except ValueError:
+            seed, alpha = -1, -1.0
+        if seed >= 0 and alpha >= 0.0:
+            return RoutingSpec(kind="skew", seed=seed, alpha=alpha)
+    raise ConfigError(f"--prism-moe-routing {text!r}: expected 'balanced' or 'skew:SEED[,ALPHA]' (SEED an integer "
+                      ">= 0, ALPHA a number >= 0, default 1.0), e.g. --prism-moe-routing skew:7,1.2")
+
+
+def balanced_counts(tokens: int, topk: int, num_experts: int, source: int) -> list[int]:
+    """Source `source`'s tokens per expert under the balanced policy (see the module docstring)."""
+    base, rest = divmod(tokens * topk, num_experts)
+    counts = [base] * num_experts
+    for i in range(rest):
+        counts[(source * rest + i) % num_experts] += 1
+    return counts
+
+
+def skewed_counts(tokens: int, topk: int, num_experts: int, seed: int, alpha: float, layer: int) -> list[int]:
+    """Tokens per expert of every source under ``skew:seed,alpha`` for the `layer`-th MoE layer."""
+    order = list(range(num_experts))
+    random.Random(f"prism-moe-skew:{seed}:{layer}").shuffle(order)  # order[j]: the expert of popularity rank j
+    weight = [0.0] * num_experts
+    for j, expert in enumerate(order):
+        weight[expert] = (j + 1) ** -alpha
+    total, counts = tokens * topk, [0] * num_experts
+    free = set(range(num_experts))
+    while True:  # water-filling: an expert gets at most `tokens` (one per token); the overflow goes to the rest
+        left = total - sum(counts[e] for e in range(num_experts) if e not in free)
+        mass = sum(weight[e] for e in free)
+        share = {e: left * weight[e] / mass for e in free}
+        full = {e for e in free if share[e] >= tokens}
+        if not full:
+            break
+        for e in full:
+            counts[e] = tokens
+        free -= full
+    floors = {e: int(share[e]) for e in free}
+    rest = left - sum(floors.values())
+    for e in sorted(free, key=lambda e: (floors[e] - share[e], e))[:rest]:  # largest remainder first
+        floors[e] += 1
+    for e in free:
+        counts[e] = floors[e]
+    return counts
+
+
+def _call_site() -> str:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
+        frame = frame.f_back
+    return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+class RoutingPolicy:
+    """Answers the all-to-all dispatcher's token counts (`preprocess`) and counts every answer by call site."""
+
+    def __init__(self, spec: RoutingSpec) -> None:
+        self.spec = spec
+        self.calls: Counter[str] = Counter()
+        self._layers: dict[int, int] = {}  # id(dispatcher) -> its MoE layer index (order of first use)
+        self.tokens_sent = 0
+        self.tokens_received = 0
+        self.last: dict[str, Any] = {}
+        """The last answer: the counts and splits of one call (what the tests and the summary show)."""
+        self.by_layer: dict[int, dict[str, Any]] = {}
+
+    def source_counts(self, tokens: int, topk: int, num_experts: int, source: int, layer: int) -> list[int]:
+        """Tokens per expert that source `source` (its TP x EP group index) routes in MoE layer `layer`."""
+        if self.spec.kind == "skew":
+            return skewed_counts(tokens, topk, num_experts, self.spec.seed, self.spec.alpha, layer)
+        return balanced_counts(tokens, topk, num_experts, source)
+
+    def preprocess(self, dispatcher: Any, routing_map: Any) -> Any:
+        """`MoEAlltoAllTokenDispatcher.preprocess` with the counts from the policy (dropless routing)."""
+        import torch
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        config = dispatcher.config
+        site = _call_site()
+        for flag, on in (("--moe-expert-capacity-factor (without --moe-pad-expert-input-to-capacity)",
+                          config.moe_expert_capacity_factor is not None),
+                         ("--moe-router-padding-for-quantization", config.moe_router_padding_for_quantization)):
+            if on:
+                from prism_plugin.runtime.virtual_gpu.values import NoValueError
+
+                raise NoValueError(
+                    f"prism virtual GPU: {site} (MoEAlltoAllTokenDispatcher.preprocess) reads the number of tokens "
+                    f"kept per expert under {flag}, which depends on the routing values; the MoE routing policy "
+                    f"({self.spec.name}) answers dropless routing only: drop the flag on virtual GPUs")
+        tokens, experts, topk = int(routing_map.size(0)), dispatcher.num_experts, config.moe_router_topk
+        ep, tp, local = dispatcher.ep_size, dispatcher.tp_size, dispatcher.num_local_experts
+        layer = self._layers.setdefault(id(dispatcher), len(self._layers))
+        me = dispatcher.ep_rank * tp + dispatcher.tp_rank  # as Megatron's gather orders the group: EP-major
+        # what a real rank computes and sends on the GPU: the column sums and their gather over TP x EP
+        local_on_device = routing_map.sum(dim=0).long()
+        dispatcher.num_out_tokens = tokens * topk
+        if ep * tp > 1:
+            gather_from_sequence_parallel_region(local_on_device, group=dispatcher.tp_ep_group)
+        # the values, on the host: [ep, tp, experts], source (e, t) at group index e * tp + t
+        counts = torch.tensor([self.source_counts(tokens, topk, experts, s, layer) for s in range(ep * tp)],
+                              dtype=torch.long, device="cpu").reshape(ep, tp, experts)
+        first = dispatcher.local_expert_indices[0]
+        mine = counts[:, :, first:first + local].transpose(0, 1).contiguous()  # [tp, ep, local]
+        per_rank = mine.sum(dim=2)  # [tp, ep]: tokens for my local experts from each source
+        own = counts.reshape(ep * tp, experts)[me]
+        input_splits = own.reshape(ep, local).sum(dim=1)
+        if ep > 1 or tp > 1:
+            dispatcher.input_splits = input_splits.numpy()  # what Megatron's D2H copies make of them (as_numpy)
+            dispatcher.output_splits = per_rank[dispatcher.tp_rank].numpy()
+            dispatcher.output_splits_tp = per_rank.sum(dim=1).numpy()
+            per_local_expert = mine.sum(dim=(0, 1))
+            global_per_local = mine
+        else:
+            per_local_expert = own
+            global_per_local = own.reshape(experts)
+        if local > 1:
+            dispatcher.num_global_tokens_per_local_expert = global_per_local.reshape(-1, local)
+        sent, received = int(input_splits.sum()), int(mine.sum())
+        self.calls[site] += 1
+        self.tokens_sent += sent
+        self.tokens_received += received
+        self.last = {"tokens": tokens, "source": me, "counts": own.tolist(), "input_splits": input_splits.tolist(),
+                     "output_splits": per_rank[dispatcher.tp_rank].tolist(),
+                     "output_splits_tp": per_rank.sum(dim=1).tolist(), "tokens_per_local_expert":
+                     per_local_expert.tolist()}
+        self.by_layer.setdefault(layer, {"calls": 0, **self.last})["calls"] += 1
+        return per_local_expert
+
+    def summary(self) -> dict[str, Any]:
+        """The policy, its answers per call site, the tokens sent / received, and each MoE layer's counts."""
+        return {"policy": self.spec.name, "answers": sum(self.calls.values()),
+                "by_site": [{"site": site, "count": n} for site, n in sorted(self.calls.items())],
+                "tokens_sent": self.tokens_sent, "tokens_received": self.tokens_received,
+                "layers": [self.by_layer[k] for k in sorted(self.by_layer)]}
+
+
+def install(patches: Any, text: str | None = None) -> RoutingPolicy:
+    """Replace the all-to-all dispatcher's count computation by the policy's (`text`: the policy, else
+    ``PRISM_MOE_ROUTING``, else balanced); undone when `patches` closes."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    policy = RoutingPolicy(parse_routing(os.environ.get(ENV) if text is None else text))
+    original = MoEAlltoAllTokenDispatcher.preprocess
+
+    def preprocess(self: Any, routing_map: Any) -> Any:
+        if self.drop_and_pad:  # counts are the capacity: Megatron's own path reads no value
+            return original(self, routing_map)
+        return policy.preprocess(self, routing_map)
+
+    patches.setattr(MoEAlltoAllTokenDispatcher, "preprocess", preprocess)
+    _loss_scale_on_device(patches)
+    return policy
+
+
+def _loss_scale_on_device(patches: Any) -> None:
+    """Megatron's MoE loss scale (``schedules._normalize_loss_scale``) calls ``torch.as_tensor(t, device=d)`` on a
+    tensor already on `d`; the virtual GPU's device calls (`runtime.virtual_gpu.device`) assert on that no-op move
+    (its ``torch.as_tensor`` path expects host data). Here the no-op is skipped, as ``as_tensor`` itself would."""
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import torch
+
+    original = schedules._normalize_loss_scale
+
+    def normalize(loss_scale: Any, device: Any, scale_func_name: str) -> Any:
+        if isinstance(loss_scale, torch.Tensor) and loss_scale.device == torch.device(device):
+            if loss_scale.numel() != 1:
+                return original(loss_scale, device, scale_func_name)  # Megatron's own error
+            return loss_scale
+        return original(loss_scale, device, scale_func_name)
+
+    patches.setattr(schedules, "_normalize_loss_scale", normalize)
