@@ -73,7 +73,11 @@ def test_a_cuda_data_parallel_script_runs_as_rank_5_of_8192_on_a_virtual_h100(tm
     assert len(vgpu["devices"]) == 8 and device0["allocated_bytes"] == 0  # all freed when the script ended
     # the peak holds at least the parameters, their gradients, both moments and the gathered tensor
     assert device0["peak_allocated_bytes"] >= 4 * params + round_size(4096 * 4096 * 2)
-    assert device0["device_total_bytes"] == device0["peak_reserved_bytes"] + vgpu["context_bytes"]
+    # the device total: peak reserved + 2 cuBLAS workspaces of 32 MiB (sm90) + the NCCL buffers of the one group
+    # used (the world: 1,024 nodes, ring + tree: 16 channels x 4 connections x 9,633,792 B) + the context
+    assert summary["communicator_memory"]["modelled_bytes"] == 16 * 4 * 9_633_792 == 616_562_688
+    assert device0["device_total_bytes"] == (device0["peak_reserved_bytes"] + 2 * 32 * 2**20 + 616_562_688
+                                             + vgpu["context_bytes"])
     # value reads answered by the policy, per line of the script: loss.item() (line 17) only; AdamW's step
     # counters live on the host, which runs for real (only the GPU is virtual): their reads are real values
     reads = {(s["site"].split(":")[1], s["value"], s["count"]) for s in vgpu["values"]["by_site"]}

@@ -11,11 +11,13 @@ Pure: no torch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from prism_plugin.config.errors import ConfigError, positive_int
 
-__all__ = ["GPUS", "PEAK_DTYPES", "GpuSpec", "cublas_workspace_bytes", "gpu_spec"]
+__all__ = ["DEFAULT_CUBLAS_WORKSPACES", "GPUS", "PEAK_DTYPES", "DeviceTotal", "GpuSpec", "cublas_workspace_bytes",
+           "gpu_spec"]
 
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
 
@@ -23,16 +25,61 @@ PEAK_DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8")
 """Keys of `GpuSpec.peak_flops_per_s`: float32 is the CUDA-core (non-tensor) rate, the others tensor-core rates."""
 
 
-def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
-    """torch's default cuBLAS workspace per handle (``CUBLAS_WORKSPACE_CONFIG`` unset, CublasHandlePool.cpp):
-    ``:4096:8`` (8 x 4096 KiB = 32 MiB) on sm90 and newer, ``:4096:2:16:8`` (2 x 4096 + 8 x 16 KiB) before.
+def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = None) -> int:
+    """torch's cuBLAS workspace per (handle, stream) (``parseChosenWorkspaceSize`` in CublasHandlePool.cpp):
+    ``config`` is ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE:COUNT`` pairs, SIZE in KiB, summed); unset (None), the
+    default is ``:4096:8`` (8 x 4096 KiB = 32 MiB) on sm90 exactly (major 9, minor 0: H100/H200; torch tests
+    ``major == 9 && minor == 0``, so sm100 gets the older default) and ``:4096:2:16:8`` (2 x 4096 + 8 x 16 KiB)
+    otherwise; a config with no ``:SIZE:COUNT`` pair falls back to the default, as torch does (with a warning).
 
-    >>> cublas_workspace_bytes((9, 0)) // MiB, cublas_workspace_bytes((8, 0))
-    (32, 8519680)
+    >>> cublas_workspace_bytes((9, 0)) // MiB, cublas_workspace_bytes((8, 0)), cublas_workspace_bytes((10, 0))
+    (32, 8519680, 8519680)
+    >>> cublas_workspace_bytes((9, 0), ":4096:2:16:8") == cublas_workspace_bytes((8, 0))
+    True
     """
-    if capability >= (9, 0):
-        return 8 * 4096 * KiB
-    return (2 * 4096 + 8 * 16) * KiB
+    default = 4096 * 8 * KiB if tuple(capability) == (9, 0) else (4096 * 2 + 16 * 8) * KiB
+    if config is None:
+        return default
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+    if not pairs:
+        return default
+    return sum(int(size) * KiB * int(count) for size, count in pairs)
+
+
+DEFAULT_CUBLAS_WORKSPACES = 2
+"""cuBLAS workspaces a training process holds per GPU: a policy default. torch keeps one per (cuBLAS handle,
+stream) that ran a GEMM (``setWorkspaceForHandle``), allocated through the caching allocator and never freed;
+handles are per thread, so a training step has two: the forward's, on the program's thread, and the backward's,
+on the autograd engine's worker thread of that device, both on the current stream (Megatron's and DeepSpeed's
+side streams carry collectives and copies, no GEMMs). cuBLASLt's own workspace (``CUBLASLT_WORKSPACE_SIZE``,
+1 MiB per handle and stream, only on the fused bias-GEMM path) is not counted."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceTotal:
+    """What a job needs of one GPU, itemised: the allocator's peak reserved bytes, the cuBLAS workspaces, the NCCL
+    communicator buffers and the CUDA context. The workspaces are requested at the first GEMM of each handle and
+    stream, 32 MiB each on sm90 (a request the allocator rounds to itself and serves from a segment of its own: it
+    adds exactly its bytes to the reserved peak); NCCL buffers and the context are outside the allocator."""
+
+    peak_reserved_bytes: int
+    cublas_workspaces: int
+    cublas_workspace_bytes: int
+    """Per workspace (`cublas_workspace_bytes`)."""
+    nccl_buffer_bytes: int
+    """`prism_plugin.cost.comm_memory.NcclBufferModel` over the groups the rank used."""
+    context_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.peak_reserved_bytes + self.cublas_workspaces * self.cublas_workspace_bytes
+                + self.nccl_buffer_bytes + self.context_bytes)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"peak_reserved_bytes": self.peak_reserved_bytes, "cublas_workspaces": self.cublas_workspaces,
+                "cublas_workspace_bytes": self.cublas_workspaces * self.cublas_workspace_bytes,
+                "nccl_buffer_bytes": self.nccl_buffer_bytes, "context_bytes": self.context_bytes,
+                "total_bytes": self.total_bytes}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,7 +122,10 @@ class GpuSpec:
 
     @property
     def cublas_workspace_bytes(self) -> int:
-        return cublas_workspace_bytes(self.capability)
+        """One cuBLAS workspace on this GPU under this process's ``CUBLAS_WORKSPACE_CONFIG`` (torch's default unset)."""
+        import os
+
+        return cublas_workspace_bytes(self.capability, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
 
 
 # NVIDIA H100 Tensor Core GPU datasheet, SXM column (dense = half the "with sparsity" figures): FP64 Tensor

@@ -120,7 +120,7 @@ def _run_on_virtual_gpu(run: EmulatedRun, args: list[str]) -> None:
     from prism_plugin.runtime.virtual_gpu.session import start_virtual_gpu
 
     vgpu = start_virtual_gpu(run.config, run.process_index)
-    run.add_summary(lambda: {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary()})
+    run.add_summary(lambda: {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary(run.session)})
     code: int = 0
     try:
         with run.recording():

@@ -81,7 +81,8 @@ def test_a_training_step_runs_on_fake_cuda_with_exact_allocated_bytes(library: N
     assert out["losses"] == [1.0, 1.0] and out["finite"] is True  # the value policy's finite answers
     device0 = out["summary"]["devices"][0]
     assert device0["peak_allocated_bytes"] == out["peak"]
-    assert device0["device_total_bytes"] == device0["peak_reserved_bytes"] + 512 * MiB
+    # + 2 cuBLAS workspaces of 32 MiB (sm90: forward and autograd threads) + the context; no session: no NCCL
+    assert device0["device_total_bytes"] == device0["peak_reserved_bytes"] + 2 * 32 * MiB + 512 * MiB
     assert device0["fits"] is True and out["summary"]["devices"][1]["peak_allocated_bytes"] == 0
     sites = {(s["value"], s["count"]) for s in out["summary"]["values"]["by_site"]}
     assert ("1.0", 2) in sites and ("True", 1) in sites  # loss.item() twice, the isfinite check once

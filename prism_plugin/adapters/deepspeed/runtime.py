@@ -238,7 +238,7 @@ def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, st
     if vgpu is not None:
         from prism_plugin.adapters.deepspeed.virtual_gpu import summary_part
 
-        emulation.run.add_summary(lambda: summary_part(vgpu))
+        emulation.run.add_summary(lambda: summary_part(vgpu, emulation.run.session))
     try:
         emulation.install(int(os.environ.get("LOCAL_WORLD_SIZE", world.num_real)))
     except BaseException:

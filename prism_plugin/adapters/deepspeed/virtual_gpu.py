@@ -252,8 +252,8 @@ def _answer_rank0_lists(patches: Any, policy: Any, read: Any) -> None:
     patches.setattr(zero_utils, "get_lst_from_rank0", answering(zero_utils.get_lst_from_rank0, list))
 
 
-def summary_part(vgpu: Any) -> dict[str, Any]:
-    return {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary()}
+def summary_part(vgpu: Any, session: Any = None) -> dict[str, Any]:
+    return {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary(session)}
 
 
 def main(args: list[str]) -> None:

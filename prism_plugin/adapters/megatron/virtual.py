@@ -68,7 +68,7 @@ def run_script(config: EmulationConfig, script_argv: list[str], process_index: i
     code: int = 0
     try:
         emulated = start_run(config, process_index, k, cpu_mode=False, cuda_peak=False, virtual_gpu=True)
-        emulated.add_summary(lambda: _device_summary(vgpu))
+        emulated.add_summary(lambda: _device_summary(vgpu, emulated.session))
         with emulated:
             sys.argv = list(script_argv)
             sys.path.insert(0, os.path.dirname(os.path.abspath(script_argv[0])))
@@ -82,5 +82,5 @@ def run_script(config: EmulationConfig, script_argv: list[str], process_index: i
     cuda_runtime.exit_now(code)
 
 
-def _device_summary(vgpu: Any) -> dict[str, Any]:
-    return {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary()}
+def _device_summary(vgpu: Any, session: Any = None) -> dict[str, Any]:
+    return {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary(session)}

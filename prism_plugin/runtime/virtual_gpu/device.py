@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from prism_plugin.cost.allocator import Block, CachingAllocatorModel, DeviceOutOfMemory
 from prism_plugin.cost.allocator_config import AllocatorConfig
-from prism_plugin.cost.gpu import GpuSpec
+from prism_plugin.cost.gpu import DEFAULT_CUBLAS_WORKSPACES, DeviceTotal, GpuSpec
 from prism_plugin.runtime.memory import StorageTracker
 from prism_plugin.runtime.virtual_gpu import cuda_runtime, snapshot
 from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
@@ -65,6 +65,8 @@ class _DeviceCalls(TorchFunctionMode):
         if isinstance(device, int) and not isinstance(device, bool):
             kwargs = {**kwargs, "device": torch.device("cuda", device)}
             device = kwargs["device"]
+        if func in _FROM_DATA and kwargs.get("pin_memory"):  # pinned host memory needs the CUDA library: the same
+            kwargs = {**kwargs, "pin_memory": False}  # host tensor unpinned (Megatron's RoPE CP index, .cuda()'d next)
         if func in _FROM_DATA and args and _holds_cuda_fakes(args[0]):
             # torch.tensor([gpu scalars]) reads each element's value in C++, below every mode (Megatron's
             # local_multi_tensor_l2_norm): the same tensor from the elements, made on the host, values unknown
@@ -393,29 +395,60 @@ class VirtualGpu:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, session: Any = None) -> dict[str, Any]:
         """Per device: allocated / reserved (current, peak), fragmentation at the peak, the device total the job
-        needs (peak reserved + CUDA context), OOMs; and the value policy's answers."""
+        needs (`device_total`), whether it fits, OOMs; and the value policy's answers.
+
+        `session`: the emulation session whose groups this rank used (its ``communicator_memory()``, the modelled
+        NCCL buffers); None: the active session, if any (none: no communicator, 0 B)."""
         devices = []
+        own = self.shim.current
+        nccl = _nccl_buffer_bytes(session)
         for model in self.allocators:
             peak_reserved = model.stat("reserved_bytes", "all", "peak")
+            total = self.device_total(peak_reserved, nccl if model.device == own else 0,
+                                      own=model.device == own)
             devices.append({
                 "device": model.device, "allocated_bytes": model.stat("allocated_bytes"),
                 "peak_allocated_bytes": model.stat("allocated_bytes", "all", "peak"),
                 "peak_requested_bytes": model.stat("requested_bytes", "all", "peak"),
                 "reserved_bytes": model.stat("reserved_bytes"), "peak_reserved_bytes": peak_reserved,
                 "fragmentation_at_peak": round(model.peak_fragmentation, 6),
-                "device_total_bytes": peak_reserved + self.gpu.context_bytes,
-                "fits": peak_reserved + self.gpu.context_bytes <= self.gpu.total_memory_bytes and not model.ooms,
+                "device_total_bytes": total.total_bytes, "device_total": total.as_dict(),
+                "fits": total.total_bytes <= self.gpu.total_memory_bytes and not model.ooms,
                 "ooms": list(model.ooms),
             })
         return {"device_mode": "virtual-gpu", "gpu": self.gpu.name,
                 "gpu_memory_bytes": self.gpu.total_memory_bytes, "context_bytes": self.gpu.context_bytes,
+                "device_total_note": "device_total_bytes = peak reserved (the program's tensors through the "
+                f"caching-allocator model) + {DEFAULT_CUBLAS_WORKSPACES} cuBLAS workspaces of "
+                f"{self.gpu.cublas_workspace_bytes} B (torch's CUBLAS_WORKSPACE_CONFIG default, one per handle and "
+                "stream: forward and autograd threads) + NCCL communicator buffers (cost/comm_memory.py, modelled, "
+                "on the device this process uses) + the CUDA context; policy defaults: context_bytes, "
+                "cublas_workspaces",
                 "step_time": "not modelled (virtual GPU without virtual time: compute takes no time)"
                 if self.clock is None else "modelled (virtual time: kernel model and emulated CUDA streams)",
                 **({"virtual_time": self.clock.summary()} if self.clock is not None else {}),
                 **({"kernels": _plain(self.kernel_summary())} if self.kernel_summary is not None else {}),
                 "devices": devices, "values": self.values.summary()}
+
+    def device_total(self, peak_reserved_bytes: int, nccl_buffer_bytes: int = 0, *, own: bool = True) -> DeviceTotal:
+        """The device total of one of these GPUs (`prism_plugin.cost.gpu.DeviceTotal`): the workspaces and NCCL
+        buffers only on the device this process uses (`own`), the context on each."""
+        return DeviceTotal(peak_reserved_bytes=peak_reserved_bytes,
+                           cublas_workspaces=DEFAULT_CUBLAS_WORKSPACES if own else 0,
+                           cublas_workspace_bytes=self.gpu.cublas_workspace_bytes,
+                           nccl_buffer_bytes=nccl_buffer_bytes, context_bytes=self.gpu.context_bytes)
+
+
+def _nccl_buffer_bytes(session: Any) -> int:
+    """The modelled NCCL buffer bytes of `session`'s groups (the active session's when None; 0 without one)."""
+    if session is None:
+        from prism_plugin.runtime.session import current_session
+
+        session = current_session()
+    report = getattr(session, "communicator_memory", None)
+    return int(report()["modelled_bytes"]) if callable(report) else 0
 
 
 def _plain(report: Any) -> Any:
