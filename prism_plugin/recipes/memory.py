@@ -36,7 +36,7 @@ class MemoryRow:
     peak_reserved_bytes: int
     fragmentation_at_peak: float
     device_total_bytes: int
-    """Peak reserved + the CUDA context: what the job needs of the GPU."""
+    """Peak reserved + cuBLAS workspaces + NCCL buffers + the CUDA context: what the job needs of the GPU."""
     gpu_memory_bytes: int
     fits: bool
     ooms: int

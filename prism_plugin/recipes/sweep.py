@@ -272,7 +272,7 @@ def sweep_document(spec: SweepSpec, results: Sequence[PointResult], *, engine: s
             "bubble_s": "pipeline bubble: 0 at pp = 1",
             "other_s": "the rest of the step: no stream busy (host launch overhead, syncs)",
             "modelled_comm_s": "mean per measured step: time a comm stream runs an op, hidden or exposed",
-            "device_total_bytes": "peak reserved + CUDA context"},
+            "device_total_bytes": "peak reserved + cuBLAS workspaces + NCCL buffers + CUDA context"},
         "plots": [str(p) for p in plots],
         "points": [r.to_dict() for r in results],
     }
