@@ -181,6 +181,10 @@ def _flops(info: _OpInfo, args: tuple, kwargs: dict, out: Any) -> int:
     formula = info.flop_formula
     assert formula is not None
     shape_formula = getattr(formula, "__wrapped__", None)
+    if info.name in ("_flash_attention_forward", "_flash_attention_backward"):
+        dense = _dense_flash_flops(info.name, args)
+        if dense is not None:
+            return dense
     try:
         if shape_formula is None:  # registered with get_raw=True: it takes the tensors
             return int(formula(*args, **kwargs, out_val=out))
@@ -189,6 +193,24 @@ def _flops(info: _OpInfo, args: tuple, kwargs: dict, out: Any) -> int:
     except Exception as exc:
         raise RuntimeError(f"prism kernel cost: torch.utils.flop_counter's formula for {info.op} failed on "
                            f"argument shapes {_shapes(args)!r}: {exc}") from exc
+
+
+def _dense_flash_flops(name: str, args: tuple) -> int | None:
+    """flash-attention's own ops on dense (B, S, H, D) inputs (no cumulative sequence lengths, or empty ones): the
+    SDPA formulas on the (B, H, S, D) shapes. torch's formulas for these ops are written for their nested-tensor
+    calls and read a dense input's sequence as its heads (and count an empty ``cum_seq_q`` as no sequences)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    first, cum = (1, 6) if name.endswith("backward") else (0, 3)
+    tensors = args[first:first + 3]
+    seqlens = args[cum] if len(args) > cum else None
+    if len(tensors) < 3 or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors) or (
+            isinstance(seqlens, torch.Tensor) and seqlens.numel()):
+        return None
+    q, k, v = (tuple(int(d) for d in t.transpose(1, 2).shape) for t in tensors)
+    if first:
+        return int(sdpa_backward_flop_count(q, q, k, v))  # grad_out has the query's shape
+    return int(sdpa_flop_count(q, k, v))
 
 
 def _nbytes(t: torch.Tensor) -> int:
