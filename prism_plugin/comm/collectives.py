@@ -8,6 +8,10 @@ at ``max(arrivals) + cost``. Each op is reported as one `OpEvent` to the observe
 finishing steps: with the RECORDED policy the replayer overwrites the outputs with the payloads
 recorded for (group, sequence number). Issue times come from the context's clock.
 
+Fake tensors (virtual GPUs) hold no values: an op on them exchanges no data among the real members (each
+writes what a lone real member would: shapes and memory are all there is); their emulated issue times travel
+instead, exchanged by the emulated clock (`prism_plugin.runtime.virtual_gpu.clock`).
+
 Temporaries: none when this rank is the group's only real member. With 2+ real members, a
 reduce-scatter needs one chunk-sized temporary per other real member, and PRODUCT/BXOR one
 tensor-sized temporary; each is freed when the op completes (nothing is retained).
@@ -22,7 +26,7 @@ import torch.distributed as dist
 
 from prism_plugin.comm.context import Finish, OpEvent, chain
 from prism_plugin.comm.fill import RedOp, apply_virtual_share, check_reduce_dtype, fill_from, red_op, same_memory
-from prism_plugin.comm.group import VirtualGroup
+from prism_plugin.comm.group import VirtualGroup, carries_data
 from prism_plugin.comm.work import TimedWork
 from prism_plugin.config.kinds import DataPolicy, OpKind
 
@@ -48,19 +52,20 @@ def _launch(
     finish: Finish | None,
     result: object,
     peer: int | None = None,
+    tag: int = 0,
 ) -> TimedWork:
     """Sequence-number and cost the op, report it to the context's observers (`prism_plugin.comm.context`:
     they may move its arrival, scale its cost, fail it, add finishing steps), then time it."""
     ctx = vg.ctx
     seq = vg.next_seq()
     cost_s = ctx.cost_s(kind, size_bytes, vg, peer)
-    event = OpEvent(kind, vg, seq, size_bytes, peer, received, issue_s, issue_s, cost_s, cost_s, finish)
+    event = OpEvent(kind, vg, seq, size_bytes, peer, received, issue_s, issue_s, cost_s, cost_s, finish, tag=tag)
     observers = ctx.observers
     for observer in observers:
         observer.on_op(event)
     steps = event.steps  # (event.finishing(), inlined: the hot path adds no step)
     work = TimedWork(ctx.op_clock, result, event.arrival_s, event.cost_s, inner,
-                     finish if steps is None else chain(finish, steps))
+                     finish if steps is None else chain(finish, steps), observe_inner=not event.exchanged)
     if event.failure is not None:
         work.fail_at(event.failure)
     for observer in observers:
@@ -126,7 +131,7 @@ def all_reduce(vg: VirtualGroup, tensors: list[Tensor], op: object) -> TimedWork
     rop = red_op(op)
     inner: list[dist.Work] = []
     steps: list[Finish] = []
-    if vg.num_real == 1:  # the hot path: no exchange, the virtual share is written right away
+    if vg.num_real == 1 or not carries_data(tensors):  # the hot path: no exchange, the virtual share at once
         policy = _policy(vg)
         for t in tensors:
             check_reduce_dtype(rop, t)
@@ -146,7 +151,7 @@ def reduce(vg: VirtualGroup, tensors: list[Tensor], root: int, op: object) -> Ti
     steps: list[Finish] = []
     for t in tensors:
         check_reduce_dtype(rop, t)  # also when the root is virtual and nothing else runs
-    if vg.is_real(root):
+    if vg.is_real(root) and carries_data(tensors):
         for t in tensors:
             works, finish = _real_reduce(vg, t, rop, vg.real_index(root))
             inner += works
@@ -174,7 +179,8 @@ def reduce_scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[li
     rop = red_op(op)
     inner: list[dist.Work] = []
     steps: list[Finish] = []
-    if vg.all_real and vg.num_real > 1:
+    data = carries_data(outputs)
+    if vg.all_real and vg.num_real > 1 and data:
         # Every member is real (a recording run): the inner group's own reduce_scatter, so the
         # result is bit for bit what the real backend computes. The per-member reduces below sum
         # in another order and differed from gloo in the last bits of float results.
@@ -196,7 +202,7 @@ def reduce_scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[li
         if len(chunks) != vg.size:
             raise ValueError(f"prism: reduce_scatter needs {vg.size} input chunks, got {len(chunks)}")
         fill_from(out, chunks[vg.rank])
-        if vg.num_real == 1:
+        if vg.num_real == 1 or not data:
             _, finish = _real_reduce(vg, out, rop, None)
             steps.append(finish)
             continue
@@ -254,7 +260,7 @@ def all_gather(vg: VirtualGroup, output_lists: list[list[Tensor]], inputs: list[
         if len(slots) != vg.size:
             raise ValueError(f"prism: all_gather needs {vg.size} output tensors, got {len(slots)}")
         fill_from(slots[vg.rank], inp)
-        if vg.num_real > 1:
+        if vg.num_real > 1 and carries_data(slots):
             pg = vg.inner(inp.device)
             for idx, member in enumerate(vg.real_group_ranks):
                 opts = dist.BroadcastOptions()
@@ -295,7 +301,7 @@ def broadcast(vg: VirtualGroup, tensors: list[Tensor], root: int) -> TimedWork:
         for t in tensors:
             _fill_from_virtual_source(vg, t, peer=False)
         source = 0  # the first real member's values, so every real member agrees
-    if vg.num_real > 1:
+    if vg.num_real > 1 and carries_data(tensors):
         pg = vg.inner(tensors[0].device)
         opts = dist.BroadcastOptions()
         opts.rootRank = source
@@ -309,15 +315,16 @@ def gather(vg: VirtualGroup, output_lists: list[list[Tensor]], inputs: list[Tens
     inner: list[dist.Work] = []
     steps: list[Finish] = []
     received: list[Tensor] = []
+    data = carries_data(inputs)
     if root == vg.rank:
         for slots, inp in zip(output_lists, inputs, strict=True):
             fill_from(slots[vg.rank], inp)
             for member in vg.real_group_ranks:
-                if member != vg.rank:
+                if member != vg.rank and data:
                     inner.append(vg.inner(inp.device).recv([slots[member]], vg.real_index(member), 0))
             steps.append(_fill_virtual_slots(vg, slots))
             received += slots
-    elif vg.is_real(root):
+    elif vg.is_real(root) and data:
         for inp in inputs:
             inner.append(vg.inner(inp.device).send([inp], vg.real_index(root), 0))
     size = _nbytes(inputs) * vg.size
@@ -327,13 +334,14 @@ def gather(vg: VirtualGroup, output_lists: list[list[Tensor]], inputs: list[Tens
 def scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[list[Tensor]], root: int) -> TimedWork:
     arrival = vg.ctx.op_clock.now_s()
     inner: list[dist.Work] = []
+    data = carries_data(outputs)
     if root == vg.rank:
         for out, chunks in zip(outputs, input_lists, strict=True):
             fill_from(out, chunks[vg.rank])
             for member in vg.real_group_ranks:
-                if member != vg.rank:
+                if member != vg.rank and data:
                     inner.append(vg.inner(out.device).send([chunks[member]], vg.real_index(member), 0))
-    elif vg.is_real(root):
+    elif vg.is_real(root) and data:
         for out in outputs:
             inner.append(vg.inner(out.device).recv([out], vg.real_index(root), 0))
     else:
@@ -353,10 +361,11 @@ def all_to_all(vg: VirtualGroup, outputs: list[Tensor], inputs: list[Tensor]) ->
     inner: list[dist.Work] = []
     fill_from(outputs[me], inputs[me])
     zeros = _policy(vg) is DataPolicy.ZEROS
+    data = carries_data(inputs)
     for j in range(vg.size):
         if j == me:
             continue
-        if vg.is_real(j):
+        if vg.is_real(j) and data:
             pg = vg.inner(inputs[j].device)
             inner.append(pg.send([inputs[j].contiguous()], vg.real_index(j), 0))
             inner.append(pg.recv([outputs[j]], vg.real_index(j), 0))
@@ -375,7 +384,7 @@ def barrier(vg: VirtualGroup) -> TimedWork:
 def send(vg: VirtualGroup, tensors: list[Tensor], dst: int, tag: int) -> TimedWork:
     arrival = vg.ctx.op_clock.now_s()
     inner: list[dist.Work] = []
-    if vg.is_real(dst):
+    if vg.is_real(dst) and carries_data(tensors):
         inner.append(vg.inner(tensors[0].device).send(tensors, vg.real_index(dst), tag))
     # Remember every send, to a real peer too: a later recv from a virtual peer mirrors "the last
     # tensor this rank sent with that shape". Remembering only sends to virtual peers made a rank
@@ -383,16 +392,17 @@ def send(vg: VirtualGroup, tensors: list[Tensor], dst: int, tag: int) -> TimedWo
     for t in tensors:
         vg.remember_sent(t)
     return _launch(vg, OpKind.SEND, arrival, _nbytes(tensors), [], inner, None, tensors,
-                   peer=vg.global_ranks[dst])
+                   peer=vg.global_ranks[dst], tag=tag)
 
 
 def recv(vg: VirtualGroup, tensors: list[Tensor], src: int, tag: int) -> TimedWork:
     arrival = vg.ctx.op_clock.now_s()
     inner: list[dist.Work] = []
     if vg.is_real(src):
-        inner.append(vg.inner(tensors[0].device).recv(tensors, vg.real_index(src), tag))
+        if carries_data(tensors):
+            inner.append(vg.inner(tensors[0].device).recv(tensors, vg.real_index(src), tag))
     else:
         for t in tensors:
             _fill_from_virtual_source(vg, t, peer=True)
     return _launch(vg, OpKind.RECV, arrival, _nbytes(tensors), tensors, inner, None, tensors,
-                   peer=vg.global_ranks[src])
+                   peer=vg.global_ranks[src], tag=tag)

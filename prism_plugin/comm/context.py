@@ -126,8 +126,24 @@ class OpGroup(Protocol):
     is_world: bool
     global_ranks: Sequence[int]
     all_real: bool
+    num_real: int
+    """Real members (2+: their emulated times travel with each op, `exchange_max` / `send_word` / `recv_word`)."""
 
     def group_rank_of(self, global_rank: int) -> int | None: ...
+
+    def is_real(self, group_rank: int) -> bool: ...
+
+    def exchange_max(self, values: Sequence[float]) -> list[float]:
+        """The element-wise max of `values` over the real members (each gives its own; blocks until all did)."""
+        ...
+
+    def send_word(self, dst: int, tag: int, value: float) -> None:
+        """Send `value` to real member `dst` (group rank) with `tag`; never blocks."""
+        ...
+
+    def recv_word(self, src: int, tag: int) -> float:
+        """The value real member `src` (group rank) sent with `tag`; blocks until it was sent."""
+        ...
 
 
 @dataclass(slots=True, eq=False)
@@ -157,6 +173,11 @@ class OpEvent:
     """Mutable: set when the op fails (a hung or crashed member); wait() raises instead of completing."""
     steps: list[Finish] | None = None
     """Observers' finishing steps, run after `finish` in the order added."""
+    tag: int = 0
+    """A send/recv's tag (0 for a collective)."""
+    exchanged: bool = False
+    """Mutable: an emulated clock set `arrival_s` from the real members' exchanged times, so the handle does not
+    observe the inner real exchange's completion on the clock (`prism_plugin.comm.work.TimedWork`)."""
 
     @property
     def group_name(self) -> str:

@@ -9,17 +9,33 @@ from its owner comes through the `OpContext` it is given (`prism_plugin.comm.con
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from prism_plugin.comm.context import OpContext
 
-__all__ = ["VirtualGroup"]
+__all__ = ["VirtualGroup", "carries_data", "host_tensors"]
+
+
+def carries_data(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether `tensors` hold values to exchange: fake tensors (virtual GPUs) have shape, dtype and device only,
+    so an op on them exchanges no data among the real members (their emulated times still travel)."""
+    return not any(isinstance(t, FakeTensor) for t in tensors)
+
+
+@contextlib.contextmanager
+def host_tensors() -> Iterator[None]:
+    """Real CPU tensors even under a virtual GPU's fake and dispatch modes (the exchanged time words)."""
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
 
 
 class VirtualGroup:
@@ -51,6 +67,7 @@ class VirtualGroup:
         self._inner: dict[str, dist.ProcessGroup] = {}
         self.pending_root_payloads: deque[torch.Tensor] = deque()
         self._sent: dict[tuple, weakref.ref] = {}
+        self._word_sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     # -- membership -----------------------------------------------------------------------------
     def group_rank_of(self, global_rank: int) -> int | None:
@@ -90,6 +107,31 @@ class VirtualGroup:
             )
             self._inner[key] = pg
         return pg
+
+    # -- emulated times of the real members (virtual time: `prism_plugin.runtime.virtual_gpu.clock`) ----------
+    def exchange_max(self, values: Sequence[float]) -> list[float]:
+        """The element-wise max of `values` over the real members: one float64 all-reduce (MAX: exact, the same
+        on every member whatever the order) on the inner gloo group; blocks until every real member gave its."""
+        with host_tensors():
+            words = torch.tensor(list(values), dtype=torch.float64)
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self.inner(torch.device("cpu")).allreduce([words], opts).wait()
+            return words.tolist()
+
+    def send_word(self, dst: int, tag: int, value: float) -> None:
+        """Send `value` to real member `dst` (group rank); never blocks (the word's send is kept until done)."""
+        with host_tensors():
+            self._word_sends = [(w, t) for w, t in self._word_sends if not w.is_completed()]
+            word = torch.tensor([value], dtype=torch.float64)
+            self._word_sends.append((self.inner(torch.device("cpu")).send([word], self.real_index(dst), tag), word))
+
+    def recv_word(self, src: int, tag: int) -> float:
+        """The value real member `src` (group rank) sent with `tag`; blocks until it was sent."""
+        with host_tensors():
+            word = torch.zeros(1, dtype=torch.float64)
+            self.inner(torch.device("cpu")).recv([word], self.real_index(src), tag).wait()
+            return float(word[0])
 
     # -- mirror memory for receives from virtual peers ---------------------------------------------
     def remember_sent(self, tensor: torch.Tensor) -> None:

@@ -45,6 +45,7 @@ class TimedWork(dist.Work):
         inner: Sequence[dist.Work] = (),
         finish: Finish | None = None,
         on_complete: Callable[[TimedWork], None] | None = None,
+        observe_inner: bool = True,
     ) -> None:
         super().__init__()
         self._clock = clock
@@ -58,9 +59,11 @@ class TimedWork(dist.Work):
         self._done = False
         # Real members' arrival is observed as the completion of the inner exchange (it cannot
         # finish before the last real member issued it); virtual members arrive with this rank.
+        # `observe_inner` False: an emulated clock already exchanged the real members' arrivals (the
+        # inner exchange's completion on the host says nothing about emulated time).
         self.deadline_s = arrival_s + cost_s
-        self._stamped = False
-        if self._inner:
+        self._stamped = not observe_inner
+        if self._inner and observe_inner:
             try:
                 self._inner[-1].get_future().then(self._stamp_inner_done)
             except RuntimeError:

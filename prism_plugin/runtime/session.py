@@ -178,10 +178,7 @@ class Session:
         """Whether ops take their modelled time (sleeping on the wall clock, advancing a virtual one)."""
         self.virtual_time = _virtual_time(config)
         if self.virtual_time is not None:  # virtual GPUs with virtual time: the emulated clock, nothing sleeps
-            if world.num_real > 1:
-                raise ConfigError(f"virtual time with {world.num_real} real processes: each real rank's clock would "
-                                  "have to travel with its ops, which is not implemented; run one real rank, or "
-                                  "PRISM_VIRTUAL_TIME=off (memory only, no step time)")
+            # (several real ranks: each op's arrival travels with it through the inner group, the clock's docstring)
             self.op_clock = self.virtual_time
             self.timing = True
         self.clock = EmulationClock(self.op_clock.now_s)
@@ -311,10 +308,11 @@ class Session:
 
     # -- timing -----------------------------------------------------------------------------------
     def cost_s(self, kind: OpKind, size_bytes: int, vg: VirtualGroup, peer: int | None) -> float:
-        """Emulated duration of an op on `vg` (0 when the group has no virtual member or timing is off).
+        """Emulated duration of an op on `vg` (0 when timing is off, or when the group has no virtual member and
+        the wall clock times the real exchange; on virtual time every op takes its modelled time).
 
         A cached lookup: the op counters add each op's cost to `modelled_comm_s`."""
-        if vg.all_real or not self.timing:
+        if not self.timing or (vg.all_real and self.virtual_time is None):
             return 0.0
         key = (id(vg), kind, size_bytes, peer)
         cost = self._costs.get(key)

@@ -18,14 +18,25 @@ host:
   (``record=False``: a timeout the host sees) moves the host;
 - as the last `OpObserver`: each op runs on its group's communication stream, after that stream's previous op
   (``arrival_s`` moves to the stream's end) and occupies it until ``arrival_s + cost_s``; the launch costs the
-  host one launch overhead.
+  host one launch overhead;
+- several real ranks: each op's arrival travels with it through the group's inner gloo group, so real ranks
+  couple in emulated time only. A collective (every kind but send/recv) exchanges ``(arrival, cost)`` among the
+  group's real members (`OpGroup.exchange_max`: a float64 MAX all-reduce, exact and order-free) and completes
+  on every member at max(arrivals) + max(costs): each real member's arrival already holds its virtual peers'
+  (with it, or from the replay); a send to a real peer sends its arrival (never blocks: an eager send completes
+  at its own arrival + cost), the matching recv completes at max(the send's arrival, its own) + cost. Each
+  exchange is one more op on the inner group in the program's own op order, so it adds no ordering of its own
+  beyond one: the host blocks at a collective's issue until every real member issued it (and at a recv until
+  its send was issued), where a GPU's host would run on. ``peer_wait_s`` sums how much later than this rank
+  the ops it exchanged started (waiting for a real peer).
 
 So DP gradient reduction overlapping backward, TP collectives on the compute stream, and pipeline bubbles
 follow from the program's own stream use. `on_mark` records iteration starts: the summary gives each step's
 emulated time.
 
-Limitations: one real process per group (real peers' clocks do not travel with their ops yet: refused by the
-session); ops of a stream other than the current one are issued on the current one; CUDA graphs are not
+Limitations: with several real ranks, two real ranks that issue ops of two groups they share in opposite
+orders deadlock at the exchange (the gloo group's timeout names it), where GPUs would run both; ops of a stream
+other than the current one are issued on the current one; CUDA graphs are not
 modelled; the host's own Python time is not modelled (only launches): a host-bound program is predicted too fast.
 """
 
@@ -35,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prism_plugin.comm.context import OpEvent, OpWork
+from prism_plugin.config.kinds import OpKind
 from prism_plugin.runtime.clock import WakeupStats
 
 __all__ = ["KernelRecord", "VirtualTime"]
@@ -65,6 +77,8 @@ class VirtualTime:
         self.launches = 0
         self.comm_ops = 0
         self.host_syncs = 0
+        self.exchanges = 0
+        self.peer_wait_s = 0.0
         self.marks: list[tuple[int, float]] = []
         self.record: KernelRecord | None = None
 
@@ -122,6 +136,8 @@ class VirtualTime:
         end = self.ends.get(stream, 0.0)
         if end > event.arrival_s:  # the group's communication stream is busy with its previous op
             event.arrival_s = end
+        if getattr(event.group, "num_real", 1) > 1:
+            self._exchange(event)
         completion = event.arrival_s + event.cost_s
         self.ends[stream] = completion
         self.host_s += self.launch_overhead_s
@@ -132,6 +148,26 @@ class VirtualTime:
 
     def on_issued(self, event: OpEvent, work: OpWork) -> None:
         pass
+
+    def _exchange(self, event: OpEvent) -> None:
+        """The real members' arrivals (module docstring): `event` starts at the latest of them."""
+        group, own = event.group, event.arrival_s
+        if event.kind is OpKind.SEND or event.kind is OpKind.RECV:
+            peer = group.group_rank_of(event.peer) if event.peer is not None else None
+            if peer is None or not group.is_real(peer):
+                return
+            if event.kind is OpKind.SEND:
+                group.send_word(peer, event.tag, own)
+            else:
+                sent = group.recv_word(peer, event.tag)
+                if sent > own:
+                    event.arrival_s = sent
+        else:
+            arrival, cost = group.exchange_max((own, event.cost_s))
+            event.arrival_s, event.cost_s = arrival, cost
+        event.exchanged = True
+        self.exchanges += 1
+        self.peer_wait_s += event.arrival_s - own
 
     # -- iterations and report -------------------------------------------------------------------------------
     def on_mark(self, iteration: int, start_s: float) -> None:
@@ -147,7 +183,8 @@ class VirtualTime:
                 "device_s": round(max(self.ends.values(), default=0.0), 9),
                 "kernels": self.kernels, "kernel_s": round(self.kernel_s, 9), "launches": self.launches,
                 "launch_overhead_us": round(1e6 * self.launch_overhead_s, 6), "comm_ops": self.comm_ops,
-                "host_syncs": self.host_syncs, "streams": len([k for k in self.ends if k[0] != "comm"]),
+                "host_syncs": self.host_syncs, "exchanges": self.exchanges,
+                "peer_wait_s": round(self.peer_wait_s, 9), "streams": len([k for k in self.ends if k[0] != "comm"]),
                 "comm_streams": len([k for k in self.ends if k[0] == "comm"]),
                 "step_times_s": [round(s, 9) for s in steps]}
 
