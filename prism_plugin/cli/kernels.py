@@ -1,4 +1,5 @@
-"""`prism kernels record`: a kernel table measured on this machine's device, for ``PRISM_KERNEL_MODEL=table``.
+"""`prism kernels record` (a kernel table measured on this machine's device, for ``PRISM_KERNEL_MODEL=table``) and
+`prism kernels fit` (efficiencies fitted to measured step times, for ``PRISM_KERNEL_MODEL=fit``).
 
     prism kernels record --output table.json --warmup 2 --steps 10 -- train.py --lr 0.1
     prism kernels record --clock cpu -m prism_plugin.programs.toy_train --tp 1 --steps 12
@@ -14,6 +15,15 @@ program may set its own; the table's metadata reports what was in force at the e
 a torch.distributed job runs as it is; one that calls ``init_process_group`` without a rendezvous in the
 environment runs as rank 0 of 1. Bad input (no program, ``--steps 0``, no step recorded) exits 2 with one line
 saying what to fix.
+
+    prism kernels fit --run out/rank0.summary.json:0.0131 [--run NAME=FILE:SECONDS ...] [--runs runs.yaml] \
+        [--classes gemm,attention] --output fit.yaml
+
+fits per-class efficiencies (`prism_plugin.cost.kernel_fit`) so each run's emulated steady step matches its
+measured step time, and writes the overlay with ``fitted_on`` (every run it saw). ``--runs`` is YAML: ``runs:
+[{name: a, summary: out/rank0.summary.json, measured_step_s: 0.0131}]`` (paths relative to that file). Use the
+overlay with ``prism run --kernel-model fit --kernel-fit fit.yaml`` (or ``PRISM_KERNEL_MODEL=fit
+PRISM_KERNEL_FIT=fit.yaml``); a run of a fitted job then says ``fitting_row: true`` in its summary.
 """
 
 from __future__ import annotations
@@ -91,9 +101,77 @@ def _cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fit_run_arg(text: str) -> tuple[str | None, Path, float]:
+    name, sep, rest = text.partition("=")
+    if not sep:
+        name, rest = None, text
+    path, sep, seconds = rest.rpartition(":")
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = -1.0
+    if not sep or not path or not value > 0:
+        raise argparse.ArgumentTypeError(f"--run {text!r}: give [NAME=]SUMMARY.json:MEASURED_STEP_SECONDS, e.g. "
+                                         "out/rank0.summary.json:0.0131")
+    return name, Path(path), value
+
+
+def _fit_runs(args: argparse.Namespace) -> list[Any]:
+    import yaml
+
+    from prism_plugin.cost.kernel_fit import run_from_summary
+
+    specs = list(args.run or [])
+    if args.runs is not None:
+        try:
+            data = yaml.safe_load(args.runs.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"--runs {args.runs}: cannot read it ({exc})") from None
+        rows = data.get("runs") if isinstance(data, dict) else None
+        if not isinstance(rows, list):
+            raise ConfigError(f"--runs {args.runs}: expected `runs: [{{name, summary, measured_step_s}}, ...]`")
+        for i, row in enumerate(rows):
+            missing = [k for k in ("summary", "measured_step_s") if not isinstance(row, dict) or k not in row]
+            if missing:
+                raise ConfigError(f"--runs {args.runs}: runs[{i}] has no `{missing[0]}`")
+            specs.append((row.get("name"), args.runs.parent / str(row["summary"]), row["measured_step_s"]))
+    runs = []
+    for name, path, measured in specs:
+        try:
+            summary = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"prism kernels fit: cannot read summary {str(path)!r} ({exc})") from None
+        runs.append(run_from_summary(summary, name=name or str(path), measured_step_s=measured))
+    return runs
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    import yaml
+
+    from prism_plugin.cost.kernel_fit import fit_efficiencies
+
+    runs = _fit_runs(args)
+    result = fit_efficiencies(runs, [c.strip() for c in args.classes.split(",") if c.strip()])
+    overlay = result.overlay()
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text("# prism kernels fit: a `fit` kernel model overlay; its fitted_on runs are fitting rows, "
+                           "never validation\n" + yaml.safe_dump(overlay, sort_keys=False), encoding="utf-8")
+    console = Console(stderr=True)
+    for c in result.classes:
+        e = result.efficiency[c]
+        console.print(f"prism kernels fit: {c}: time x{result.scale[c]:.4f}, compute efficiency {e[0]:.4f}, memory "
+                      f"efficiency {e[1]:.4f}" + (" (held at the bound 1)" if c in result.at_bound else ""))
+    for r, f in zip(result.runs, result.fitted_step_s, strict=True):
+        console.print(f"  {r.name}: measured {1e3 * r.measured_step_s:.3f} ms, emulated {1e3 * r.emulated_step_s:.3f}"
+                      f" ms, fitted (linear) {1e3 * f:.3f} ms")
+    console.print(f"  rms residual {1e3 * result.residual_rms_s:.3f} ms over {len(runs)} fitting run(s) -> "
+                  f"{args.output}")
+    return 0
+
+
 def add_kernels_parser(sub: Any) -> None:
     """Add ``prism kernels record [--output F] [--steps K] [--warmup W] [--threads T] [--device D] -- program``."""
-    kernels = sub.add_parser("kernels", help="kernel tables for the table kernel model (record one)")
+    kernels = sub.add_parser("kernels", help="kernel tables (record) and fitted efficiencies (fit) for virtual time")
     actions = kernels.add_subparsers(dest="kernels_command", required=True)
     rec = actions.add_parser("record", help="run a program and record each ATen op's measured duration")
     rec.add_argument("--output", type=Path, default=Path("kernel_table.json"),
@@ -113,3 +191,11 @@ def add_kernels_parser(sub: Any) -> None:
                      help="record a module and its arguments, like python -m")
     rec.add_argument("target", nargs=argparse.REMAINDER, help="-- script.py args")
     rec.set_defaults(func=_cmd_record)
+    fit = actions.add_parser("fit", help="fit per-class kernel efficiencies to measured step times (a fit overlay)")
+    fit.add_argument("--run", type=_fit_run_arg, action="append", metavar="[NAME=]SUMMARY.json:SECONDS",
+                     help="a virtual-time rank summary and the step time measured for that job (repeatable)")
+    fit.add_argument("--runs", type=Path, default=None, help="YAML: runs: [{name, summary, measured_step_s}]")
+    fit.add_argument("--classes", default="gemm", help="kernel classes to fit, comma-separated (default gemm)")
+    fit.add_argument("--output", type=Path, default=Path("kernel_fit.yaml"),
+                     help="the overlay to write (default kernel_fit.yaml)")
+    fit.set_defaults(func=_cmd_fit)

@@ -211,6 +211,7 @@ def _virtual_time_env(args: argparse.Namespace, config: EmulationConfig) -> None
     env = {name: value for name, value in (
         ("PRISM_VIRTUAL_TIME", args.virtual_time), ("PRISM_KERNEL_MODEL", args.kernel_model),
         ("PRISM_KERNEL_TABLE", None if args.kernel_table is None else str(args.kernel_table)),
+        ("PRISM_KERNEL_FIT", None if args.kernel_fit is None else str(args.kernel_fit)),
         ("PRISM_PROGRAM_TIME", args.program_time)) if value is not None}
     if not env:
         return
@@ -252,9 +253,10 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("--virtual-time", choices=["on", "off"], default=None,
                      help="virtual-gpu: modelled kernel and communication time on emulated CUDA streams (on, the "
                           "default) or memory only (off); sets PRISM_VIRTUAL_TIME")
-    run.add_argument("--kernel-model", choices=["roofline", "table"], default=None,
-                     help="virtual time's kernel model (default roofline; table needs --kernel-table)")
+    run.add_argument("--kernel-model", choices=["roofline", "table", "fit"], default=None,
+                     help="virtual time's kernel model (default roofline; table: --kernel-table, fit: --kernel-fit)")
     run.add_argument("--kernel-table", type=Path, default=None, help="a table from `prism kernels record`")
+    run.add_argument("--kernel-fit", type=Path, default=None, help="an overlay from `prism kernels fit`")
     run.add_argument("--program-time", choices=["wall", "emulated"], default=None,
                      help="emulated: the program's time.time/perf_counter/monotonic read the emulated host clock")
     run.add_argument("--json", type=Path, default=None, metavar="PATH",

@@ -236,9 +236,9 @@ def test_kernel_model_factory(tmp_path) -> None:
                                 "entries": [_row(_gemm(4096, 4096, 4096), 200.0)]}))
     table = kernel_model("table", H100, {"gemm": {"compute_efficiency": 0.75}}, path)
     assert table.name == "table" and table.duration_s(_gemm(4096, 4096, 4096)) == 200e-6
-    with pytest.raises(ConfigError, match="kernel_model='rofline' is not one of roofline, table"):
+    with pytest.raises(ConfigError, match="kernel_model='rofline' is not one of roofline, table, fit"):
         kernel_model("rofline", H100, None)
-    with pytest.raises(ConfigError, match="fit .* is not available yet"):
+    with pytest.raises(ConfigError, match="kernel_model=fit goes with a fit overlay"):
         kernel_model("fit", H100, None)
     with pytest.raises(ConfigError, match="kernel_model=table needs a kernel table file"):
         kernel_model("table", H100, None)

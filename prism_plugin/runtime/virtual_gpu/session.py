@@ -35,7 +35,8 @@ class VirtualTimeOptions:
 
     ``PRISM_VIRTUAL_TIME``: ``on`` (the default: modelled kernel and communication time on emulated streams) or
     ``off`` (memory only: nothing takes time, step time is not modelled); ``PRISM_KERNEL_MODEL``: ``roofline``
-    (the default) or ``table`` with ``PRISM_KERNEL_TABLE`` (a table `prism kernels record` wrote);
+    (the default), ``table`` with ``PRISM_KERNEL_TABLE`` (a table `prism kernels record` wrote) or ``fit`` with
+    ``PRISM_KERNEL_FIT`` (an overlay `prism kernels fit` wrote);
     ``PRISM_PROGRAM_TIME``: ``wall`` (the default) or ``emulated`` (the program's ``time.time`` /
     ``perf_counter`` / ``monotonic`` read the emulated host clock, so its own logs print emulated figures);
     ``CUDA_LAUNCH_BLOCKING=1`` (CUDA's own meaning): each launch, kernel or collective, returns to the host only
@@ -45,6 +46,7 @@ class VirtualTimeOptions:
     enabled: bool = True
     kernel_model: str = "roofline"
     kernel_table: Path | None = None
+    kernel_fit: Path | None = None
     program_time: bool = False
     launch_blocking: bool = False
 
@@ -53,7 +55,8 @@ class VirtualTimeOptions:
         env = os.environ if environ is None else environ
         values = {name: env.get(name, default) for name, default in
                   (("PRISM_VIRTUAL_TIME", "on"), ("PRISM_KERNEL_MODEL", "roofline"), ("PRISM_PROGRAM_TIME", "wall"))}
-        for name, allowed in (("PRISM_VIRTUAL_TIME", ("on", "off")), ("PRISM_KERNEL_MODEL", ("roofline", "table")),
+        for name, allowed in (("PRISM_VIRTUAL_TIME", ("on", "off")),
+                              ("PRISM_KERNEL_MODEL", ("roofline", "table", "fit")),
                               ("PRISM_PROGRAM_TIME", ("wall", "emulated"))):
             if values[name] not in allowed:
                 raise ConfigError(f"{name}={values[name]!r}: use one of {', '.join(allowed)}")
@@ -63,8 +66,13 @@ class VirtualTimeOptions:
                               "record`> (and a table only with the table model)")
         if table is not None and not Path(table).is_file():
             raise ConfigError(f"PRISM_KERNEL_TABLE={table!r} is not a file; record one with `prism kernels record`")
+        fit = env.get("PRISM_KERNEL_FIT") or None
+        if (values["PRISM_KERNEL_MODEL"] == "fit") != (fit is not None) or (fit and not Path(fit).is_file()):
+            raise ConfigError("PRISM_KERNEL_MODEL=fit goes with PRISM_KERNEL_FIT=<a file from `prism kernels fit`> "
+                              f"(and a fit only with the fit model); got PRISM_KERNEL_FIT={fit!r}")
         return cls(enabled=values["PRISM_VIRTUAL_TIME"] == "on", kernel_model=values["PRISM_KERNEL_MODEL"],
-                   kernel_table=Path(table) if table else None, program_time=values["PRISM_PROGRAM_TIME"] == "emulated",
+                   kernel_table=Path(table) if table else None, kernel_fit=Path(fit) if fit else None,
+                   program_time=values["PRISM_PROGRAM_TIME"] == "emulated",
                    launch_blocking=env.get("CUDA_LAUNCH_BLOCKING", "0") == "1")
 
 
@@ -101,10 +109,12 @@ def start_virtual_time(vgpu: VirtualGpu, profile: HardwareProfile, options: Virt
     """Give `vgpu` virtual time: the options' kernel model on the profile's GPU figures and efficiencies."""
     from prism_plugin.cost.kernels import kernel_model
     from prism_plugin.runtime.virtual_gpu.kernels import KernelTimer
+    from prism_plugin.runtime.virtual_gpu.step_kernels import attach_step_figures
 
-    timer = KernelTimer(kernel_model(options.kernel_model, vgpu.gpu, profile.kernels, options.kernel_table))
-    vgpu.kernel_summary = timer.summary
+    timer = KernelTimer(kernel_model(options.kernel_model, vgpu.gpu, profile.kernels, options.kernel_table,
+                                     fit_path=options.kernel_fit))
     clock = vgpu.start_time(timer.duration_s, profile.kernels.launch_overhead_s, program_time=options.program_time)
+    attach_step_figures(vgpu, timer, clock)  # per-step class times, efficiencies, job key (and fit) for the summary
     if options.launch_blocking:
         _block_each_launch(clock)
 
