@@ -19,7 +19,8 @@ ENTRY_KEYS = {"op", "kernel_class", "shape", "dtype", "device", "flops", "bytes"
 METADATA_KEYS = {"torch_version", "threads", "host", "machine", "processor", "program", "device_type", "device",
                  "clock", "warmup_steps", "recorded_steps", "optimizer_steps_seen", "kernels_per_step",
                  "collectives_per_step", "step_time_median_s", "kernel_time_per_step_median_s",
-                 "recorder_overhead_per_step_median_s", "host_overhead_us_per_launch", "recorded_at", "note"}
+                 "comm_time_per_step_median_s", "recorder_overhead_per_step_median_s", "host_overhead_us_per_launch",
+                 "recorded_at", "note"}
 
 
 def _train(steps: int) -> None:
@@ -79,12 +80,14 @@ def test_each_entry_holds_the_median_of_its_samples() -> None:
     recorder = KernelRecorder("cpu", warmup=0)
     recorder.samples[("aten.mm.default", (4, 8, 16), "float32")] = KeySamples(_cost(), [5000, 1000, 2000, 9000])
     recorder.step_ends_ns, recorder.kernels_per_step, recorder.collectives_per_step = [0, 20_000], [4], [0]
-    recorder.kernel_ns_per_step, recorder.bookkeeping_ns_per_step = [17_000], [1_000]
+    recorder.kernel_ns_per_step, recorder.bookkeeping_ns_per_step = [16_000], [1_000]
+    recorder.comm_ns_per_step = [1_000]
     table = table_data(recorder, program=["p.py"], device="cpu")
     (entry,) = table["entries"]
     assert entry["duration_us"] == 3.5 and entry["count"] == 4
-    # host time per launch: (20 us wall - 1 us bookkeeping - 17 us kernels) / 4 launches = 0.5 us
+    # host time per launch: (20 us wall - 1 us bookkeeping - 16 us kernels - 1 us comm) / 4 launches = 0.5 us
     assert table["metadata"]["host_overhead_us_per_launch"] == 0.5
+    assert table["metadata"]["comm_time_per_step_median_s"] == 1e-6
     assert table["metadata"]["step_time_median_s"] == 19e-6
 
 
@@ -195,3 +198,26 @@ def test_cuda_launch_blocking_makes_host_and_device_run_one_after_the_other() ->
 def _cost() -> KernelCost:
     return KernelCost(op="aten.mm.default", kernel_class=KernelClass.GEMM, flops=1024, bytes=896, dtype="float32",
                       shape=(4, 8, 16))
+
+
+def test_collective_calls_are_timed_as_communication_not_host_time(tmp_path: Path) -> None:
+    """A gloo all_reduce per step (rank 0 of 1): counted as a collective launch, its call timed as comm."""
+    import torch.distributed as dist
+
+    script = tmp_path / "comm.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "w = torch.nn.Parameter(torch.ones(64, 64)); opt = torch.optim.SGD([w], lr=0.1)\n"
+        "for _ in range(4):\n"
+        "    (w * 2).sum().backward(); dist.all_reduce(w.grad); opt.step(); opt.zero_grad()\n")
+    recorder = KernelRecorder("cpu", warmup=1, steps=2)
+    original = dist.all_reduce
+    with recorder.record():
+        assert dist.all_reduce is not original and dist.all_reduce.__wrapped__ is original
+        assert run_program([str(script)]) == 0
+    assert dist.all_reduce is original  # restored
+    assert recorder.recorded_steps == 2 and recorder.collectives_per_step == [1, 1]
+    assert all(ns > 0 for ns in recorder.comm_ns_per_step)
+    meta = table_data(recorder, program=[str(script)])["metadata"]
+    assert meta["comm_time_per_step_median_s"] > 0 and meta["collectives_per_step"] == 1

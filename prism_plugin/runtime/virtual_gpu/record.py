@@ -24,12 +24,16 @@ The table (`table_data`, `TableModel`'s JSON format) holds one entry per key wit
 device's name (``cpu`` or ``torch.cuda.get_device_name()``) and, on ``cpu``, the host time per launch
 (``host_overhead_us_per_launch``: the recorded steps' wall time, less the recorder's own bookkeeping and the
 kernels' time, over the kernels and c10d collectives launched: the program's Python, autograd, dispatch and
-host-side work per launch), the figure to give virtual time as the profile's ``kernels.launch_overhead_us``. On
+host-side work per launch; the time inside the program's torch.distributed collective calls, waits of blocking ones
+included, is taken out first and reported as ``comm_time_per_step_median_s``), the figure to give virtual time as
+the profile's ``kernels.launch_overhead_us``. On
 a CPU host and "device" are one thread, so an emulation of such a table runs with ``CUDA_LAUNCH_BLOCKING=1``
 (each launch returns when its kernel ends; `prism_plugin.runtime.virtual_gpu.session.VirtualTimeOptions`).
 
 Limitations: the mode's own bookkeeping is excluded from both figures, but the C++ -> Python mode transition
-(~1-3 us per op) is counted as host overhead; an op's CPU time includes the allocator's work; on ``cuda`` the
+(~1-3 us per op) is counted as host overhead; an op's CPU time includes the allocator's work; collectives are
+timed where the program calls ``torch.distributed.<collective>`` (an ``async_op=True`` call's later ``wait()`` and
+one imported by name before recording are host time, not communication); on ``cuda`` the
 per-op synchronization removes overlap between kernels and the host overhead is not measured (null); ops
 of other device types (host work) and ops with no kernel (views, metadata, collectives) are not recorded.
 """
@@ -58,6 +62,10 @@ __all__ = ["KernelRecorder", "KeySamples", "device_name", "run_program", "table_
 
 _Key = tuple[str, tuple[int, ...], str]
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
+_TIMED_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                      "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend",
+                      "irecv", "gather", "scatter", "all_gather_object", "broadcast_object_list",
+                      "all_reduce_coalesced")
 
 
 @dataclass(slots=True)
@@ -109,7 +117,10 @@ class KernelRecorder(TorchDispatchMode):
         self.kernel_ns_per_step: list[int] = []
         self.bookkeeping_ns_per_step: list[int] = []
         """The recorder's own time per recorded step (costing, timing, synchronizing): not the program's."""
-        self._kernels = self._kernel_ns = self._bookkeeping_ns = self._collectives = 0
+        self.comm_ns_per_step: list[int] = []
+        """Time per recorded step inside the program's torch.distributed collective calls (less kernels in them)."""
+        self._kernels = self._kernel_ns = self._bookkeeping_ns = self._collectives = self._comm_ns = 0
+        self._in_collective = False
 
     # -- steps -----------------------------------------------------------------------------------------------
     def on_optimizer_step(self, *_: Any) -> None:
@@ -122,13 +133,14 @@ class KernelRecorder(TorchDispatchMode):
             self.collectives_per_step.append(self._collectives)
             self.kernel_ns_per_step.append(self._kernel_ns)
             self.bookkeeping_ns_per_step.append(self._bookkeeping_ns)
+            self.comm_ns_per_step.append(self._comm_ns)
             if self.steps is not None and len(self.kernels_per_step) >= self.steps:
                 self.recording = False
         elif self.optimizer_steps == self.warmup:
             self.recording = True
         if self.recording and not self.step_ends_ns:
             self.step_ends_ns.append(now)
-        self._kernels = self._kernel_ns = self._bookkeeping_ns = self._collectives = 0
+        self._kernels = self._kernel_ns = self._bookkeeping_ns = self._collectives = self._comm_ns = 0
         self._bookkeeping_ns += self._now() - now
 
     @property
@@ -141,6 +153,7 @@ class KernelRecorder(TorchDispatchMode):
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         handle = register_optimizer_step_post_hook(self.on_optimizer_step)
+        restore = self._time_collectives()
         if self.recording:  # warmup 0: the window opens now
             self.step_ends_ns.append(self._now())
         try:
@@ -148,6 +161,44 @@ class KernelRecorder(TorchDispatchMode):
                 yield self
         finally:
             handle.remove()
+            restore()
+
+    def _time_collectives(self) -> Any:
+        """Wrap ``torch.distributed``'s collective functions to time the calls; returns the undo."""
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return lambda: None
+        from torch.distributed import distributed_c10d
+
+        saved = [(module, name, getattr(module, name)) for module in (dist, distributed_c10d)
+                 for name in _TIMED_COLLECTIVES if hasattr(module, name)]
+        wrapped: dict[int, Any] = {}
+        for module, name, original in saved:
+            if id(original) not in wrapped:
+                wrapped[id(original)] = self._timed(original)
+            setattr(module, name, wrapped[id(original)])
+
+        def restore() -> None:
+            for module, name, original in saved:
+                setattr(module, name, original)
+
+        return restore
+
+    def _timed(self, original: Any) -> Any:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            if self._in_collective or not (self.recording and self.step_ends_ns):
+                return original(*args, **kwargs)
+            self._in_collective = True
+            start, kernel_ns = self._now(), self._kernel_ns
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._comm_ns += self._now() - start - (self._kernel_ns - kernel_ns)
+                self._in_collective = False
+
+        collective.__wrapped__ = original  # type: ignore[attr-defined]
+        return collective
 
     # -- ops -------------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -216,7 +267,8 @@ def table_data(recorder: KernelRecorder, *, program: Sequence[str], device: str 
     kernels, collectives = sum(recorder.kernels_per_step), sum(recorder.collectives_per_step)
     host_us: float | None = None
     if recorder.device_type == "cpu" and kernels + collectives:
-        host_us = round((sum(program_ns) - sum(recorder.kernel_ns_per_step)) / (kernels + collectives) / 1e3, 3)
+        host_us = round((sum(program_ns) - sum(recorder.kernel_ns_per_step) - sum(recorder.comm_ns_per_step))
+                        / (kernels + collectives) / 1e3, 3)
     metadata = {
         "torch_version": torch.__version__, "threads": torch.get_num_threads(), "host": platform.node(),
         "machine": platform.machine(), "processor": platform.processor() or None, "program": list(program),
@@ -227,12 +279,13 @@ def table_data(recorder: KernelRecorder, *, program: Sequence[str], device: str 
         "collectives_per_step": round(collectives / recorder.recorded_steps, 3),
         "step_time_median_s": round(statistics.median(program_ns) / 1e9, 9),
         "kernel_time_per_step_median_s": round(statistics.median(recorder.kernel_ns_per_step) / 1e9, 9),
+        "comm_time_per_step_median_s": round(statistics.median(recorder.comm_ns_per_step) / 1e9, 9),
         "recorder_overhead_per_step_median_s": round(statistics.median(recorder.bookkeeping_ns_per_step) / 1e9, 9),
         "host_overhead_us_per_launch": host_us,
         "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "note": "steps are optimizer steps; step_time_median_s is the program's (the recorder's bookkeeping taken "
-                "out); host_overhead_us_per_launch is (step time - kernel time) / (kernels + collectives): give it "
-                "to virtual time as the profile's kernels.launch_overhead_us",
+                "out); host_overhead_us_per_launch is (step time - kernel time - comm time) / (kernels + collectives): "
+                "give it to virtual time as the profile's kernels.launch_overhead_us",
     }
     return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "metadata": metadata, "entries": entries}
 
