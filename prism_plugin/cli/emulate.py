@@ -1,7 +1,12 @@
-"""`prism emulate`: the paper's whole pipeline for a Megatron job in one command, on virtual GPUs.
+"""`prism emulate`: the paper's whole pipeline for a Megatron or DeepSpeed job in one command, on virtual GPUs.
 
-    prism emulate --world-size 8192 [--profile dgx-h100] [--out DIR] [--warmup 1] [--json] \\
+    prism emulate --world-size 8192 [--profile dgx-h100] [--out DIR] [--warmup 1] [--json] [--hybrid RANKS] \\
         -- pretrain_gpt.py <the job's Megatron arguments, unchanged>
+    prism emulate --world-size 64 [--framework deepspeed] [--seq-length S] [--model-flops-per-iteration F] \\
+        -- train.py --deepspeed_config ds_config.json <the script's arguments>
+
+DeepSpeed jobs (detected or named with ``--framework``): `prism_plugin.cli.emulate_deepspeed` (layout, each run's
+config, the figures it can and cannot give); the steps below are the same.
 
 1. **slice**: the layout comes from the job's own arguments (``--tensor-model-parallel-size``,
    ``--pipeline-model-parallel-size``, ``--context-parallel-size``, ``--expert-model-parallel-size``,
@@ -13,16 +18,20 @@
    summary the exact per-rank memory;
 3. **graph**: the traces become the N-rank execution graph (``<out>/job.graph``);
 4. **replay**: the graph's replay on the profile gives every class's step time, compute, exposed communication
-   and pipeline bubble (`prism_plugin.cli.graph.replay_prediction`).
+   and pipeline bubble (`prism_plugin.cli.graph.replay_prediction`);
+5. **hybrid** (``--hybrid RANKS``, optional): each named rank runs again as a real process on a virtual GPU
+   against the graph (``--prism-graph`` / ``"prism.graph"``): its virtual peers arrive on its emulated clock when
+   the replay says (`prism_plugin.runtime.arrivals`), so its emulated steps check the replay's figure for that
+   rank: the report gives both and their difference (``hybrid``). One process per named rank (virtual time
+   couples one real rank per process).
 
 The report: per class its rank, step, compute / exposed communication / bubble, peak allocated / reserved / device
 total, and the job's step time, tokens/s/GPU (global batch x sequence / step / N), model TFLOP/s/GPU (Megatron's own
 ``num_floating_point_operations`` per iteration / step / N) and MFU (that / the GPU's dense bf16 peak). All figures
 are modelled (kernel model, cost model), none measured; ``<out>/emulate.json`` keeps them.
 
-Limitations: Megatron jobs only (DeepSpeed: `prism slice` / `prism profile` by hand); one real rank per profiling
-run (virtual time couples ranks through their ops' issue times only within one process); no hybrid phase yet (the
-`--prism-graph` rerun of chosen ranks).
+Limitations: one real rank per profiling run (virtual time couples ranks through their ops' issue times only within
+one process); DeepSpeed: no pipeline engine (see `prism_plugin.cli.emulate_deepspeed`).
 """
 
 from __future__ import annotations
@@ -46,16 +55,27 @@ _LAYOUT_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-p
 
 
 def add_emulate_parser(subparsers: Any) -> None:
+    from prism_plugin.cli.emulate_deepspeed import add_deepspeed_arguments
+
     p = subparsers.add_parser("emulate", help="slice, profile on virtual GPUs, build the graph and replay a "
-                                              "Megatron job: its step time, throughput and memory at N GPUs")
+                                              "Megatron or DeepSpeed job: its step time, throughput and memory at N "
+                                              "GPUs")
     p.add_argument("--world-size", type=int, required=True, help="N, the job's number of GPUs")
     p.add_argument("--profile", default="dgx-h100", help="hardware profile with a GPU model (default dgx-h100)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path("prism_emulate"), help="DIR for runs, graph and report")
     p.add_argument("--warmup", type=int, default=1, help="traced iterations dropped when building the graph")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per profiling run")
+    p.add_argument("--hybrid", default=None, metavar="RANKS",
+                   help="after the replay, run these ranks (e.g. 0,7 or 0-3) as real processes against the graph")
+    add_deepspeed_arguments(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("target", nargs=argparse.REMAINDER, help="-- pretrain_gpt.py <Megatron arguments>")
+    p.add_argument("--kernel-model", choices=["roofline", "table", "fit"], default=None,
+                   help="the profiling runs' kernel model (default roofline; table: --kernel-table, fit: --kernel-fit)")
+    p.add_argument("--kernel-table", type=Path, default=None, help="a table from `prism kernels record`")
+    p.add_argument("--kernel-fit", type=Path, default=None, help="an overlay from `prism kernels fit`")
+    p.add_argument("target", nargs=argparse.REMAINDER, help="-- pretrain_gpt.py <Megatron arguments> | -- "
+                                                             "train.py --deepspeed_config ds.json <arguments>")
     p.set_defaults(func=_cmd_emulate)
 
 
@@ -81,29 +101,51 @@ def layout_of_megatron_args(argv: list[str], world_size: int) -> str:
 
 
 def _run_command(script_argv: list[str], rank: int, run_dir: Path, world_size: int, profile: str,
-                 gpus_per_node: int) -> list[str]:
-    return [sys.executable, "-m", "prism_plugin.megatron", *script_argv,
-            "--prism-world-size", str(world_size), "--prism-real-ranks", str(rank), "--prism-profile", profile,
-            "--prism-gpus-per-node", str(gpus_per_node), "--prism-device", "virtual-gpu",
-            "--prism-output", str(run_dir), "--prism-trace", str(run_dir / "trace")]
+                 gpus_per_node: int, *, trace: bool = True, graph: Path | None = None) -> list[str]:
+    command = [sys.executable, "-m", "prism_plugin.megatron", *script_argv,
+               "--prism-world-size", str(world_size), "--prism-real-ranks", str(rank), "--prism-profile", profile,
+               "--prism-gpus-per-node", str(gpus_per_node), "--prism-device", "virtual-gpu",
+               "--prism-output", str(run_dir)]
+    if trace:
+        command += ["--prism-trace", str(run_dir / "trace")]
+    if graph is not None:
+        command += ["--prism-graph", str(graph)]
+    return command
+
+
+def _run(command: list[str], run_dir: Path, rank: int, what: str, timeout_s: float) -> dict[str, Any]:
+    """Run one virtual-GPU process with virtual time; its summary (a `RuntimeError` naming its log on failure)."""
+    log = run_dir / "log.txt"
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        rc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
+                            env=dict(os.environ, PRISM_VIRTUAL_TIME="on")).returncode
+    if rc != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"prism emulate: {what} (rank {rank}) exited {rc}; log {log}:\n{tail}")
+    return {"rank": rank, "wall_s": round(time.perf_counter() - t0, 3),
+            "summary": json.loads((run_dir / f"rank{rank}.summary.json").read_text())}
 
 
 def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100", out: Path = Path("prism_emulate"),
-            gpus_per_node: int = 8, warmup: int = 1, timeout_s: float = 3600.0,
-            progress: Any = None) -> dict[str, Any]:
+            gpus_per_node: int = 8, warmup: int = 1, timeout_s: float = 3600.0, progress: Any = None,
+            framework: str = "auto", seq_length: int | None = None,
+            model_flops_per_iteration: float | None = None, hybrid: str | None = None) -> dict[str, Any]:
     """Run the pipeline of the module docstring; returns the report (also written to ``<out>/emulate.json``).
 
     Raises `ConfigError` on bad input (before any process starts) and `RuntimeError` when a profiling run fails
     (naming its log)."""
+    from prism_plugin.cli.emulate_deepspeed import DeepSpeedJob, detect_framework
     from prism_plugin.cli.graph import _build, replay_prediction
+    from prism_plugin.config.emulation import parse_rank_list
     from prism_plugin.cost import load_profile
     from prism_plugin.cost.gpu import gpu_spec
     from prism_plugin.graph.slicing import make_plan, parse_layout
     from prism_plugin.runtime.preflight import check_directory
 
     if not script_argv or not script_argv[0].endswith(".py") or not Path(script_argv[0]).is_file():
-        raise ConfigError("prism emulate: name the job's script and its Megatron arguments after `--`, e.g. "
-                          "`-- pretrain_gpt.py --num-layers 32 ...`")
+        raise ConfigError("prism emulate: name the job's script and its arguments after `--`, e.g. "
+                          "`-- pretrain_gpt.py --num-layers 32 ...` or `-- train.py --deepspeed_config ds.json`")
     if any(a.startswith("--prism-") for a in script_argv):
         raise ConfigError("prism emulate sets the --prism-* flags of each profiling run itself: drop them from the "
                           "job's arguments")
@@ -111,44 +153,94 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
     if hw.gpu is None:
         raise ConfigError(f"--profile {profile}: names no GPU model; use a GPU profile such as dgx-h100")
     gpu = gpu_spec(hw.gpu)
-    layout = layout_of_megatron_args(script_argv[1:], world_size)
-    plan = make_plan(parse_layout(layout, "megatron", world_size), 1)
+    framework = detect_framework(script_argv, framework)
+    ds_job = None
+    if framework == "deepspeed":
+        ds_job = DeepSpeedJob.from_argv(script_argv, world_size, seq_length)
+        layout = ds_job.layout
+    else:
+        if seq_length is not None or model_flops_per_iteration is not None:
+            raise ConfigError("--seq-length / --model-flops-per-iteration are for DeepSpeed jobs: a Megatron job's "
+                              "figures come from its own arguments; drop them")
+        layout = layout_of_megatron_args(script_argv[1:], world_size)
+    hybrid_ranks: tuple[int, ...] = ()
+    if hybrid is not None:
+        try:
+            hybrid_ranks = parse_rank_list(hybrid)
+        except ValueError as exc:
+            raise ConfigError(f"--hybrid {hybrid!r}: {exc}") from None
+        bad = [r for r in hybrid_ranks if not 0 <= r < world_size]
+        if bad:
+            raise ConfigError(f"--hybrid {hybrid!r}: ranks {bad} are not in 0..{world_size - 1}")
+    plan = make_plan(parse_layout(layout, framework, world_size), 1)
     check_directory("--out", out)
     out.mkdir(parents=True, exist_ok=True)
+
+    def command(rank: int, run_dir: Path, graph: Path | None = None) -> list[str]:
+        if ds_job is not None:
+            return ds_job.command(sys.executable, rank, run_dir, profile=profile, gpus_per_node=gpus_per_node,
+                                  trace=graph is None, graph=graph)
+        return _run_command(script_argv, rank, run_dir, world_size, profile, gpus_per_node, trace=graph is None,
+                            graph=graph)
+
     runs = []
     for i, ranks in enumerate(plan.runs):
         rank = ranks[0]
         run_dir = out / f"run{i}"
         run_dir.mkdir(parents=True, exist_ok=True)
-        command = _run_command(script_argv, rank, run_dir, world_size, profile, gpus_per_node)
-        t0 = time.perf_counter()
         if progress is not None:
             progress(f"profiling run {i + 1}/{len(plan.runs)}: rank {rank} on a virtual {gpu.name}")
-        log = run_dir / "log.txt"
-        with log.open("w") as f:
-            rc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                env=dict(os.environ, PRISM_VIRTUAL_TIME="on")).returncode
-        if rc != 0:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"prism emulate: profiling run {i} (rank {rank}) exited {rc}; log {log}:\n{tail}")
-        summary = json.loads((run_dir / f"rank{rank}.summary.json").read_text())
-        runs.append({"run": i, "rank": rank, "wall_s": round(time.perf_counter() - t0, 3), "summary": summary})
+        runs.append({"run": i, **_run(command(rank, run_dir), run_dir, rank, f"profiling run {i}", timeout_s)})
     if progress is not None:
         progress("building the execution graph and replaying it")
     graph = _build([r_dir / "trace" for r_dir in (out / f"run{i}" for i in range(len(runs)))], plan.job.world,
-                   plan.class_axes, warmup, {"emulate": " ".join(script_argv)})
-    graph.save(out / "job.graph")
-    prediction, _ = replay_prediction(graph, profile)
-    report = _report(runs, prediction, plan, layout, gpu, world_size, profile)
+                   plan.class_axes, warmup, {"emulate": " ".join(script_argv), "framework": framework})
+    graph_path = out / "job.graph"
+    graph.save(graph_path)
+    prediction, state = replay_prediction(graph, profile,
+                                          ranks=sorted({r["rank"] for r in runs} | set(hybrid_ranks)))
+    if ds_job is not None:
+        figures = ds_job.figures(model_flops_per_iteration)
+    else:
+        first = runs[0]["summary"].get("megatron", {})
+        figures = {k: first.get(k) for k in ("global_batch_size", "seq_length", "model_flops_per_iteration")}
+    report = _report(runs, prediction, plan, layout, gpu, world_size, profile, figures)
+    report["framework"] = framework
+    if hybrid_ranks:
+        hybrid_runs = []
+        for rank in hybrid_ranks:
+            run_dir = out / "hybrid" / f"rank{rank}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if progress is not None:
+                progress(f"hybrid: rank {rank} against the graph on a virtual {gpu.name}")
+            hybrid_runs.append(_run(command(rank, run_dir, graph_path), run_dir, rank, "hybrid run", timeout_s))
+        report["hybrid"] = _hybrid_rows(hybrid_runs, prediction, state)
     (out / "emulate.json").write_text(json.dumps(report, indent=1))
     return report
 
 
+def _hybrid_rows(runs: list[dict[str, Any]], prediction: dict[str, Any], state: Any) -> list[dict[str, Any]]:
+    """Per hybrid rank: its emulated steps (virtual time, virtual peers from the replay) against the replay's
+    (unrounded: the summary keeps each step to the nanosecond, so ``difference_us`` is exact to 0.001 us)."""
+    rows = []
+    for run in runs:
+        s, rank = run["summary"], run["rank"]
+        steps_s = s["virtual_gpu"]["virtual_time"]["step_times_s"]
+        replay_us = state.breakdown(rank).iteration_us
+        last_us = steps_s[-1] * 1e6 if steps_s else None
+        rows.append({"rank": rank, "class": prediction["ranks"][str(rank)]["class"],
+                     "steps_ms": [round(t * 1e3, 6) for t in steps_s],
+                     "step_ms": None if last_us is None else round(last_us / 1e3, 6),
+                     "replay_step_ms": round(replay_us / 1e3, 6),
+                     "difference_us": None if last_us is None else round(last_us - replay_us, 3),
+                     "graph": s.get("graph"), "wall_s": run["wall_s"]})
+    return rows
+
+
 def _report(runs: list[dict[str, Any]], prediction: dict[str, Any], plan: Any, layout: str, gpu: Any,
-            world_size: int, profile: str) -> dict[str, Any]:
+            world_size: int, profile: str, figures: dict[str, Any]) -> dict[str, Any]:
     step_s = prediction["step_us"] * 1e-6
-    first = runs[0]["summary"].get("megatron", {})
-    gbs, seq, flops = first.get("global_batch_size"), first.get("seq_length"), first.get("model_flops_per_iteration")
+    gbs, seq, flops = figures["global_batch_size"], figures["seq_length"], figures["model_flops_per_iteration"]
     classes = []
     for run in runs:
         s, rank = run["summary"], run["rank"]
@@ -175,12 +267,37 @@ def _report(runs: list[dict[str, Any]], prediction: dict[str, Any], plan: Any, l
         "model_flops_per_iteration": flops,
         "model_tflops_per_s_per_gpu": round(tflops, 1) if tflops is not None else None,
         "mfu": round(tflops * 1e12 / peak, 4) if tflops is not None and peak else None,
+        **{k: v for k, v in figures.items() if k not in ("global_batch_size", "seq_length",
+                                                          "model_flops_per_iteration")},
         "classes": classes,
         "kernel_model": runs[0]["summary"]["virtual_gpu"].get("kernels", {}).get("model"),
+        **_fit_fields([r["summary"]["virtual_gpu"].get("kernels", {}).get("fit") for r in runs]),
         "figures": "modelled: kernel model (per-op time), cost model (communication), allocator model (memory); "
                    "step, throughput and MFU from the graph's replay",
         "replay": {k: prediction[k] for k in ("step_us", "num_actors", "events", "replay_s")},
     }
+
+
+def _fit_fields(fits: list[Any]) -> dict[str, Any]:
+    """Under the fit model: the runs it was fitted on, and ``fitting_row`` (a profiling run is one of this job's
+    fitting runs: the report is not validation)."""
+    fits = [f for f in fits if f]
+    if not fits:
+        return {}
+    return {"kernel_fit": {k: fits[0][k] for k in ("file", "fitted_on")},
+            "fitting_row": any(f["fitting_row"] for f in fits)}
+
+
+def _kernel_model_env(args: argparse.Namespace) -> None:
+    """--kernel-model/--kernel-table/--kernel-fit as the PRISM_KERNEL_* variables the profiling runs inherit."""
+    env = {name: str(value) for name, value in (("PRISM_KERNEL_MODEL", args.kernel_model),
+                                                ("PRISM_KERNEL_TABLE", args.kernel_table),
+                                                ("PRISM_KERNEL_FIT", args.kernel_fit)) if value is not None}
+    if env:
+        from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions
+
+        VirtualTimeOptions.from_env({**os.environ, **env})  # a ConfigError naming the variable and the fix
+        os.environ.update(env)
 
 
 def _cmd_emulate(args: argparse.Namespace) -> int:
@@ -190,11 +307,14 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     target = list(args.target)
     if target and target[0] == "--":
         target = target[1:]
+    _kernel_model_env(args)
     console = Console(stderr=True)
     with console.status("prism emulate") as status:
         report = emulate(target, world_size=args.world_size, profile=args.profile, out=args.out,
                          gpus_per_node=args.gpus_per_node, warmup=args.warmup, timeout_s=args.timeout,
-                         progress=lambda text: status.update(f"prism emulate: {text}"))
+                         progress=lambda text: status.update(f"prism emulate: {text}"), framework=args.framework,
+                         seq_length=args.seq_length, model_flops_per_iteration=args.model_flops_per_iteration,
+                         hybrid=args.hybrid)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -209,9 +329,25 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
                       f"{c['peak_allocated_bytes'] / 2**30:.2f} GiB", f"{c['peak_reserved_bytes'] / 2**30:.2f} GiB",
                       f"{c['device_total_bytes'] / 2**30:.2f} GiB", "yes" if c["fits"] else "NO")
     mfu = report["mfu"]
-    table.caption = (f"step {report['step_ms']:.3f} ms | {report['tokens_per_s_per_gpu']} tokens/s/GPU | "
-                     f"{report['model_tflops_per_s_per_gpu']} model TFLOP/s/GPU | MFU "
+
+    def shown(value: Any) -> str:
+        return "n/a" if value is None else str(value)
+
+    table.caption = (f"step {report['step_ms']:.3f} ms | {shown(report['tokens_per_s_per_gpu'])} tokens/s/GPU | "
+                     f"{shown(report['model_tflops_per_s_per_gpu'])} model TFLOP/s/GPU | MFU "
                      f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | kernel model {report['kernel_model']}; "
                      f"{args.out}/emulate.json")
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for name, why in (report.get("unavailable") or {}).items():
+        console.print(f"{name}: n/a ({why})")
+    if report.get("hybrid"):
+        hybrid = Table(title="hybrid: real ranks against the graph (virtual peers from the replay), emulated time")
+        for col in ("rank", "class", "step ms", "replay step ms", "difference us", "ops replayed", "outside graph"):
+            hybrid.add_column(col, justify="right")
+        for h in report["hybrid"]:
+            g = h["graph"] or {}
+            hybrid.add_row(str(h["rank"]), str(h["class"]), shown(h["step_ms"]), str(h["replay_step_ms"]),
+                           shown(h["difference_us"]), shown(g.get("ops_replayed")), shown(g.get("ops_outside_graph")))
+        console.print(hybrid)
     return 0
