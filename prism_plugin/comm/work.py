@@ -165,8 +165,20 @@ class TimedWork(dist.Work):
         return self._result
 
     def get_future(self) -> torch.futures.Future:
-        """A future that completes with the results when this work completes (no extra thread)."""
+        """A future that completes with the results when this work completes (on the wall clock a thread waits
+        for it; on an emulated clock with ``on_future`` it is complete at once, the clock placing the wait)."""
         future: torch.futures.Future = torch.futures.Future()
+        on_future = getattr(self._clock, "on_future", None)
+        if on_future is not None and self.failure is None:
+            # an emulated clock: the host never waits for the op; the clock makes the stream wait for it where
+            # the future's consumer would (`prism_plugin.runtime.virtual_gpu.clock.VirtualTime.on_future`)
+            if self._lock is not None:
+                with self._lock:
+                    self._complete_inner()
+            on_future(self.deadline_s)
+            self._mark_done()
+            future.set_result(self._result)
+            return future
         if self.is_completed():
             future.set_result(self._result)
             return future

@@ -23,6 +23,7 @@ Seams owned here (each explicit, each undone by `deactivate`):
   records the emulated name there (default group at activation; subgroups through torch's own
   ``new_group`` bookkeeping, or the helper redirect below), and the backend refuses what that backend
   refuses (`prism_plugin.comm.backend`). ``backend="prism"`` emulates no backend (everything accepted).
+- torch DDP on virtual GPUs: its parameter-shape check on host metadata (`prism_plugin.runtime.virtual_gpu.ddp`).
 - iteration marks of plain scripts: a global ``torch.optim`` step post-hook marks an iteration at the
   end of each optimizer step (``iteration_marker`` auto / optimizer-step); explicit
   `mark_iteration()` calls (the adapters') take over in auto mode. Each mark anchors the clock,
@@ -413,6 +414,10 @@ class Session:
 
         patches.setattr(c10d, "broadcast_object_list", broadcast_object_list)
         patches.setattr(dist, "broadcast_object_list", broadcast_object_list)
+        if getattr(self.config, "device", None) is DeviceMode.VIRTUAL_GPU:  # torch DDP on fake parameters
+            from prism_plugin.runtime.virtual_gpu import ddp
+
+            ddp.install(patches)
         self.profiler_ranges.install()  # exported profiler traces get the emulated ops' metadata and kernels
         patches.callback(self.profiler_ranges.uninstall)
         # iterations of plain scripts: the end of each optimizer step (IterationMarker)

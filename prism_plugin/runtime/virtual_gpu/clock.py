@@ -30,6 +30,11 @@ host:
   its send was issued), where a GPU's host would run on. ``peer_wait_s`` sums how much later than this rank
   the ops it exchanged started (waiting for a real peer).
 
+A future of an op (``work.get_future()``, as DDP's reducer takes each bucket's all-reduce) is complete on the host
+at once (`on_future`); as a CUDA-aware future's ``wait()`` does, the current stream then waits for the op: at the
+end of the backward pass it was taken in (DDP's reducer waits for every bucket there, at finalize_backward; the
+shim tells the clock where a backward pass runs, `backward_depth`), or at once outside a backward pass.
+
 So DP gradient reduction overlapping backward, TP collectives on the compute stream, and pipeline bubbles
 follow from the program's own stream use. `on_mark` records iteration starts: the summary gives each step's
 emulated time.
@@ -78,6 +83,10 @@ class VirtualTime:
         self.comm_ops = 0
         self.host_syncs = 0
         self.exchanges = 0
+        self.backward_depth = 0
+        """How many autograd backward passes are running (the shim counts them)."""
+        self._future_wait_s = 0.0
+        """The latest op whose future was taken in the running backward pass (the stream waits at its end)."""
         self.peer_wait_s = 0.0
         self.marks: list[tuple[int, float]] = []
         self.record: KernelRecord | None = None
@@ -129,6 +138,20 @@ class VirtualTime:
             self.wait_until(self.current_stream(), deadline_s)
         else:  # a fault raises on the host at its time (a timeout the host sees)
             self.sync_host(deadline_s)
+
+    def on_future(self, deadline_s: float) -> None:
+        """A future of an op completing at `deadline_s` was taken (module docstring)."""
+        if self.backward_depth:
+            if deadline_s > self._future_wait_s:
+                self._future_wait_s = deadline_s
+        else:
+            self.wait_until(self.current_stream(), deadline_s)
+
+    def end_backward(self) -> None:
+        """The outermost backward pass returned: the current stream waits for the futures taken in it."""
+        if self._future_wait_s > 0.0:
+            self.wait_until(self.current_stream(), self._future_wait_s)
+            self._future_wait_s = 0.0
 
     # -- the last op observer ---------------------------------------------------------------------------------
     def on_op(self, event: OpEvent) -> None:

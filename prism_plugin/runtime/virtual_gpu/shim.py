@@ -335,10 +335,33 @@ class CudaShim:
         # pinned host memory is a host property (page-locked for faster copies): the tensor itself, unpinned; a
         # DataLoader with pin_memory=True (Megatron's) then runs as on a GPU host
         p.setattr(torch.Tensor, "pin_memory", lambda t, device=None: t)
+        self._count_backward_passes()
         snapshot.install(self)  # torch.cuda.memory's history and snapshot API (memory_viz's input)
         CudaShim._ACTIVE = self
         p.callback(setattr, CudaShim, "_ACTIVE", None)
         return self
+
+    def _count_backward_passes(self) -> None:
+        """Tell the clock where an autograd backward pass runs (`VirtualTime.on_future`): torch.autograd's
+        ``backward`` and ``grad`` run the engine through ``torch.autograd.graph._engine_run_backward``."""
+        import torch.autograd.graph as graph
+
+        run = graph._engine_run_backward
+
+        def engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+            clock = self.clock
+            if clock is None:
+                return run(*args, **kwargs)
+            clock.backward_depth += 1
+            try:
+                return run(*args, **kwargs)
+            finally:
+                clock.backward_depth -= 1
+                if clock.backward_depth == 0:
+                    clock.end_backward()
+
+        self._patches.setattr(graph, "_engine_run_backward", engine_run_backward)
+        self._patches.setattr(torch.autograd, "_engine_run_backward", engine_run_backward)
 
     def uninstall(self) -> None:
         self._patches.close()
