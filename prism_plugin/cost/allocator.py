@@ -160,6 +160,9 @@ class CachingAllocatorModel:
         self.ooms: list[dict[str, int]] = []
         self.peak_fragmentation = 0.0  # 1 - allocated / reserved when allocated bytes last reached their peak
         self._stats = {(s, p): _Stat() for s in _STATS for p in _POOLS}
+        self._pair = {(s, small): (self._stats[(s, "all")], self._stats[(s, "small_pool" if small else "large_pool")])
+                      for s in _STATS for small in (True, False)}
+        """(statistic, small pool?) -> its "all" and its pool's `_Stat`: `_add`'s two updates, looked up once."""
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._next_ptr = 0x7F0000000000
         self._gc = self.allowed is not None and self.config.garbage_collection_threshold > 0
@@ -167,8 +170,9 @@ class CachingAllocatorModel:
 
     # -- statistics -----------------------------------------------------------------------------------
     def _add(self, name: str, small: bool, amount: int) -> None:
-        self._stats[(name, "all")].add(amount)
-        self._stats[(name, "small_pool" if small else "large_pool")].add(amount)
+        both, pool = self._pair[(name, small)]
+        both.add(amount)
+        pool.add(amount)
 
     def stat(self, name: str, pool: str = "all", metric: str = "current") -> int:
         """One statistic, e.g. ``stat("reserved_bytes", "all", "peak")``, or a counter (``stat("num_ooms")``)."""

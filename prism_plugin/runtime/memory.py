@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from prism_plugin.runtime.leaves import leaves
 
 __all__ = ["StorageTracker", "current_tracker"]
 
@@ -151,16 +152,20 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self._track_outputs(leaves(out), leaves((args, kwargs)))
+        return out
+
+    def _track_outputs(self, out_leaves: list[Any], in_leaves: list[Any]) -> None:
+        """Register each output tensor among an op's result leaves whose storage none of its input leaves has."""
+        outputs = [t for t in out_leaves if isinstance(t, torch.Tensor)]
         if not outputs:
-            return out
+            return
         # a view, an in-place or an out= result shares an input's storage: not a new allocation
         # (and a view of a storage allocated while untracked must not count as one either)
-        inputs = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {_storage_key(t) for t in in_leaves if isinstance(t, torch.Tensor)}
         for t in outputs:
             if _storage_key(t) not in inputs:
                 self._register(t)
-        return out
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> StorageTracker:

@@ -27,11 +27,11 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten
 
 from prism_plugin.cost.allocator import Block, CachingAllocatorModel, DeviceOutOfMemory
 from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import DEFAULT_CUBLAS_WORKSPACES, DeviceTotal, GpuSpec
+from prism_plugin.runtime.leaves import leaves
 from prism_plugin.runtime.memory import StorageTracker
 from prism_plugin.runtime.virtual_gpu import cuda_runtime, snapshot
 from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
@@ -143,7 +143,7 @@ def _flash_attention(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 def _holds_cuda_fakes(data: Any) -> bool:
     return isinstance(data, list | tuple) and any(
-        isinstance(x, FakeTensor) and x.device.type == "cuda" for x in tree_flatten(data)[0])
+        isinstance(x, FakeTensor) and x.device.type == "cuda" for x in leaves(data))
 
 
 def _stack_on(data: Any, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
@@ -184,16 +184,22 @@ KernelTime = Callable[[Any, tuple, dict, Any], "float | None"]
 
 def _cuda_index(args: tuple, out: Any) -> int | None:
     """The cuda device an op runs on: its first cuda output's, else its first cuda input's (None: no cuda tensor)."""
-    for x in (*tree_flatten(out)[0], *tree_flatten(args)[0]):
-        if isinstance(x, torch.Tensor) and x.device.type == "cuda":
-            return x.device.index or 0
+    return _first_cuda(leaves(out), leaves(args))
+
+
+def _first_cuda(*flats: list[Any]) -> int | None:
+    """`_cuda_index` of leaves already flattened (the result's, then the positional arguments')."""
+    for flat in flats:
+        for x in flat:
+            if isinstance(x, torch.Tensor) and x.device.type == "cuda":
+                return x.device.index or 0
     return None
 
 
-def _host_only(args: tuple, kwargs: dict | None) -> bool:
-    """Whether an op touches no fake tensor and no cuda device: its inputs are real host tensors (or none) and it
-    creates nothing on a GPU."""
-    for x in tree_flatten((args, kwargs))[0]:
+def _host_only(flat: list[Any]) -> bool:
+    """Whether an op touches no fake tensor and no cuda device: its inputs (`flat`: the leaves of its arguments)
+    are real host tensors (or none) and it creates nothing on a GPU."""
+    for x in flat:
         if isinstance(x, FakeTensor) or (isinstance(x, torch.Tensor) and x.device.type != "cpu"):
             return False
         if (isinstance(x, torch.device) and x.type != "cpu") or (isinstance(x, str) and x.startswith("cuda")):
@@ -231,7 +237,9 @@ class _AllocatorTracker(StorageTracker):
         raise AssertionError("a tracked block belongs to no virtual device")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if _host_only(args, kwargs):
+        # each op's arguments and result are flattened once here (the tracker, host test and timing share them)
+        flat_args, flat_kwargs = leaves(args), leaves(kwargs)
+        if _host_only(flat_args) and _host_only(flat_kwargs):
             # host work (data loaders, samplers, CPU counters and timers) runs for real: only the GPU is virtual
             with _disable_current_modes():
                 return func(*args, **(kwargs or {}))
@@ -249,10 +257,14 @@ class _AllocatorTracker(StorageTracker):
                 func, args, kwargs = aten.empty_like.default, (args[0],), {
                     "dtype": kwargs.get("dtype") or args[0].dtype, "device": device,
                     "memory_format": kwargs.get("memory_format") or torch.preserve_format}
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        self.gpu.values.observe(func, args, kwargs or {}, out)
+                flat_args, flat_kwargs = leaves(args), leaves(kwargs)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)  # StorageTracker.__torch_dispatch__, with the leaves flattened once
+        flat_out = leaves(out)
+        self._track_outputs(flat_out, flat_args + flat_kwargs)
+        self.gpu.values.observe(func, args, kwargs, out)
         if self.gpu.clock is not None:
-            self.gpu.time_kernel(func, args, kwargs or {}, out, to_host)
+            self.gpu.time_kernel(func, args, kwargs, out, to_host, index=_first_cuda(flat_out, flat_args))
         return out
 
 
@@ -340,13 +352,15 @@ class VirtualGpu:
                 patches.setattr(time, f"{name}_ns", lambda base=base: int(round(1e9 * (base + clock.host_s))))
         return clock
 
-    def time_kernel(self, func: Any, args: tuple, kwargs: dict, out: Any, to_host: bool = False) -> None:
-        """Place the op just run on the current stream of its device, as a kernel of its modelled duration."""
+    def time_kernel(self, func: Any, args: tuple, kwargs: dict, out: Any, to_host: bool = False, *,
+                    index: int | None = -1) -> None:
+        """Place the op just run on the current stream of its device, as a kernel of its modelled duration.
+        `index`: its device if the caller found it already (`_cuda_index`; None: no cuda tensor; -1: find it)."""
         assert self.clock is not None and self.kernel_time is not None
         duration = self.kernel_time(func, args, kwargs, out)
         if duration is None:
             return
-        device = _cuda_index(args, out)
+        device = _cuda_index(args, out) if index == -1 else index
         if device is None:
             return
         stream = self.shim.current_stream(device).key

@@ -431,8 +431,16 @@ class KernelTimer:
         self.model = model
         self.device_types = tuple(device_types)
         self._tallies: dict[str, OpTally] = {}
+        self._no_kernel: dict[int, Any] = {}
+        """id(func) -> func of overloads that launch no kernel (views, metadata): skipped before any costing.
+        Keyed by id (an OpOverload hashes in Python) and holding the overload, so the id stays its own."""
 
     def duration_s(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> float | None:
+        if id(func) in self._no_kernel:
+            return None
+        if isinstance(func, torch._ops.OpOverload) and _op_info(func).kernel_class is None:
+            self._no_kernel[id(func)] = func
+            return None
         cost = kernel_cost(func, args, kwargs, out, device_types=self.device_types)
         if cost is None:
             return None

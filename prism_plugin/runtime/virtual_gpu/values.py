@@ -30,6 +30,8 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from prism_plugin.runtime.leaves import leaves
+
 __all__ = ["NoValueError", "ValuePolicy"]
 
 aten = torch.ops.aten
@@ -92,10 +94,10 @@ class ValuePolicy:
 
     def _propagate(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Compute `func` on the real values of its inputs when every tensor input has them (one is ours)."""
+        if not any(isinstance(x, torch.Tensor) and id(x) in self._data for x in leaves((args, kwargs))):
+            return  # the common case, tested without pytree's spec (built only when values propagate)
         flat, spec = tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        if not tensors or not any(id(x) in self._data for x in tensors):
-            return
         real = [self._data_of(x) if isinstance(x, torch.Tensor) else x for x in flat]
         mutated = [x for x in tensors if id(x) in self._data] if getattr(func, "_schema", None) is not None and \
             func._schema.is_mutable else []
