@@ -4,19 +4,19 @@
     prism kernels record --output table.json --warmup 2 --steps 10 -- train.py --lr 0.1
     prism kernels record --clock cpu -m prism_plugin.programs.toy_train --tp 1 --steps 12
 
-Runs the program once, in this process, on whatever device it uses (``--device auto``: ``cuda`` when torch
-has one, else ``cpu``), under `prism_plugin.runtime.virtual_gpu.record.KernelRecorder`: after ``--warmup``
-optimizer steps it times every ATen op on that device for ``--steps`` optimizer steps (default: to the end)
-and writes one entry per (op, shape, dtype) with its median duration, plus metadata (torch version, threads,
+Runs the program once, in this process, on whatever device it uses (``--device auto``: ``cuda`` when torch has one,
+else ``cpu``), under `prism_plugin.runtime.virtual_gpu.record.KernelRecorder`: after ``--warmup`` optimizer steps it
+times every ATen op on that device for ``--steps`` optimizer steps (default: to the end) and writes one entry per
+(op, shape, dtype) with its median duration (``--statistic mean``: its mean), plus metadata (torch version, threads,
 host, program, steps, and on ``cpu`` the host overhead per launch to use as ``kernels.launch_overhead_us``).
 ``--clock cpu`` times a ``cpu`` run by this thread's CPU time instead of the wall clock (a shared machine's
-descheduling left out). ``--threads`` (default 1) is ``torch.set_num_threads`` before the program starts (a
-program may set its own; the table's metadata reports what was in force at the end). A program that is not
-a torch.distributed job runs as it is; one that calls ``init_process_group`` without a rendezvous in the
-environment runs as rank 0 of 1. Bad input (no program, ``--steps 0``, no step recorded) exits 2 with one line
+descheduling left out). ``--threads`` (default 1) is ``torch.set_num_threads`` before the program starts (a program
+may set its own; the table's metadata reports what was in force at the end). A program that is not a
+torch.distributed job runs as it is; one that calls ``init_process_group`` without a rendezvous in the environment
+runs as rank 0 of 1. Bad input (no program, ``--steps 0``, no step recorded) exits 2 with one line
 saying what to fix.
 
-    prism kernels fit --run out/rank0.summary.json:0.0131 [--run NAME=FILE:SECONDS ...] [--runs runs.yaml] \
+    prism kernels fit --run out/rank0.summary.json:0.0131 [--run NAME=FILE:SECONDS ...] [--runs runs.yaml] \\
         [--classes gemm,attention] --output fit.yaml
 
 fits per-class efficiencies (`prism_plugin.cost.kernel_fit`) so each run's emulated steady step matches its
@@ -84,7 +84,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
         Console(stderr=True).print(f"[bold red]prism kernels record: the program exited {rc}; no table written[/]")
         return rc
     try:
-        table = table_data(recorder, program=target)
+        table = table_data(recorder, program=target, statistic=args.statistic)
     except ValueError as exc:
         raise ConfigError(f"prism kernels record: {exc}") from None
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -187,6 +187,9 @@ def add_kernels_parser(sub: Any) -> None:
     rec.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                      help="cpu device: time ops and steps by the wall clock (default), or by this thread's CPU time "
                           "(a shared machine's descheduling left out)")
+    rec.add_argument("--statistic", choices=["median", "mean"], default="median",
+                     help="each entry's figure over its samples: median (default) or mean (a shared machine's "
+                          "descheduled samples kept, as a real step pays them)")
     rec.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None,
                      help="record a module and its arguments, like python -m")
     rec.add_argument("target", nargs=argparse.REMAINDER, help="-- script.py args")

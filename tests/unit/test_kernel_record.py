@@ -17,7 +17,8 @@ from prism_plugin.runtime.virtual_gpu.record import KernelRecorder, KeySamples, 
 
 ENTRY_KEYS = {"op", "kernel_class", "shape", "dtype", "device", "flops", "bytes", "duration_us", "count"}
 METADATA_KEYS = {"torch_version", "threads", "host", "machine", "processor", "program", "device_type", "device",
-                 "clock", "warmup_steps", "recorded_steps", "optimizer_steps_seen", "kernels_per_step",
+                 "clock", "statistic", "kernel_time_per_step_mean_s", "comm_time_per_step_mean_s",
+                 "warmup_steps", "recorded_steps", "optimizer_steps_seen", "kernels_per_step",
                  "collectives_per_step", "step_time_median_s", "kernel_time_per_step_median_s",
                  "comm_time_per_step_median_s", "recorder_overhead_per_step_median_s", "host_overhead_us_per_launch",
                  "recorded_at", "note"}
@@ -88,6 +89,10 @@ def test_each_entry_holds_the_median_of_its_samples() -> None:
     # host time per launch: (20 us wall - 1 us bookkeeping - 16 us kernels - 1 us comm) / 4 launches = 0.5 us
     assert table["metadata"]["host_overhead_us_per_launch"] == 0.5
     assert table["metadata"]["comm_time_per_step_median_s"] == 1e-6
+    (entry,) = table_data(recorder, program=["p.py"], device="cpu", statistic="mean")["entries"]
+    assert entry["duration_us"] == 4.25  # (5 + 1 + 2 + 9) / 4 us
+    with pytest.raises(ValueError, match="statistic='max': use median or mean"):
+        table_data(recorder, program=["p.py"], statistic="max")
     assert table["metadata"]["step_time_median_s"] == 19e-6
 
 

@@ -80,6 +80,11 @@ class KeySamples:
         """The median sample in microseconds (the mean of the two middle ones for an even count)."""
         return statistics.median(self.durations_ns) / 1e3
 
+    @property
+    def mean_us(self) -> float:
+        """The mean sample in microseconds (what a step pays on average, a descheduled sample's tail included)."""
+        return statistics.fmean(self.durations_ns) / 1e3
+
 
 class KernelRecorder(TorchDispatchMode):
     """Times each ATen op on `device_type` tensors after `warmup` optimizer steps, for `steps` steps.
@@ -246,12 +251,17 @@ def device_name(device_type: str) -> str:
     return "cpu" if device_type == "cpu" else torch.cuda.get_device_name()
 
 
-def table_data(recorder: KernelRecorder, *, program: Sequence[str], device: str | None = None) -> dict[str, Any]:
-    """`recorder`'s samples as a kernel table (`TableModel.from_json`'s format): one entry per key, its median.
+def table_data(recorder: KernelRecorder, *, program: Sequence[str], device: str | None = None,
+               statistic: str = "median") -> dict[str, Any]:
+    """`recorder`'s samples as a kernel table (`TableModel.from_json`'s format): one entry per key, its median
+    (`statistic` ``mean``: its mean, which on a shared machine keeps the descheduled samples' share, as a real step
+    pays it: the sum of the ops' means is the mean of the steps' kernel time).
 
     Entries are sorted by (op, dtype, shape). Raises `ValueError` when no step was recorded (no optimizer, or
-    fewer optimizer steps than the warm-up).
+    fewer optimizer steps than the warm-up), or for a `statistic` other than median / mean.
     """
+    if statistic not in ("median", "mean"):
+        raise ValueError(f"statistic={statistic!r}: use median or mean")
     if recorder.recorded_steps == 0:
         raise ValueError(f"no step recorded: the program made {recorder.optimizer_steps} optimizer step(s) and "
                          f"{recorder.warmup} were warm-up; lower --warmup, run more steps, or use a program that "
@@ -259,7 +269,8 @@ def table_data(recorder: KernelRecorder, *, program: Sequence[str], device: str 
     device = device or device_name(recorder.device_type)
     entries = [{"op": s.cost.op, "kernel_class": s.cost.kernel_class.value, "shape": list(s.cost.shape),
                 "dtype": s.cost.dtype, "device": device, "flops": s.cost.flops, "bytes": s.cost.bytes,
-                "duration_us": round(s.median_us, 3), "count": len(s.durations_ns)}
+                "duration_us": round(s.mean_us if statistic == "mean" else s.median_us, 3),
+                "count": len(s.durations_ns)}
                for s in sorted(recorder.samples.values(), key=lambda s: (s.cost.op, s.cost.dtype, s.cost.shape))]
     steps_ns = [b - a for a, b in zip(recorder.step_ends_ns, recorder.step_ends_ns[1:], strict=False)]
     # the program's step: wall time less the recorder's bookkeeping
@@ -272,7 +283,9 @@ def table_data(recorder: KernelRecorder, *, program: Sequence[str], device: str 
     metadata = {
         "torch_version": torch.__version__, "threads": torch.get_num_threads(), "host": platform.node(),
         "machine": platform.machine(), "processor": platform.processor() or None, "program": list(program),
-        "device_type": recorder.device_type, "device": device, "clock": recorder.clock,
+        "device_type": recorder.device_type, "device": device, "clock": recorder.clock, "statistic": statistic,
+        "kernel_time_per_step_mean_s": round(statistics.fmean(recorder.kernel_ns_per_step) / 1e9, 9),
+        "comm_time_per_step_mean_s": round(statistics.fmean(recorder.comm_ns_per_step) / 1e9, 9),
         "warmup_steps": recorder.warmup,
         "recorded_steps": recorder.recorded_steps, "optimizer_steps_seen": recorder.optimizer_steps,
         "kernels_per_step": round(kernels / recorder.recorded_steps, 3),
