@@ -116,7 +116,7 @@ class VirtualGroup:
             words = torch.tensor(list(values), dtype=torch.float64)
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX
-            self.inner(torch.device("cpu")).allreduce([words], opts).wait()
+            self._wait_word(self.inner(torch.device("cpu")).allreduce([words], opts), "a collective")
             return words.tolist()
 
     def send_word(self, dst: int, tag: int, value: float) -> None:
@@ -130,8 +130,19 @@ class VirtualGroup:
         """The value real member `src` (group rank) sent with `tag`; blocks until it was sent."""
         with host_tensors():
             word = torch.zeros(1, dtype=torch.float64)
-            self.inner(torch.device("cpu")).recv([word], self.real_index(src), tag).wait()
+            self._wait_word(self.inner(torch.device("cpu")).recv([word], self.real_index(src), tag),
+                            f"a recv from group rank {src} (tag {tag})")
             return float(word[0])
+
+    def _wait_word(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"prism: the emulated times of the real members of group {self.name!r} did not arrive for {what} "
+                f"(op {self.seq} of the group): a real peer stopped, or the real ranks issue ops of groups they "
+                f"share in different orders, or a recv before the send it waits for on both sides (each real rank "
+                f"blocks at such an op until its real peers issued it). The inner gloo group said: {exc}") from exc
 
     # -- mirror memory for receives from virtual peers ---------------------------------------------
     def remember_sent(self, tensor: torch.Tensor) -> None:

@@ -24,6 +24,8 @@ Seams owned here (each explicit, each undone by `deactivate`):
   ``new_group`` bookkeeping, or the helper redirect below), and the backend refuses what that backend
   refuses (`prism_plugin.comm.backend`). ``backend="prism"`` emulates no backend (everything accepted).
 - torch DDP on virtual GPUs: its parameter-shape check on host metadata (`prism_plugin.runtime.virtual_gpu.ddp`).
+- a failing collective raises its own error: torch's exception logger asks a group named "nccl" for
+  ``torch.cuda.nccl.version()``, which a torch built without NCCL answers with an AttributeError.
 - iteration marks of plain scripts: a global ``torch.optim`` step post-hook marks an iteration at the
   end of each optimizer step (``iteration_marker`` auto / optimizer-step); explicit
   `mark_iteration()` calls (the adapters') take over in auto mode. Each mark anchors the clock,
@@ -414,6 +416,18 @@ class Session:
 
         patches.setattr(c10d, "broadcast_object_list", broadcast_object_list)
         patches.setattr(dist, "broadcast_object_list", broadcast_object_list)
+        if not hasattr(torch._C, "_nccl_version"):  # a failing op's own error, not the logger's, when emulating nccl
+            import torch.distributed.c10d_logger as c10d_logger
+
+            msg_dict = c10d_logger._get_msg_dict
+
+            def get_msg_dict(func_name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+                try:
+                    return msg_dict(func_name, *args, **kwargs)
+                except AttributeError:  # torch.cuda.nccl.version() of a torch built without NCCL
+                    return {"func_name": func_name, "backend": "nccl (emulated; this torch has no NCCL)"}
+
+            patches.setattr(c10d_logger, "_get_msg_dict", get_msg_dict)
         if getattr(self.config, "device", None) is DeviceMode.VIRTUAL_GPU:  # torch DDP on fake parameters
             from prism_plugin.runtime.virtual_gpu import ddp
 

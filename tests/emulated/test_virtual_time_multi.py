@@ -42,7 +42,7 @@ try:
     vg = VirtualGpu(gpu_spec("h100-sxm"), num_devices=8, device=index).start()
     clock = vg.start_time(model, LAUNCH)
     P.activate(EmulationConfig(world=VirtualWorld(world_size=8, real_ranks=(0, 1), gpus_per_node=8),
-                               profile="dgx-h100", device="virtual-gpu", timeout_s=120.0),
+                               profile="dgx-h100", device="virtual-gpu", timeout_s=TIMEOUT_S),
                process_index=index, real_store=dist.FileStore(store_path, 2), backend="nccl")
 """
 EPILOGUE = """
@@ -55,9 +55,10 @@ cuda_runtime.exit_now(code)
 """
 
 
-def run_pair(body: str, folder: Path) -> list[dict]:
-    """`body` as both real ranks (``index`` 0 and 1) of one job; each rank's RESULT."""
-    program = PRELUDE + textwrap.indent(textwrap.dedent(body), "    ") + EPILOGUE
+def run_pair(body: str, folder: Path, timeout_s: float = 120.0) -> list[dict]:
+    """`body` as both real ranks (``index`` 0 and 1) of one job (inner groups' timeout `timeout_s`); each rank's
+    RESULT."""
+    program = f"TIMEOUT_S = {timeout_s!r}\n" + PRELUDE + textwrap.indent(textwrap.dedent(body), "    ") + EPILOGUE
     folder.mkdir(parents=True, exist_ok=True)
     store = folder / "store"
     procs = [subprocess.Popen([sys.executable, "-c", program, str(i), str(store)], stdout=subprocess.PIPE,
@@ -163,3 +164,20 @@ def test_pipeline_stage_1_starts_exactly_after_stage_0s_send(tmp_path: Path, lib
     for stage in (stage0, stage1):
         assert ps(stage["steps"]) == ps([step] * 2)
     assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+CROSSED_RECVS = """
+    t = torch.empty(1024, device="cuda")
+    try:
+        dist.recv(t, src=1 - index)                             # both ranks receive first: neither sends
+        out["received"] = True
+    except RuntimeError as exc:
+        out["refused"] = str(exc)
+"""
+
+
+def test_crossed_receives_between_real_ranks_fail_naming_the_cause(tmp_path: Path, library: None) -> None:
+    for rank in run_pair(CROSSED_RECVS, tmp_path, timeout_s=2.0):
+        assert rank["refused"].startswith("prism: the emulated times of the real members of group '0' did not "
+                                          "arrive for a recv from group rank ")
+        assert "a recv before the send it waits for on both sides" in rank["refused"]
