@@ -224,7 +224,36 @@ def install(patches: Any, text: str | None = None) -> RoutingPolicy:
 
     patches.setattr(MoEAlltoAllTokenDispatcher, "preprocess", preprocess)
     _loss_scale_on_device(patches)
+    keep_parameter_attributes(patches)
     return policy
+
+
+def keep_parameter_attributes(patches: Any, names: tuple[str, ...] = ("allreduce",)) -> None:
+    """A parameter keeps Megatron's expert marker through ``Module.cuda()`` / ``.to()`` / ``.bfloat16()``, as on a GPU.
+
+    Megatron marks expert weights ``allreduce = False``: their gradients reduce over the expert-data-parallel group
+    and the distributed optimizer gives them their own buffers and optimizer (sharded over expert DP, not DP). On a
+    real GPU ``Module._apply`` keeps the parameter object (``param.data = ...``); for a fake tensor torch swaps in
+    a new one with ``torch.utils.swap_tensors``, which swaps the ``__dict__`` too, so the marker was lost and the
+    experts were reduced and sharded as dense parameters over the whole data-parallel group (EP8 at N=8: 4.2 GB of
+    an expert's fp32 optimizer state counted as 0.5 GB). The swap now hands `names` back to the parameter.
+
+    Limitation (left to the virtual GPU's own swap, `runtime.virtual_gpu.device`, which this wraps while the adapter
+    is installed): Megatron's other parameter attributes (``sequence_parallel``, ``tensor_model_parallel``,
+    ``partition_dim``, ``shared``) are still lost there; keeping them changes dense runs' grad-norm and SP norm-grad
+    all-reduce traffic (and pinned step times), so it is not done from here.
+    """
+    import torch
+
+    swap = torch.utils.swap_tensors
+
+    def swap_keeping_attributes(t1: Any, t2: Any) -> None:
+        kept = {n: t1.__dict__[n] for n in names if n in getattr(t1, "__dict__", {})}
+        swap(t1, t2)
+        for name, value in kept.items():
+            t1.__dict__.setdefault(name, value)
+
+    patches.setattr(torch.utils, "swap_tensors", swap_keeping_attributes)
 
 
 def _loss_scale_on_device(patches: Any) -> None:
@@ -237,10 +266,9 @@ def _loss_scale_on_device(patches: Any) -> None:
     original = schedules._normalize_loss_scale
 
     def normalize(loss_scale: Any, device: Any, scale_func_name: str) -> Any:
-        if isinstance(loss_scale, torch.Tensor) and loss_scale.device == torch.device(device):
-            if loss_scale.numel() != 1:
-                return original(loss_scale, device, scale_func_name)  # Megatron's own error
+        if isinstance(loss_scale, torch.Tensor) and loss_scale.device == torch.device(device) \
+                and loss_scale.numel() == 1:
             return loss_scale
-        return original(loss_scale, device, scale_func_name)
+        return original(loss_scale, device, scale_func_name)  # anything else, and Megatron's own error
 
     patches.setattr(schedules, "_normalize_loss_scale", normalize)
