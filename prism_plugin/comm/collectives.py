@@ -202,7 +202,9 @@ def reduce_scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[li
         if len(chunks) != vg.size:
             raise ValueError(f"prism: reduce_scatter needs {vg.size} input chunks, got {len(chunks)}")
         fill_from(out, chunks[vg.rank])
-        if vg.num_real == 1 or not data:
+        if not data:  # fake tensors: nothing to reduce (shapes and memory only)
+            continue
+        if vg.num_real == 1:
             _, finish = _real_reduce(vg, out, rop, None)
             steps.append(finish)
             continue
@@ -341,8 +343,8 @@ def scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[list[Tens
             for member in vg.real_group_ranks:
                 if member != vg.rank and data:
                     inner.append(vg.inner(out.device).send([chunks[member]], vg.real_index(member), 0))
-    elif vg.is_real(root) and data:
-        for out in outputs:
+    elif vg.is_real(root):
+        for out in outputs if data else ():
             inner.append(vg.inner(out.device).recv([out], vg.real_index(root), 0))
     else:
         for out in outputs:

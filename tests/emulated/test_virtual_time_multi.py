@@ -181,3 +181,44 @@ def test_crossed_receives_between_real_ranks_fail_naming_the_cause(tmp_path: Pat
         assert rank["refused"].startswith("prism: the emulated times of the real members of group '0' did not "
                                           "arrive for a recv from group rank ")
         assert "a recv before the send it waits for on both sides" in rank["refused"]
+
+
+EVERY_KIND = """
+    a = torch.randn(1024, 1024, device="cuda")
+    t = torch.empty(1 << 20, device="cuda")
+    big = torch.empty(8 << 20, device="cuda")
+    spans = []
+    clock.record = lambda row, name, start, end: spans.append((name, start, end)) if row.startswith("comm") else None
+    if index == 1:
+        x = a @ a                                               # rank 1 arrives 1 MS late at the first op
+    dist.all_reduce(t)
+    dist.reduce(t, dst=1)
+    dist.broadcast(t, src=1)
+    dist.all_gather_into_tensor(big, t)
+    dist.reduce_scatter_tensor(t, big)
+    dist.all_to_all_single(big, big)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1 - index), dist.P2POp(dist.irecv, a, 1 - index)])
+    for r in reqs:
+        r.wait()
+    dist.barrier()
+    torch.cuda.synchronize()
+    P.deactivate()
+    out["spans"], out["exchanges"], out["peer_wait_s"] = spans, clock.exchanges, clock.peer_wait_s
+    out["allocated"] = torch.cuda.memory_allocated()
+"""
+
+
+def test_every_collective_kind_on_fakes_couples_two_real_ranks(tmp_path: Path, library: None) -> None:
+    r0, r1 = run_pair(EVERY_KIND, tmp_path)
+    kinds = ["all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "send", "recv",
+             "barrier"]
+    assert [s[0] for s in r0["spans"]] == [s[0] for s in r1["spans"]] == kinds
+    assert r0["exchanges"] == r1["exchanges"] == len(kinds)
+    # every collective starts on both at the same time (rank 1's late arrival, then the comm stream's end)
+    collectives = [i for i, k in enumerate(kinds) if k not in ("send", "recv")]
+    assert [r0["spans"][i] for i in collectives] == [r1["spans"][i] for i in collectives]
+    assert r0["spans"][0][1] == MS  # the first starts at rank 1's arrival
+    assert r0["peer_wait_s"] == MS and r1["peer_wait_s"] == 0.0  # rank 0 waited once, for that MS
+    # no data moved, memory is each rank's own tensors only: a, t, big (fp32); rank 1 also holds x
+    assert r0["allocated"] == 4 * ((1 << 20) + (1 << 20) + (8 << 20))
+    assert r1["allocated"] == r0["allocated"] + 4 * (1 << 20)
