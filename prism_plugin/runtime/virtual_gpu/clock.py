@@ -40,7 +40,8 @@ follow from the program's own stream use. `on_mark` records iteration starts: th
 emulated time.
 
 Limitations: with several real ranks, two real ranks that issue ops of two groups they share in opposite
-orders deadlock at the exchange (the gloo group's timeout names it), where GPUs would run both; ops of a stream
+orders deadlock at the exchange (after the job's timeout it raises naming the group and this rule), where GPUs
+would run both; ops of a stream
 other than the current one are issued on the current one; CUDA graphs are not
 modelled; the host's own Python time is not modelled (only launches): a host-bound program is predicted too fast.
 """
