@@ -116,3 +116,25 @@ def test_ddp_shape_check_compares_the_real_ranks_parameters(tmp_path: Path, libr
     _, other = run_pair(MISMATCH, tmp_path)  # (group rank 0, the source, passes; it then loses its peer)
     assert other["refused"].startswith("DDP expects same model across all ranks, but parameter 0 has sizes and "
                                        "strides [2048, 1024, 1024, 1] here and [1024, 1024, 1024, 1] on group rank 0")
+
+
+def test_ddp_options_fake_tensors_cannot_run_are_refused_naming_the_flag(library: None) -> None:
+    out = run_child(program(PRELUDE, """
+        net = torch.nn.Linear(64, 64).cuda()
+        for flag in ("find_unused_parameters", "static_graph"):
+            try:
+                torch.nn.parallel.DistributedDataParallel(net, device_ids=[index], **{flag: True})
+                out[flag] = "built"
+            except NotImplementedError as exc:
+                out[flag] = str(exc)
+        ddp = torch.nn.parallel.DistributedDataParallel(net, device_ids=[index])  # without them it builds
+        try:
+            ddp._set_static_graph()
+        except NotImplementedError as exc:
+            out["_set_static_graph"] = str(exc)
+        P.deactivate()
+    """, EPILOGUE))
+    for flag in ("find_unused_parameters", "static_graph"):
+        assert out[flag].startswith(f"prism virtual GPU: DistributedDataParallel({flag}=True) keeps a pinned host map")
+        assert f"Drop {flag}=True" in out[flag]
+    assert "DistributedDataParallel(static_graph=True)" in out["_set_static_graph"]

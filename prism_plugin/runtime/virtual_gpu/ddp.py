@@ -13,13 +13,20 @@ DDP's logger samples runtime statistics (forward, backward and communication tim
 the parameters' device type; a CPU-only torch registers no CUDA timer, and the logger's INTERNAL ASSERT on the
 missing timer would stop the first forward. On virtual GPUs those samples are skipped (``set_runtime_stats_and_log``
 raises nothing for the missing timer): ``ddp._get_ddp_logging_data()`` lacks the ``avg_*_time`` entries, which the
-emulated timeline and the summary's step times give instead. The rest of DDP runs unchanged on fake tensors: the
+emulated timeline and the summary's step times give instead.
+
+Refused, naming the flag (`refuse_unsupported`): ``find_unused_parameters=True`` and ``static_graph=True``
+(``_set_static_graph()``) on fake parameters: the C++ reducer keeps a pinned host map of the parameters used in
+each iteration and reads it by raw memory, which a fake tensor has not (and a CPU-only torch has no pinned
+memory). The rest of DDP runs unchanged on fake tensors: the
 broadcast of the module states (``dist._broadcast_coalesced``), the bucketed reducer and its gradient hooks
 (`prism_plugin.comm.work.TimedWork.get_future` keeps the reducer's waits deterministic on virtual time).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +37,21 @@ from torch._subclasses.fake_tensor import FakeTensor
 from prism_plugin.comm.group import host_tensors
 from prism_plugin.runtime.undo import Patches
 
-__all__ = ["install", "verify_param_shapes"]
+__all__ = ["install", "refuse_unsupported", "verify_param_shapes"]
+
+
+def refuse_unsupported(module: torch.nn.Module, *, find_unused_parameters: bool, static_graph: bool) -> None:
+    """Raise for the DDP options fake parameters cannot run (module docstring); nothing for real ones."""
+    if not (find_unused_parameters or static_graph):
+        return
+    if not any(isinstance(p, FakeTensor) for p in module.parameters()):
+        return
+    flag = "find_unused_parameters=True" if find_unused_parameters else "static_graph=True"
+    raise NotImplementedError(
+        f"prism virtual GPU: DistributedDataParallel({flag}) keeps a pinned host map of the parameters each "
+        "iteration used, which its C++ reducer reads by raw memory: fake tensors hold none (and a CPU-only torch "
+        f"has no pinned memory). Drop {flag} (a model whose parameters all get gradients needs neither), or run "
+        "this part with --device real")
 
 
 def verify_param_shapes(process_group: Any, tensors: Sequence[torch.Tensor], logger: Any = None,
@@ -83,3 +104,21 @@ def install(patches: Patches) -> None:
                 raise
 
     patches.setattr(dist.Logger, "set_runtime_stats_and_log", set_runtime_stats_and_log)
+    ddp_class = ddp_module.DistributedDataParallel
+    init, set_static = ddp_class.__init__, ddp_class._set_static_graph
+    signature = inspect.signature(init)
+
+    def ddp_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        refuse_unsupported(a["module"], find_unused_parameters=bool(a["find_unused_parameters"]),
+                           static_graph=bool(a["static_graph"]))
+        init(self, *args, **kwargs)
+
+    def set_static_graph(self: Any) -> None:
+        refuse_unsupported(self.module, find_unused_parameters=False, static_graph=True)
+        set_static(self)
+
+    patches.setattr(ddp_class, "__init__", functools.wraps(init)(ddp_init))
+    patches.setattr(ddp_class, "_set_static_graph", functools.wraps(set_static)(set_static_graph))
