@@ -31,6 +31,11 @@ Refused at the seam (`NoValueError`, naming the read and the call site): ``--moe
 counts depend on the routing values). With padding to capacity Megatron's own path runs (its counts are the
 capacity, no value read). The allgather and flex dispatchers are not covered: their reads raise as any unanswered
 read does (`values.ValuePolicy.read`).
+
+`install` also puts in two seams MoE training needs on virtual GPUs (each undone with the adapter): expert weights
+keep Megatron's ``allreduce = False`` marker through ``Module.cuda()`` (`keep_parameter_attributes`: without it the
+experts were reduced and sharded as dense parameters), and Megatron's MoE loss scale skips a no-op
+``torch.as_tensor`` the virtual GPU's device calls assert on (`_loss_scale_on_device`).
 """
 
 from __future__ import annotations
