@@ -53,17 +53,18 @@ import yaml
 
 pytestmark = pytest.mark.slow
 
-STEPS, WARMUP, REAL_RUNS, WORLD = 25, 5, 3, 2
+STEPS, WARMUP, REAL_RUNS, WORLD = 25, 5, 4, 2
 PROGRAM = ["-m", "prism_plugin.programs.toy_train", "--tp", "2", "--hidden", "512", "--batch", "64",
            "--steps", str(STEPS), "--json"]
 MAX_LOAD = float(os.environ.get("PRISM_RECIPES_MAX_LOAD", (os.cpu_count() or 1) + 1))
 MAX_BOUND = 0.5
-"""Beyond this bound (a spread over 25% between real runs) the real runs say too little: the test skips, never
-passes."""
+"""Beyond this bound (a trimmed spread over 25% between real runs) the real runs say too little: the test skips,
+never passes."""
 FLOOR_REL = 0.25
-"""The least tolerated error, 25%: the real 2-process runs' own spread (max - min over median of 3 runs' medians,
-wall clock) measured 4-16% per rank here (loads 6-12 on 2 cores, recipes/RESULTS.md), plus the modelled gloo
-all-reduces' error (the profile's calibration residual: up to 13% per all_reduce, mean of noisy waits)."""
+"""The least tolerated error, 25%, an estimate from measured figures: the one-process check's floor, 10% (its
+measured bias plus the recording's noise, `test_kernel_table_cpu.FLOOR_REL`), plus the step's one gloo all-reduce,
+whose recorded time per step varied 3.1-7.3 ms over 4 recordings here (loads 4.5-12 on 2 cores), 25-40% of the
+step: a recording's comm can be off the real runs' by ~15% of the step even with little load (not measured idle)."""
 REAL = """
 import json, sys, time, torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -174,11 +175,17 @@ def emulated_steps_s(tmp: Path, rank: int, table: Path, host_overhead_us: float,
     return steps, summary
 
 
-def error_bound(real_medians_s: list[float]) -> float:
-    """Twice the real runs' spread ((max - min) / median), at least `FLOOR_REL` (twice: the table comes from one more
-    real run, as noisy as those measured)."""
-    spread = (max(real_medians_s) - min(real_medians_s)) / statistics.median(real_medians_s)
-    return max(FLOOR_REL, 2 * spread)
+def error_bound(real_s: list[float]) -> float:
+    """Twice the real runs' trimmed spread ((max - min) / median once the run farthest from the median is dropped,
+    as ``prism recipe noise`` trims), at least `FLOOR_REL` (twice: the table comes from one more real run, as noisy
+    as those measured).
+
+    >>> round(error_bound([0.0125, 0.0108, 0.0270]), 4)  # 27 ms dropped: 2 x (12.5 - 10.8) / 11.65
+    0.2918
+    """
+    median = statistics.median(real_s)
+    kept = sorted(real_s, key=lambda r: abs(r - median))[:-1] if len(real_s) > 2 else list(real_s)
+    return max(FLOOR_REL, 2 * (max(kept) - min(kept)) / statistics.median(kept))
 
 
 def test_the_toy_tp2_job_in_virtual_time_predicts_its_real_cpu_step(tmp_path: Path) -> None:
