@@ -24,7 +24,16 @@ drain, each 1/v of a whole stage's pass. Hence bubble / compute = (p - 1) / (v m
 - and the control without interleaving (v=1: ``forward_backward_pipelining_without_interleaving``), p=2, m=4:
   compute 12 MS, bubble 3 MS, fraction 1/4 (v times the interleaved one at the same p and m), step 15 MS.
 
-About 2.5 minutes (8 processes, each importing Megatron-core).
+Hybrid, at p=4: stage 1 runs again as the real rank against the graph (``EmulationConfig.graph``), its virtual
+peers arriving on its emulated clock when the replay says. With free transfers its steady step is the replay's,
+57 MS, exactly (its own work is 48 MS: the 9 MS bubble comes from the replayed arrivals). With transfers at the
+profile's cost c (6 us for 0 bytes) it is the replay's + 5 c: the live clock runs every op of a group one after the
+other on that group's one communication stream (the sends to the next stage and the receives from the previous
+one of a ``batch_isend_irecv`` included), the replay keeps one channel per point-to-point direction and peer
+(`prism_plugin.graph.engine`), so the live rank's transfers queue 5 times per step where the replay's overlap (an
+open difference of the two models, pinned here).
+
+About 3 minutes (10 processes, each importing Megatron-core).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import pytest
 from children import run_child
 
 from prism_plugin.cost import CostModel, load_profile, override_profile
+from prism_plugin.cost.profiles import profile_to_yaml
 from prism_plugin.graph.convert import graph_from_rank_traces
 from prism_plugin.graph.rank_trace import load_rank_traces
 from prism_plugin.graph.slicing import parse_layout
@@ -53,7 +63,7 @@ import prism_plugin as P
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.cost.gpu import gpu_spec
 from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
-PP, VPP, M, STAGE, TRACE = {pp}, {vpp}, {m}, {stage}, {trace!r}
+PP, VPP, M, STAGE, TRACE, GRAPH, PROFILE = {pp}, {vpp}, {m}, {stage}, {trace!r}, {graph!r}, {profile!r}
 MS, LAUNCH = 1e-3, 2.0**-17
 S, B, H = 0, 1, 16  # empty activations: transfers of 0 bytes
 def model(func, args, kwargs, out):
@@ -64,7 +74,8 @@ try:
     vg = VirtualGpu(gpu_spec("h100-sxm"), num_devices=8).start()
     clock = vg.start_time(model, LAUNCH)
     P.activate(EmulationConfig(world=VirtualWorld(world_size=PP, real_ranks=(STAGE,), gpus_per_node=8),
-                               profile="dgx-h100", device="virtual-gpu", trace_dir=TRACE), backend="nccl")
+                               profile=PROFILE, device="virtual-gpu", trace_dir=TRACE, graph=GRAPH),
+               backend="nccl")
     torch.cuda.set_device(0)
     from megatron.core import parallel_state as ps
     from megatron.core.enums import ModelType
@@ -103,6 +114,8 @@ try:
     P.mark_iteration(3)
     summary = P.deactivate()
     out["kernels"] = clock.kernels
+    out["steps"] = clock.step_times_s()
+    out["graph"] = summary.get("graph")
     out["op_counts"] = summary["op_counts"]
 except BaseException as exc:
     import traceback; traceback.print_exc()
@@ -118,7 +131,8 @@ def test_interleaved_1f1b_bubble_is_p_minus_1_over_v_m(library: None, tmp_path: 
                                                        m: int) -> None:
     trace = tmp_path / "trace"
     for stage in range(pp):
-        out = run_child(STAGE.format(pp=pp, vpp=vpp, m=m, stage=stage, trace=str(trace)))
+        out = run_child(STAGE.format(pp=pp, vpp=vpp, m=m, stage=stage, trace=str(trace), graph=None,
+                                     profile="dgx-h100"))
         assert out["schedule"] == ("forward_backward_pipelining_with_interleaving" if vpp > 1 else
                                    "forward_backward_pipelining_without_interleaving")
         assert out["kernels"] == 3 * vpp * m * 3  # 3 iterations x v m chunk passes x 3 mm (1 forward, 2 backward)
@@ -136,3 +150,26 @@ def test_interleaved_1f1b_bubble_is_p_minus_1_over_v_m(library: None, tmp_path: 
         assert b.bubble_us / b.compute_us == (pp - 1) / (vpp * m)
         assert b.iteration_us == (vpp * m + pp - 1) * f_plus_b
     assert state.step_us == (vpp * m + pp - 1) * f_plus_b
+    if pp < 4:
+        return
+    # hybrid: stage 1 again as the real rank against the graph; stages 0, 2 and 3 arrive on its emulated clock
+    # when the replay (on the run's own profile) says
+    path = tmp_path / "job.graph"
+    graph.save(path)
+    free_yaml = tmp_path / "free-p2p.yaml"
+    free_yaml.write_text(profile_to_yaml(free_p2p))
+
+    def hybrid(profile: str) -> float:
+        out = run_child(STAGE.format(pp=pp, vpp=vpp, m=m, stage=1, trace=None, graph=str(path), profile=profile))
+        assert out["graph"]["ops_replayed"] > 0 and out["graph"]["ops_outside_graph"] == 0
+        return round(out["steps"][-1] * 1e6, 3)  # the summary's 1 ns
+
+    # free transfers: the replay's step exactly, bubble included (its own ops alone take 48 MS)
+    assert hybrid(str(free_yaml)) == state.step_us == (vpp * m + pp - 1) * f_plus_b
+    # transfers at the profile's cost c = 6 us (p2p overhead + NVLink latency, 0 bytes): the live clock queues all
+    # of the pipeline group's ops on one communication stream, the replay one channel per direction and peer:
+    # the live step is 5 c longer (measured; see the module docstring)
+    replay = steady_state(graph, CostModel(load_profile("dgx-h100")))
+    c = CostModel(load_profile("dgx-h100")).p2p_us(0, 1, 2)
+    assert c == 6.0 and replay.breakdown(1).iteration_us == 57150.0
+    assert hybrid("dgx-h100") == replay.breakdown(1).iteration_us + 5 * c
