@@ -22,16 +22,16 @@ config, the figures it can and cannot give); the steps below are the same.
 5. **hybrid** (``--hybrid RANKS``, optional): each named rank runs again as a real process on a virtual GPU
    against the graph (``--prism-graph`` / ``"prism.graph"``): its virtual peers arrive on its emulated clock when
    the replay says (`prism_plugin.runtime.arrivals`), so its emulated steps check the replay's figure for that
-   rank: the report gives both and their difference (``hybrid``). One process per named rank (virtual time
-   couples one real rank per process).
+   rank: the report gives both and their difference (``hybrid``). One process per named rank.
 
 The report: per class its rank, step, compute / exposed communication / bubble, peak allocated / reserved / device
 total, and the job's step time, tokens/s/GPU (global batch x sequence / step / N), model TFLOP/s/GPU (Megatron's own
 ``num_floating_point_operations`` per iteration / step / N) and MFU (that / the GPU's dense bf16 peak). All figures
 are modelled (kernel model, cost model), none measured; ``<out>/emulate.json`` keeps them.
 
-Limitations: one real rank per profiling run (virtual time couples ranks through their ops' issue times only within
-one process); DeepSpeed: no pipeline engine (see `prism_plugin.cli.emulate_deepspeed`).
+Limitations: one real rank per profiling run and per hybrid run (several real ranks of one process group now couple
+in emulated time, but emulate does not put consecutive stages into one run yet); DeepSpeed: no pipeline engine (see
+`prism_plugin.cli.emulate_deepspeed`).
 """
 
 from __future__ import annotations
