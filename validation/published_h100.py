@@ -13,14 +13,15 @@ Each run writes ``validation/published/<row>.emulate.json`` (the report of `pris
 its tokens/s/GPU and model TFLOP/s/GPU with the published figures. One row at a time: a full-depth model
 fake-executes at about 0.2-0.3 s per layer and micro-batch on a 2-core host (wall times in RESULTS.md).
 
-Every row needs three things the published NeMo runs get from TransformerEngine and apex, which the emulator's
-Megatron local spec does not have (all recorded in RESULTS.md):
+Every row runs with what the published NeMo runs get from TransformerEngine and apex, as far as the emulator has it
+(all recorded in RESULTS.md):
 
-- ``--recompute-granularity selective``: the local spec's attention materialises the s x s scores (baddbmm,
-  softmax, masked_fill) and keeps them for backward; flash attention (TE) keeps none and recomputes them in its
-  backward. Selective recompute is the local spec's equivalent: without it no row fits in 80 GB.
-- ``--sequence-parallel`` (NeMo's default for TP > 1) through `validation/sp_pretrain_gpt.py`: the local spec's
-  torch norm refuses sequence parallelism and prism applies its replacement only in CPU mode.
+- ``PRISM_ATTENTION=flash`` (the drop-in's ``--prism-attention flash``, inherited by every profiling run of
+  `prism emulate`): the local spec's core attention computes as fused flash attention
+  (`prism_plugin.adapters.megatron.attention`), as TE's does; so ``--recompute-granularity selective`` is dropped
+  (the published runs recompute nothing; it was needed only while the local spec kept the s x s scores).
+- ``--sequence-parallel`` (NeMo's default for TP > 1): on virtual GPUs the local spec's norm takes it (the
+  adapter's ``install_sp_norm``), so the rows run the repository's unmodified ``pretrain_gpt.py``.
 - ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as every Megatron launch with TP > 1 sets it.
 """
 
@@ -35,7 +36,7 @@ from prism_plugin.cli.emulate import emulate
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "validation" / "published"
-PROGRAM = "validation/sp_pretrain_gpt.py"
+PROGRAM = "prism_plugin/programs/pretrain_gpt.py"
 
 _DGXC = "https://github.com/NVIDIA/dgxc-benchmarking/blob/0b71cfda5163540778e2a3d2db59858bf62f96f7"
 _DGXC_340B = "https://github.com/NVIDIA/dgxc-benchmarking/blob/main/nemotron/README_340b.md"
@@ -58,7 +59,7 @@ _NEMOTRON4_340B = [
     "--disable-bias-linear", "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 
 _COMMON = ["--train-iters", "3", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer", "--bf16",
-           "--use-distributed-optimizer", "--recompute-granularity", "selective", "--overlap-grad-reduce",
+           "--use-distributed-optimizer", "--overlap-grad-reduce",
            "--overlap-param-gather", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000",
            "--disable-gloo-process-groups", "--transformer-impl", "local", "--sequence-parallel"]
 
@@ -107,13 +108,15 @@ ROWS: list[dict] = [
     # 6(b): the 16-GPU row's global batch at 4x the GPUs (strong scaling; no published figure)
     _n15(64, 64, None, None),
     _n340(128, 32, 4.61, 0.5538,
-          note="does not fit: stage 0 runs out of the 80 GB in iteration 2 (see RESULTS.md)"),
+          note="does not fit: stage 0 runs out of the 80 GB in iteration 2 (see RESULTS.md and "
+               "published/nemotron4-340b-128.oom.json)"),
     _n340(2048, 512, 4.84, 0.5275),
 ]
 
 
 def run(row: dict) -> dict:
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    os.environ["PRISM_ATTENTION"] = "flash"  # the fused-attention stand-in in every profiling run
     os.chdir(ROOT)
     out = Path("/tmp") / f"prism_published_{row['name']}"
     report = emulate(row["argv"], world_size=row["gpus"], profile="dgx-h100", out=out, warmup=1,
@@ -121,6 +124,39 @@ def run(row: dict) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{row['name']}.emulate.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+def failure_record(row: dict, error: str) -> Path | None:
+    """``validation/published/<row>.oom.json`` when a profiling run ran out of the virtual GPU's memory: its device
+    figures, the emulated steps it finished and Megatron's own theoretical footprint (from its log); None when
+    the failed run left no summary or no OOM."""
+    import re
+
+    run_dir = Path("/tmp") / f"prism_published_{row['name']}"
+    summaries = sorted(run_dir.glob("run*/rank*.summary.json"), key=lambda p: p.stat().st_mtime)
+    if not summaries:
+        return None
+    summary = json.loads(summaries[-1].read_text())
+    device = max(summary["virtual_gpu"]["devices"], key=lambda d: d["peak_allocated_bytes"])
+    if not device["ooms"]:
+        return None
+    log = (summaries[-1].parent / "log.txt").read_text(errors="replace")
+    theory = re.search(r"Theoretical memory footprints: weight and optimizer=([\d.]+) MB, activation=([\d.]+) MB, "
+                       r"total=([\d.]+) MB", log)
+    params = re.search(r"number of parameters on \(tensor, gtp_remat, pipeline\) model parallel rank [^:]*: (\d+)", log)
+    record = {"row": row["name"], "world_size": row["gpus"], "rank": summary["rank"],
+              "profiling_run": summaries[-1].parent.name,
+              "result": f"profiling run {summaries[-1].parent.name} ran out of the virtual H100's memory in iteration "
+                        f"{summary['iterations_marked']}; no graph, no prediction",
+              "attention": summary["megatron"].get("attention", {}).get("implementation", "local"),
+              "error": summary.get("error", error), "device": device,
+              "emulated_step_s_before_the_oom": summary["virtual_gpu"]["virtual_time"]["step_times_s"],
+              "megatron_theoretical_memory_MB": None if theory is None else dict(zip(
+                  ("weight_and_optimizer", "activation", "total"), (float(x) for x in theory.groups()), strict=True)),
+              "parameters_on_rank": None if params is None else int(params.group(1))}
+    path = OUT / f"{row['name']}.oom.json"
+    path.write_text(json.dumps(record, indent=1))
+    return path
 
 
 def table() -> list[str]:
@@ -165,6 +201,9 @@ def main(argv: list[str]) -> int:
             run(row)
         except RuntimeError as exc:  # a profiling run failed (e.g. out of memory): report and go on
             print(f"[{row['name']}] failed: {str(exc).splitlines()[0]}", file=sys.stderr)
+            record = failure_record(row, str(exc).splitlines()[0])
+            if record is not None:
+                print(f"[{row['name']}] out of memory: {record}", file=sys.stderr)
     print("\n".join(table()))
     return 0
 
