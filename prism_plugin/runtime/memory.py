@@ -54,6 +54,28 @@ def _storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_FULL_STORAGE_LOSSES = {torch.ops.aten.mse_loss.default: 2, torch.ops.aten.smooth_l1_loss.default: 2,
+                        torch.ops.aten.binary_cross_entropy.default: 3}
+"""Losses whose real kernel returns a reduced (0-dim) result in a storage of the unreduced size: the structured
+meta function (one for every device) allocates the output as the elementwise loss, the mean or sum then resizes it
+to 0-dim in place, and a shrinking resize keeps the storage (measured on CPU: ``F.mse_loss`` of two 64 x 512 fp32
+tensors holds 131,072 B). FakeTensorMode's meta makes a 4 B storage instead, so a fake output of these ops is
+counted at the real kernel's size. Value: the position of the ``reduction`` argument (0 = none: elementwise)."""
+
+
+def _full_storage_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int | None:
+    """The storage a real kernel gives `func`'s reduced output (`_FULL_STORAGE_LOSSES`); None: its own size."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not isinstance(out, FakeTensor) or out.dim() != 0:
+        return None
+    at = _FULL_STORAGE_LOSSES[func]
+    if (args[at] if len(args) > at else kwargs.get("reduction", 1)) == 0:
+        return None
+    return torch.broadcast_shapes(args[0].shape, args[1].shape).numel() * out.element_size()
+
+
 def current_tracker() -> StorageTracker | None:
     """The innermost running tracker of this process, if any."""
     return _CURRENT[-1] if _CURRENT else None
@@ -78,6 +100,7 @@ class StorageTracker(TorchDispatchMode):
         self.history: list[tuple[str, int, int, int]] | None = None
         """With `record_history`: (action ``alloc`` / ``free_completed``, storage key, bytes, sequence), bounded."""
         self._history_max = 0
+        self._nbytes_override: int | None = None
         self._sequence = 0
 
     # -- accounting ----------------------------------------------------------------------------
@@ -91,7 +114,7 @@ class StorageTracker(TorchDispatchMode):
         key = storage._cdata
         if key in self._live:
             return
-        nbytes = storage.nbytes()
+        nbytes = storage.nbytes() if self._nbytes_override is None else self._nbytes_override
         if nbytes == 0:
             return
         self._live[key] = (weakref.ref(storage, lambda _ref, k=key: self._free(k)), nbytes)
@@ -152,20 +175,30 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self._track_outputs(leaves(out), leaves((args, kwargs)))
+        self._track_outputs(leaves(out), leaves((args, kwargs)), func, args, kwargs)
         return out
 
-    def _track_outputs(self, out_leaves: list[Any], in_leaves: list[Any]) -> None:
-        """Register each output tensor among an op's result leaves whose storage none of its input leaves has."""
+    def _track_outputs(self, out_leaves: list[Any], in_leaves: list[Any], func: Any = None, args: tuple = (),
+                       kwargs: dict | None = None) -> None:
+        """Register each output tensor among an op's result leaves whose storage none of its input leaves has
+        (with `func` and its arguments: a fake output of `_FULL_STORAGE_LOSSES` at the real kernel's size)."""
         outputs = [t for t in out_leaves if isinstance(t, torch.Tensor)]
-        if not outputs:
+        if not outputs or func is _LIFT_FRESH:
+            # lift_fresh wraps a tensor made from data outside the dispatcher (torch.tensor, as_tensor, from_numpy):
+            # real runs return that tensor itself (its storage unseen, the documented limitation); under
+            # FakeTensorMode it is a new fake storage, left out too so fake and real runs count the same
             return
         # a view, an in-place or an out= result shares an input's storage: not a new allocation
         # (and a view of a storage allocated while untracked must not count as one either)
         inputs = {_storage_key(t) for t in in_leaves if isinstance(t, torch.Tensor)}
-        for t in outputs:
-            if _storage_key(t) not in inputs:
-                self._register(t)
+        full = _full_storage_bytes(func, args, kwargs or {}, outputs[0]) if func in _FULL_STORAGE_LOSSES else None
+        self._nbytes_override = full
+        try:
+            for t in outputs:
+                if _storage_key(t) not in inputs:
+                    self._register(t)
+        finally:
+            self._nbytes_override = None
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> StorageTracker:
