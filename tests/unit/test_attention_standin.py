@@ -67,3 +67,56 @@ def test_dense_flash_ops_count_sdpa_flops_on_b_h_s_d() -> None:
                                                 (1, 4, 6144, 128)) == 2.5 * forward
     seqlens = torch.zeros(3, dtype=torch.int32, device="meta")  # nested (varlen) call: torch's own formula
     assert _dense_flash_flops("_flash_attention_forward", (q, k, v, seqlens, seqlens, 2048, 6144)) is None
+
+
+def _bottom_right_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of q [sq, h, d] over k, v [sk, h, d] with flash-attention's causal mask (query i sees keys
+    j <= i + sk - sq), on the CPU in float64."""
+    sq, sk = q.size(0), k.size(0)
+    allowed = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed).transpose(0, 1)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_cp_plan_computes_causal_attention_of_the_whole_sequence(cp: int) -> None:
+    """The stand-in's CP decomposition, every rank simulated in one process with real CPU tensors: each rank's
+    load-balanced chunks (r, 2cp-1-r), the all-gathered K/V reordered into sequence order, one bottom-right-causal
+    attention per query chunk over ``k_seq[:keys]``, and dK/dV accumulated in sequence order, reordered and
+    reduce-scattered (summed over ranks, rank r's slice) give causal attention over the whole sequence and its
+    gradients."""
+    torch.manual_seed(0)
+    chunk, heads, dim = 3, 2, 4
+    s = 2 * cp * chunk
+    q, k, v = (torch.randn(s, heads, dim, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(s, heads, dim, dtype=torch.float64)
+    reference = _bottom_right_causal(q, k, v)  # square: the ordinary causal mask
+    reference.backward(grad_out)
+
+    def local(t: torch.Tensor, rank: int) -> torch.Tensor:  # Megatron's get_batch_on_this_cp_rank layout
+        return torch.cat([t[c * chunk:(c + 1) * chunk] for c in (rank, 2 * cp - 1 - rank)])
+
+    gathered_k = torch.cat([local(k.detach(), r) for r in range(cp)])  # all_gather_into_tensor, rank after rank
+    gathered_v = torch.cat([local(v.detach(), r) for r in range(cp)])
+    k_seq = attention._reorder(gathered_k, cp, to_sequence=True).requires_grad_()
+    v_seq = attention._reorder(gathered_v, cp, to_sequence=True).requires_grad_()
+    assert torch.equal(k_seq, k.detach()) and torch.equal(v_seq, v.detach())
+    dk_seq_sum, dv_seq_sum = torch.zeros_like(k_seq), torch.zeros_like(v_seq)
+    for rank in range(cp):
+        q_local = local(q.detach(), rank).requires_grad_()
+        rows_out = []
+        for rows, keys in attention._query_chunks(rank, cp, chunk, causal=True):
+            rows_out.append(_bottom_right_causal(q_local[rows], k_seq[:keys], v_seq[:keys]))
+        out = torch.cat(rows_out)
+        torch.testing.assert_close(out, local(reference.detach(), rank))
+        dq, dk_seq, dv_seq = torch.autograd.grad(out, (q_local, k_seq, v_seq), local(grad_out, rank))
+        torch.testing.assert_close(dq, local(q.grad, rank))
+        dk_seq_sum += dk_seq  # the reduce-scatter's sum over the CP group
+        dv_seq_sum += dv_seq
+    dk_gathered = attention._reorder(dk_seq_sum, cp, to_sequence=False)
+    dv_gathered = attention._reorder(dv_seq_sum, cp, to_sequence=False)
+    for rank in range(cp):  # rank r keeps slice r of the reduce-scattered tensor: its own chunks' gradients
+        part = slice(rank * 2 * chunk, (rank + 1) * 2 * chunk)
+        torch.testing.assert_close(dk_gathered[part], local(k.grad, rank))
+        torch.testing.assert_close(dv_gathered[part], local(v.grad, rank))
+    attention._CHUNK_IDS.clear()

@@ -261,6 +261,15 @@ def _chunk_ids(cp: int, device: torch.device, to_sequence: bool) -> torch.Tensor
     return _CHUNK_IDS[key]
 
 
+def _query_chunks(rank: int, cp: int, chunk: int, causal: bool) -> list[tuple[slice, int]]:
+    """(rows of the local query, keys it attends: ``k_seq[:keys]``) for CP rank `rank`'s two chunks, r and 2cp-1-r.
+    Causal: chunk c sees keys ``[0, (c+1) chunk)``, the mask aligned bottom-right. cp=2, rank 1, chunk 4:
+    [(rows 0-3, 8 keys), (rows 4-7, 12 keys)]."""
+    ids = (rank, 2 * cp - 1 - rank)
+    return [(slice(j * chunk, (j + 1) * chunk), (c + 1) * chunk if causal else 2 * cp * chunk)
+            for j, c in enumerate(ids)]
+
+
 def _reorder(t: torch.Tensor, cp: int, to_sequence: bool) -> torch.Tensor:
     chunks = t.view(2 * cp, t.size(0) // (2 * cp), *t.shape[1:])
     return torch.index_select(chunks, 0, _chunk_ids(cp, t.device, to_sequence)).view(t.shape)
@@ -290,12 +299,11 @@ class _AllGatherContextParallel(torch.autograd.Function):
         v_seq = _reorder(_all_gather(v, group, cp), cp, to_sequence=True)
         out = torch.empty_like(q)
         saved: list[torch.Tensor] = []
-        for j, c in enumerate((rank, 2 * cp - 1 - rank)):  # this rank's two query chunks
-            keys = (c + 1) * chunk if causal else 2 * cp * chunk
+        for rows, keys in _query_chunks(rank, cp, chunk, causal):  # this rank's two query chunks
             o, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-                q[j * chunk:(j + 1) * chunk].transpose(0, 1), k_seq[:keys].transpose(0, 1),
-                v_seq[:keys].transpose(0, 1), None, None, chunk, keys, dropout_p, causal, False, scale=scale)
-            out[j * chunk:(j + 1) * chunk].copy_(o.transpose(0, 1))
+                q[rows].transpose(0, 1), k_seq[:keys].transpose(0, 1), v_seq[:keys].transpose(0, 1), None, None,
+                chunk, keys, dropout_p, causal, False, scale=scale)
+            out[rows].copy_(o.transpose(0, 1))
             saved += [o, lse, rng, unused]
         ctx.save_for_backward(q, k, v, *saved)
         ctx.cp, ctx.rank, ctx.group, ctx.scale, ctx.dropout_p, ctx.causal = cp, rank, group, scale, dropout_p, causal
@@ -310,10 +318,8 @@ class _AllGatherContextParallel(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk_seq, dv_seq = torch.zeros_like(k_seq), torch.zeros_like(v_seq)
         no_seqlens = torch.empty(0, dtype=torch.int32, device=q.device)
-        for j, c in enumerate((ctx.rank, 2 * cp - 1 - ctx.rank)):
+        for j, (rows, keys) in enumerate(_query_chunks(ctx.rank, cp, chunk, ctx.causal)):
             o, lse, rng, unused = saved[4 * j:4 * j + 4]
-            keys = (c + 1) * chunk if ctx.causal else 2 * cp * chunk
-            rows = slice(j * chunk, (j + 1) * chunk)
             dqj, dkj, dvj = torch.ops.aten._flash_attention_backward(
                 grad[rows].transpose(0, 1), q[rows].transpose(0, 1), k_seq[:keys].transpose(0, 1),
                 v_seq[:keys].transpose(0, 1), o, lse, no_seqlens, no_seqlens, chunk, keys, ctx.dropout_p,
