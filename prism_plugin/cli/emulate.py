@@ -214,14 +214,18 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
             if progress is not None:
                 progress(f"hybrid: rank {rank} against the graph on a virtual {gpu.name}")
             hybrid_runs.append(_run(command(rank, run_dir, graph_path), run_dir, rank, "hybrid run", timeout_s))
-        report["hybrid"] = _hybrid_rows(hybrid_runs, prediction, state)
+        report["hybrid"] = _hybrid_rows(hybrid_runs, prediction, state, runs)
     (out / "emulate.json").write_text(json.dumps(report, indent=1))
     return report
 
 
-def _hybrid_rows(runs: list[dict[str, Any]], prediction: dict[str, Any], state: Any) -> list[dict[str, Any]]:
+def _hybrid_rows(runs: list[dict[str, Any]], prediction: dict[str, Any], state: Any,
+                 profiled: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per hybrid rank: its emulated steps (virtual time, virtual peers from the replay) against the replay's
-    (unrounded: the summary keeps each step to the nanosecond, so ``difference_us`` is exact to 0.001 us)."""
+    (unrounded: the summary keeps each step to the nanosecond, so ``difference_us`` is exact to 0.001 us), and its
+    kernels beside its class representative's (whole runs): a rank whose own work differs from the
+    representative's (e.g. a ZeRO partition spanning more parameters) differs from the replay by that much."""
+    by_class = {prediction["ranks"][str(r["rank"])]["class"]: r for r in profiled}
     rows = []
     for run in runs:
         s, rank = run["summary"], run["rank"]
@@ -233,8 +237,18 @@ def _hybrid_rows(runs: list[dict[str, Any]], prediction: dict[str, Any], state: 
                      "step_ms": None if last_us is None else round(last_us / 1e3, 6),
                      "replay_step_ms": round(replay_us / 1e3, 6),
                      "difference_us": None if last_us is None else round(last_us - replay_us, 3),
+                     "kernels": s["virtual_gpu"]["virtual_time"]["kernels"],
+                     "kernel_s": s["virtual_gpu"]["virtual_time"]["kernel_s"],
+                     "representative": _representative(by_class.get(prediction["ranks"][str(rank)]["class"])),
                      "graph": s.get("graph"), "wall_s": run["wall_s"]})
     return rows
+
+
+def _representative(run: dict[str, Any] | None) -> dict[str, Any] | None:
+    if run is None:
+        return None
+    clock = run["summary"]["virtual_gpu"]["virtual_time"]
+    return {"rank": run["rank"], "kernels": clock["kernels"], "kernel_s": clock["kernel_s"]}
 
 
 def _report(runs: list[dict[str, Any]], prediction: dict[str, Any], plan: Any, layout: str, gpu: Any,
@@ -343,11 +357,13 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
         console.print(f"{name}: n/a ({why})")
     if report.get("hybrid"):
         hybrid = Table(title="hybrid: real ranks against the graph (virtual peers from the replay), emulated time")
-        for col in ("rank", "class", "step ms", "replay step ms", "difference us", "ops replayed", "outside graph"):
+        for col in ("rank", "class", "step ms", "replay step ms", "difference us", "ops replayed", "outside graph",
+                    "kernels (class rep.)"):
             hybrid.add_column(col, justify="right")
         for h in report["hybrid"]:
-            g = h["graph"] or {}
+            g, rep = h["graph"] or {}, h["representative"] or {}
             hybrid.add_row(str(h["rank"]), str(h["class"]), shown(h["step_ms"]), str(h["replay_step_ms"]),
-                           shown(h["difference_us"]), shown(g.get("ops_replayed")), shown(g.get("ops_outside_graph")))
+                           shown(h["difference_us"]), shown(g.get("ops_replayed")), shown(g.get("ops_outside_graph")),
+                           f"{h['kernels']} ({shown(rep.get('kernels'))})")
         console.print(hybrid)
     return 0
