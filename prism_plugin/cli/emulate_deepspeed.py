@@ -10,7 +10,9 @@ default) when the script's arguments name a JSON config (``--deepspeed_config``,
 ``prism_plugin.deepspeed.init_distributed(config)`` (the one change DeepSpeed emulation asks of it).
 
 Layout (`DeepSpeedJob.from_argv`): data parallelism only, dp = N / model with ``model`` from the config's
-``"prism": {"topology": {...}}`` (default 1); the ZeRO stage from ``zero_optimization.stage`` (reported). Each
+``"prism": {"topology": {...}}`` (default 1); the ZeRO stage from ``zero_optimization.stage`` (reported). The
+slicing makes all dp ranks one class (rank 0 profiled); a ZeRO rank whose partition cuts the parameters otherwise
+does other work (ZeRO-1 at dp 4: rank 1), which ``--hybrid`` shows (its kernels beside rank 0's). Each
 profiling run gets a copy of the config with emulate's own ``"prism"`` section (world_size, the run's real rank,
 profile, gpus_per_node, ``"device": "virtual-gpu"``, output, trace; for a hybrid run the graph), the script's
 config argument pointing at it. Of a ``"prism"`` section already in the config, ``gpu``, ``data_policy``,
