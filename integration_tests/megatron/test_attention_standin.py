@@ -149,3 +149,22 @@ def test_the_standin_is_refused_off_virtual_gpus(tmp_path: Path) -> None:
     proc = _run(tmp_path / "out", "--prism-attention", "flash", device=())
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "--prism-device virtual-gpu" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_prism_emulate_predicts_the_cp_job_with_the_standin_from_the_environment(tmp_path: Path) -> None:
+    """``PRISM_ATTENTION=flash prism emulate`` (its profiling runs inherit the variable): the TP2 CP2 job at N = 8
+    is one class of ranks (the load-balanced chunks give every CP rank the same attention work), replayed."""
+    args = list(ARGS)
+    i = args.index("--train-iters")
+    args[i + 1] = "3"  # emulate drops one warm-up iteration
+    proc = subprocess.run([sys.executable, "-m", "prism_plugin.cli.main", "emulate", "--world-size", "8", "--out",
+                           str(tmp_path / "em"), "--json", "--", str(SCRIPT), *args, "--context-parallel-size", "2"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PRISM_ATTENTION": "flash"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert report["layout"] == "tp=2,pp=1,cp=2,ep=1,dp=2" and report["classes_of_ranks"] == 1
+    (rank_class,) = report["classes"]
+    assert rank_class["ranks_like_it"] == 8 and rank_class["fits"]
+    assert rank_class["peak_allocated_bytes"] == 9_783_194_624  # as rank 1 through the drop-in: same work, CP rank 0
+    assert report["step_ms"] == 95.479 and rank_class["exposed_comm_ms"] == 11.319
