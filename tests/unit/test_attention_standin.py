@@ -120,3 +120,29 @@ def test_the_cp_plan_computes_causal_attention_of_the_whole_sequence(cp: int) ->
         torch.testing.assert_close(dk_gathered[part], local(k.grad, rank))
         torch.testing.assert_close(dv_gathered[part], local(v.grad, rank))
     attention._CHUNK_IDS.clear()
+
+
+def test_features_the_standin_does_not_compute_are_refused_by_name() -> None:
+    pytest.importorskip("megatron.core")
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from prism_plugin.adapters.megatron.attention import AttentionNotSupported, _forward, _refuse_config
+
+    plain = {"window_size": None, "window_attn_skip_freq": None, "softmax_type": "vanilla"}
+    _refuse_config(SimpleNamespace(**plain), 1)
+    with pytest.raises(AttentionNotSupported, match="window attention"):
+        _refuse_config(SimpleNamespace(**{**plain, "window_size": (128, 0)}), 1)
+    with pytest.raises(AttentionNotSupported, match="off-by-one / learnable softmax"):
+        _refuse_config(SimpleNamespace(**{**plain, "softmax_type": "learnable"}), 1)
+    module = SimpleNamespace(attn_mask_type=AttnMaskType.causal)
+    q = torch.empty(8, 1, 4, 16, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(AttentionNotSupported, match="packed sequences"):
+        _forward(module, q, q, q, None, None, object())
+    with pytest.raises(AttentionNotSupported, match="attention bias"):
+        _forward(module, q, q, q, None, q, None)
+    with pytest.raises(AttentionNotSupported, match="mask type padding"):
+        _forward(module, q, q, q, AttnMaskType.padding, None, None)
+    with pytest.raises(AttentionNotSupported, match="torch.float32 query/key with head dim 16"):
+        _forward(module, q.float(), q.float(), q.float(), None, None, None)
