@@ -14,6 +14,9 @@ This module supplies that description when the previous stage is virtual:
   ``_send_tensor_meta`` encodes it and handed to the backend as the payload of that receive;
 - neither: `NotImplementedError` naming both fixes (never a guessed shape).
 
+On a virtual GPU no value travels between fake tensors: there `pipe_values` answers the reads of the
+description from the same spec (for any previous stage, real or virtual) and no payload is handed over.
+
 The activations themselves then arrive as the backend's mirror values (zeros for the first micro-batch
 of a stage that has not sent that shape yet; valid, finite).
 """
@@ -58,6 +61,8 @@ def encode_meta(spec: TensorSpec | tuple[TensorSpec, ...], dtype_to_id: dict[tor
 def install(emulation: DeepSpeedEmulation) -> None:
     from deepspeed.runtime.pipe import engine as pipe_engine
 
+    from prism_plugin.adapters.deepspeed import virtual_gpu
+
     cls = pipe_engine.PipelineEngine
     original = vars(cls)["_recv_tensor_meta"]
     section = emulation.section
@@ -66,8 +71,8 @@ def install(emulation: DeepSpeedEmulation) -> None:
 
     def _recv_tensor_meta(self: Any, send_stage: int) -> Any:
         src = self.grid.stage_to_global(stage_id=send_stage)
-        if recorded or world.is_real(src):
-            return original(self, send_stage)
+        if recorded or world.is_real(src) or virtual_gpu.active_gpu() is not None:
+            return original(self, send_stage)  # on a virtual GPU `pipe_values` answers the meta reads
         spec = section.pipe_activations
         if spec is None:
             raise NotImplementedError(

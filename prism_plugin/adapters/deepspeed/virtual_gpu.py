@@ -190,8 +190,10 @@ def install(patches: Any, vgpu: Any) -> None:
     """
     from deepspeed.runtime.zero import stage3, stage_1_and_2
 
+    from prism_plugin.adapters.deepspeed import pipe_values
     from prism_plugin.runtime.virtual_gpu import values as values_mod
 
+    pipe_values.install(patches, vgpu)  # the pipeline engine's reads; first: the answers below restore to it
     policy = vgpu.values
     read = policy.read
 

@@ -1,0 +1,94 @@
+"""DeepSpeed's pipeline engine on virtual GPUs: stage 1 of a 2-stage transformer-MLP pipeline as rank 5 of 8 on a
+virtual H100 (pp 2 x dp 4, ZeRO-1, bf16, 4 micro-batches of 1 x 2048 x 4096 per step).
+
+The script (scripts/ds_pipe_virtual_gpu_train.py) is launched with plain ``python``; ``"device": "virtual-gpu"``
+re-executes it with the CUDA device library. The engine's two data-dependent reads are answered by
+`prism_plugin.adapters.deepspeed.pipe_values`: the parameter-count all-reduce of ``__init__`` (logging only) from
+the PipelineModule's layer specs (exact: 2 stages x 2 blocks of Linear(h, 4h) + Linear(4h, h)), and stage 0's
+tensor-meta message from ``"prism.pipe_activations"`` (stage 0 is virtual; the engine sizes its receive buffer
+from it). Without the spec the read is refused naming the key.
+
+Per-rank bytes (every tensor rounded to 512 B; P = this stage's parameters, dp = 4, u = one activation,
+1 x 2048 x 4096 bf16 = 16 MiB), itemised from the allocator snapshot (``PRISM_MEMORY_SNAPSHOT``):
+- after initialize: the bf16 flat parameters 2 P, the fp32 master partition 4 P / dp, three 0-dim engine
+  tensors (``loss``, ``agg_loss``, ``dp_group_loss``);
+- after each ``train_batch``: + AdamW's two moments 8 P / dp, 9 u (2 pipeline buffers each of labels, stage
+  outputs, received-activation clones and their gradients, sent to stage 0; the receive buffer) and six more
+  0-dim tensors (per-micro-batch losses, ``total_loss``, ``agg_train_loss``, ZeRO's stashed grad norm).
+The emulated step (virtual time: kernel model and emulated streams, the dgx-h100 profile) is modelled.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prism_plugin.cost.allocator_config import round_size
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).parent / "scripts" / "ds_pipe_virtual_gpu_train.py"
+HIDDEN, BLOCKS, SEQ, GAS, DP, STEPS = 4096, 4, 2048, 4, 4, 2
+
+
+def ds_config(out: Path, pipe_activations: bool = True) -> dict:
+    prism = {"world_size": 2 * DP, "real_ranks": [5], "profile": "dgx-h100", "device": "virtual-gpu",
+             "output": str(out), "timing": False}
+    if pipe_activations:
+        prism["pipe_activations"] = {"shape": [1, SEQ, HIDDEN], "dtype": "bfloat16"}
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": GAS, "train_batch_size": GAS * DP,
+            "bf16": {"enabled": True}, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+            "zero_optimization": {"stage": 1}, "prism": prism}
+
+
+def run(tmp_path: Path, config: dict) -> subprocess.CompletedProcess:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return subprocess.run([sys.executable, str(SCRIPT), str(path), "--hidden", str(HIDDEN), "--blocks", str(BLOCKS),
+                           "--seq", str(SEQ), "--steps", str(STEPS)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+
+
+def test_pipeline_stage_1_as_rank_5_of_8_on_a_virtual_h100(tmp_path: Path) -> None:
+    proc = run(tmp_path, ds_config(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = {" ".join(x.split()[:2]): x.split()[2] for x in proc.stdout.splitlines() if x.startswith(("MEM", "LOSS"))}
+    block = 2 * (HIDDEN * 4 * HIDDEN) + 4 * HIDDEN + HIDDEN  # Linear(h, 4h) + Linear(4h, h)
+    p = BLOCKS // 2 * block  # 268,476,416 parameters on this stage
+    u = round_size(2 * SEQ * HIDDEN)
+    after_init = round_size(2 * p) + round_size(4 * p // DP) + 3 * round_size(4)
+    assert int(lines["MEM init"]) == after_init == 805_430_784
+    after_step = after_init + 2 * round_size(4 * p // DP) + 9 * u + 6 * 512
+    for step in range(STEPS):
+        assert lines[f"LOSS {step}"] == "1.0"  # the value policy's finite loss
+        assert int(lines[f"MEM step{step}"]) == after_step == 1_493_381_632
+
+    summary = json.loads((tmp_path / "out" / "rank5.summary.json").read_text())
+    assert summary["device_mode"] == "virtual-gpu" and summary["exit_code"] == 0
+    vgpu = summary["virtual_gpu"]
+    assert vgpu["gpu"] == "NVIDIA H100 80GB HBM3" and vgpu["devices"][0]["fits"]
+    # p2p with virtual stage 0: 4 activations in and 4 gradients out per step, 16 MiB each; in: also stage 0's
+    # tensor meta (int32[1024 / 4]) and the engine's fp32 loss handshake at start-up
+    assert summary["op_counts"]["send"] == STEPS * GAS and summary["op_counts"]["recv"] == STEPS * GAS + 2
+    assert summary["op_bytes"]["send"] == STEPS * GAS * 2 * SEQ * HIDDEN == 134_217_728
+    assert summary["op_bytes"]["recv"] == STEPS * GAS * 2 * SEQ * HIDDEN + 1024 + 4
+    # the emulated step (modelled), every step after the first
+    assert vgpu["virtual_time"]["clock"] == "emulated"
+    assert vgpu["virtual_time"]["step_times_s"] == [0.030106213] * (STEPS - 1)
+    reads = {(s["site"].rsplit("/", 1)[-1], s["value"]): s["count"] for s in vgpu["values"]["by_site"]}
+    total = BLOCKS * block
+    assert reads[("engine.py:154 (__init__)",
+                  f"{total}, {total} (pipeline parameter counts from the layer specs: exact)")] == 2
+    meta = f"stage 0's tensor meta = prism.pipe_activations ([0, 5, 3, 1, {SEQ}, {HIDDEN}])"
+    assert sum(n for (site, value), n in reads.items() if value == meta) == 6  # type, dtype, ndims, 3 dims
+
+
+def test_pipeline_stage_without_pipe_activations_is_refused_naming_the_key(tmp_path: Path) -> None:
+    proc = run(tmp_path, ds_config(tmp_path / "out", pipe_activations=False))
+    assert proc.returncode != 0
+    assert "stage 0's tensor-meta message" in proc.stderr and '"pipe_activations"' in proc.stderr
