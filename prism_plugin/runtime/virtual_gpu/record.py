@@ -118,7 +118,8 @@ class KernelRecorder(TorchDispatchMode):
         """The clock (ns) at the start of the window and at the end of each recorded step."""
         self.kernels_per_step: list[int] = []
         self.collectives_per_step: list[int] = []
-        """c10d collectives per recorded step: launches too (virtual time's host pays each one overhead)."""
+        """c10d collectives per recorded step: launches too (virtual time's host pays each one overhead); a timed
+        ``torch.distributed`` call that dispatched no c10d op counts as one."""
         self.kernel_ns_per_step: list[int] = []
         self.bookkeeping_ns_per_step: list[int] = []
         """The recorder's own time per recorded step (costing, timing, synchronizing): not the program's."""
@@ -195,11 +196,13 @@ class KernelRecorder(TorchDispatchMode):
             if self._in_collective or not (self.recording and self.step_ends_ns):
                 return original(*args, **kwargs)
             self._in_collective = True
-            start, kernel_ns = self._now(), self._kernel_ns
+            start, kernel_ns, collectives = self._now(), self._kernel_ns, self._collectives
             try:
                 return original(*args, **kwargs)
             finally:
                 self._comm_ns += self._now() - start - (self._kernel_ns - kernel_ns)
+                if self._collectives == collectives:  # no c10d op dispatched (e.g. prism's own process groups,
+                    self._collectives += 1            # Megatron under `python -m prism_plugin.megatron`): one launch
                 self._in_collective = False
 
         collective.__wrapped__ = original  # type: ignore[attr-defined]
