@@ -13,8 +13,9 @@ Per-rank bytes (every tensor rounded to 512 B; P = this stage's parameters, dp =
 - after initialize: the bf16 flat parameters 2 P, the fp32 master partition 4 P / dp, three 0-dim engine
   tensors (``loss``, ``agg_loss``, ``dp_group_loss``);
 - after each ``train_batch``: + AdamW's two moments 8 P / dp, 9 u (2 pipeline buffers each of labels, stage
-  outputs, received-activation clones and their gradients, sent to stage 0; the receive buffer) and six more
-  0-dim tensors (per-micro-batch losses, ``total_loss``, ``agg_train_loss``, ZeRO's stashed grad norm).
+  outputs, received-activation clones and their gradients, sent to stage 0; the receive buffer) and nine 0-dim
+  tensors in place of the three (the 4 micro-batch MSE losses, ``total_loss``, ``agg_loss``, ``dp_group_loss``,
+  ``agg_train_loss``, ZeRO's stashed grad norm).
 The emulated step (virtual time: kernel model and emulated streams, the dgx-h100 profile) is modelled.
 """
 
@@ -35,8 +36,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "ds_pipe_virtual_gpu_train.py"
 HIDDEN, BLOCKS, SEQ, GAS, DP, STEPS = 4096, 4, 2048, 4, 4, 2
 
 
-def ds_config(out: Path, pipe_activations: bool = True) -> dict:
-    prism = {"world_size": 2 * DP, "real_ranks": [5], "profile": "dgx-h100", "device": "virtual-gpu",
+def ds_config(out: Path, pipe_activations: bool = True, rank: int = 5) -> dict:
+    prism = {"world_size": 2 * DP, "real_ranks": [rank], "profile": "dgx-h100", "device": "virtual-gpu",
              "output": str(out), "timing": False}
     if pipe_activations:
         prism["pipe_activations"] = {"shape": [1, SEQ, HIDDEN], "dtype": "bfloat16"}
@@ -63,7 +64,7 @@ def test_pipeline_stage_1_as_rank_5_of_8_on_a_virtual_h100(tmp_path: Path) -> No
     u = round_size(2 * SEQ * HIDDEN)
     after_init = round_size(2 * p) + round_size(4 * p // DP) + 3 * round_size(4)
     assert int(lines["MEM init"]) == after_init == 805_430_784
-    after_step = after_init + 2 * round_size(4 * p // DP) + 9 * u + 6 * 512
+    after_step = after_init - 3 * 512 + 2 * round_size(4 * p // DP) + 9 * u + 9 * round_size(4)
     for step in range(STEPS):
         assert lines[f"LOSS {step}"] == "1.0"  # the value policy's finite loss
         assert int(lines[f"MEM step{step}"]) == after_step == 1_493_381_632
@@ -86,6 +87,28 @@ def test_pipeline_stage_1_as_rank_5_of_8_on_a_virtual_h100(tmp_path: Path) -> No
                   f"{total}, {total} (pipeline parameter counts from the layer specs: exact)")] == 2
     meta = f"stage 0's tensor meta = prism.pipe_activations ([0, 5, 3, 1, {SEQ}, {HIDDEN}])"
     assert sum(n for (site, value), n in reads.items() if value == meta) == 6  # type, dtype, ndims, 3 dims
+
+
+def test_pipeline_stage_0_as_rank_2_of_8_on_a_virtual_h100(tmp_path: Path) -> None:
+    """The first stage (rank 2: stage 0, data-parallel rank 2) sends its activations to virtual stage 1 and receives
+    the gradients into the buffer it sizes from its own outputs: no tensor-meta read. After each step: the model
+    states as on stage 1, 3 u (2 pipeline buffers of loaded inputs, the gradient receive buffer) and five 0-dim
+    tensors (``loss``, ``agg_loss``, the two of the loss broadcast from the last stage, ZeRO's grad norm)."""
+    proc = run(tmp_path, ds_config(tmp_path / "out", rank=2))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = {" ".join(x.split()[:2]): x.split()[2] for x in proc.stdout.splitlines() if x.startswith(("MEM", "LOSS"))}
+    p = BLOCKS // 2 * (2 * (HIDDEN * 4 * HIDDEN) + 4 * HIDDEN + HIDDEN)
+    u = round_size(2 * SEQ * HIDDEN)
+    after_init = round_size(2 * p) + round_size(4 * p // DP) + 3 * round_size(4)
+    assert int(lines["MEM init"]) == after_init
+    after_step = after_init - 3 * 512 + 2 * round_size(4 * p // DP) + 3 * u + 5 * round_size(4)
+    for step in range(STEPS):
+        assert int(lines[f"MEM step{step}"]) == after_step == 1_392_716_288
+    summary = json.loads((tmp_path / "out" / "rank2.summary.json").read_text())
+    assert summary["op_counts"]["send"] == STEPS * GAS + 2 and summary["op_counts"]["recv"] == STEPS * GAS
+    assert summary["op_bytes"]["send"] == STEPS * GAS * 2 * SEQ * HIDDEN + 1024 + 4  # + its tensor meta, handshake
+    assert summary["op_bytes"]["recv"] == STEPS * GAS * 2 * SEQ * HIDDEN
+    assert summary["virtual_gpu"]["virtual_time"]["step_times_s"] == [0.028331849] * (STEPS - 1)
 
 
 def test_pipeline_stage_without_pipe_activations_is_refused_naming_the_key(tmp_path: Path) -> None:
