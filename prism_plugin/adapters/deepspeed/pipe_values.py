@@ -33,6 +33,16 @@ __all__ = ["install", "stage_param_counts"]
 _ENGINE_FILE = "deepspeed/runtime/pipe/engine.py"
 
 
+def _build_on_meta(spec: Any) -> torch.nn.Module:
+    with torch.device("meta"):
+        built = spec.build()
+    off_meta = next((p.device for p in built.parameters() if p.device.type != "meta"), None)
+    if off_meta is not None:
+        raise RuntimeError(f"prism: counting the parameters of {spec!r} built them on {off_meta}, not the meta device "
+                           "(the layer places its own parameters); the pipeline parameter counts cannot be derived")
+    return built
+
+
 def _count(module: torch.nn.Module, seen: set[int]) -> int:
     n = 0
     for p in module.parameters():
@@ -43,7 +53,17 @@ def _count(module: torch.nn.Module, seen: set[int]) -> int:
 
 
 def stage_param_counts(module: Any) -> list[tuple[int, int]]:
-    """``(num_params, unique_params)`` of every stage of a `PipelineModule`, as each stage's engine counts them."""
+    """``(num_params, unique_params)`` of every stage of a `PipelineModule`, as each stage's engine counts them.
+
+    Layer specs are built on the meta device outside the fake (dispatch) modes: no host or virtual-GPU memory, no
+    kernels, no values."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return _stage_param_counts(module)
+
+
+def _stage_param_counts(module: Any) -> list[tuple[int, int]]:
     from deepspeed.runtime.pipe.module import LayerSpec, TiedLayerSpec
 
     parts = list(module.parts)
@@ -61,12 +81,10 @@ def stage_param_counts(module: Any) -> list[tuple[int, int]]:
         for spec in specs[parts[stage]:parts[stage + 1]]:
             if isinstance(spec, TiedLayerSpec):
                 if spec.key not in tied:
-                    with torch.device("meta"):
-                        tied[spec.key] = _count(spec.build(), set())
+                    tied[spec.key] = _count(_build_on_meta(spec), set())
                     num += tied[spec.key]
             elif isinstance(spec, LayerSpec):
-                with torch.device("meta"):
-                    num += _count(spec.build(), set())
+                num += _count(_build_on_meta(spec), set())
             elif isinstance(spec, torch.nn.Module):
                 num += _count(spec, seen)
         # the tied module leaves `unique` on every stage but the lowest holding it (the engine's min(ranks))
