@@ -32,10 +32,11 @@ counts depend on the routing values). With padding to capacity Megatron's own pa
 capacity, no value read). The allgather and flex dispatchers are not covered: their reads raise as any unanswered
 read does (`values.ValuePolicy.read`).
 
-`install` also puts in two seams MoE training needs on virtual GPUs (each undone with the adapter): expert weights
-keep Megatron's ``allreduce = False`` marker through ``Module.cuda()`` (`keep_parameter_attributes`: without it the
-experts were reduced and sharded as dense parameters), and Megatron's MoE loss scale skips a no-op
-``torch.as_tensor`` the virtual GPU's device calls assert on (`_loss_scale_on_device`).
+`install` also puts in a seam MoE training needs on virtual GPUs (undone with the adapter): Megatron's MoE loss
+scale skips a no-op ``torch.as_tensor`` the virtual GPU's device calls assert on (`_loss_scale_on_device`). Expert
+weights keep Megatron's ``allreduce = False`` marker through ``Module.cuda()`` because the virtual GPU's swap keeps
+every parameter attribute (`runtime.virtual_gpu.device.VirtualGpu._swap_tensors`: without it the experts were
+reduced and sharded as dense parameters).
 """
 
 from __future__ import annotations
@@ -229,36 +230,7 @@ def install(patches: Any, text: str | None = None) -> RoutingPolicy:
 
     patches.setattr(MoEAlltoAllTokenDispatcher, "preprocess", preprocess)
     _loss_scale_on_device(patches)
-    keep_parameter_attributes(patches)
     return policy
-
-
-def keep_parameter_attributes(patches: Any, names: tuple[str, ...] = ("allreduce",)) -> None:
-    """A parameter keeps Megatron's expert marker through ``Module.cuda()`` / ``.to()`` / ``.bfloat16()``, as on a GPU.
-
-    Megatron marks expert weights ``allreduce = False``: their gradients reduce over the expert-data-parallel group
-    and the distributed optimizer gives them their own buffers and optimizer (sharded over expert DP, not DP). On a
-    real GPU ``Module._apply`` keeps the parameter object (``param.data = ...``); for a fake tensor torch swaps in
-    a new one with ``torch.utils.swap_tensors``, which swaps the ``__dict__`` too, so the marker was lost and the
-    experts were reduced and sharded as dense parameters over the whole data-parallel group (EP8 at N=8: 4.2 GB of
-    an expert's fp32 optimizer state counted as 0.5 GB). The swap now hands `names` back to the parameter.
-
-    Limitation (left to the virtual GPU's own swap, `runtime.virtual_gpu.device`, which this wraps while the adapter
-    is installed): Megatron's other parameter attributes (``sequence_parallel``, ``tensor_model_parallel``,
-    ``partition_dim``, ``shared``) are still lost there; keeping them changes dense runs' grad-norm and SP norm-grad
-    all-reduce traffic (and pinned step times), so it is not done from here.
-    """
-    import torch
-
-    swap = torch.utils.swap_tensors
-
-    def swap_keeping_attributes(t1: Any, t2: Any) -> None:
-        kept = {n: t1.__dict__[n] for n in names if n in getattr(t1, "__dict__", {})}
-        swap(t1, t2)
-        for name, value in kept.items():
-            t1.__dict__.setdefault(name, value)
-
-    patches.setattr(torch.utils, "swap_tensors", swap_keeping_attributes)
 
 
 def _loss_scale_on_device(patches: Any) -> None:

@@ -168,6 +168,11 @@ def _move(t: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = dtype or t.dtype
+    if device.type == "cpu" and isinstance(t, FakeTensor):
+        # to the host: the copy ``.cpu()`` makes (a blocking copy kernel; a host fake, whose reads the value policy
+        # answers). A factory here would run for real on the host (host-only ops do) and hand the program
+        # uninitialised memory as values
+        return torch.ops.aten._to_copy.default(t, dtype=dtype, device=device)
     # a factory, not empty_like(t): FakeTensorMode would run empty_like on t's constant (a real CPU tensor)
     if memory_format in (None, torch.preserve_format) and is_non_overlapping_and_dense_or_false(t):
         out = torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=device)
@@ -370,11 +375,18 @@ class VirtualGpu:
 
     def _swap_tensors(self, t1: torch.Tensor, t2: torch.Tensor) -> None:
         """``torch.utils.swap_tensors`` (Module.to/cuda swaps fake parameters) once the fake mode's converter memo
-        forgets both tensors: its weak references would make the swap refuse them."""
+        forgets both tensors: its weak references would make the swap refuse them.
+
+        ``t1`` keeps its Python attributes: on a GPU, ``Module._apply`` assigns ``param.data`` and the parameter
+        object keeps what the framework set on it (Megatron's ``sequence_parallel``, ``tensor_model_parallel``,
+        ``partition_dim``, ``shared``, ``allreduce``); the swap would hand them to the discarded tensor."""
         memo = self.fake.fake_tensor_converter.meta_converter.tensor_memo
         for key in [k for k, v in list(memo.items()) if v is t1 or v is t2]:
             del memo[key]
+        kept = dict(getattr(t1, "__dict__", {}))
         self._original_swap(t1, t2)
+        for name, value in kept.items():
+            t1.__dict__.setdefault(name, value)
 
     def start(self) -> VirtualGpu:
         assert not self._started, "virtual GPU already started"
