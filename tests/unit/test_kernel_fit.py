@@ -14,7 +14,8 @@ import yaml
 from prism_plugin.config.errors import ConfigError
 from prism_plugin.cost.gpu import gpu_spec
 from prism_plugin.cost.kernel_fit import FitModel, FitRun, fit_efficiencies, job_key, load_fit, run_from_summary
-from prism_plugin.cost.kernels import KernelClass, KernelCost, KernelEfficiency, RooflineModel, kernel_model
+from prism_plugin.cost.kernel_models import kernel_model
+from prism_plugin.cost.kernels import KernelClass, KernelCost, KernelEfficiency, RooflineModel
 
 H100 = gpu_spec("h100-sxm")
 EFF = {"gemm": (0.75, 0.8), "attention": (0.5, 0.8), "elementwise": (0.5, 0.85), "norm": (0.5, 0.7)}

@@ -11,6 +11,7 @@ import yaml
 
 from prism_plugin.config.errors import ConfigError
 from prism_plugin.cost.gpu import GpuSpec, gpu_spec
+from prism_plugin.cost.kernel_models import kernel_model
 from prism_plugin.cost.kernels import (
     KernelClass,
     KernelCost,
@@ -18,7 +19,6 @@ from prism_plugin.cost.kernels import (
     RooflineModel,
     TableModel,
     gemm_wave_utilization,
-    kernel_model,
     peak_dtype,
 )
 from prism_plugin.cost.profiles import ProfileError, load_profile, override_profile, profile_from_yaml, profile_to_yaml
