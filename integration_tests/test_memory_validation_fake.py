@@ -37,21 +37,22 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ("-m", "prism_plugin.runtime.fake_cpu")
+FAKE_DEEPSPEED = ("-m", "prism_plugin.adapters.deepspeed.fake_cpu")  # with ZeRO's overflow flags: the adapter's answers
 
 
-def _fake(argv: tuple[str, ...], extra: tuple[str, ...]) -> tuple[str, ...]:
+def _fake(argv: tuple[str, ...], prefix: tuple[str, ...]) -> tuple[str, ...]:
     """`argv` with the fake-CPU prefix before the metrics probe (the probe's tracker then sits above the fake mode)."""
     i = next(i for i in range(len(argv) - 1) if argv[i:i + 2] == ("-m", "prism_plugin.recipes.probe"))
-    return (*argv[:i], *FAKE, *extra, *argv[i:])
+    return (*argv[:i], *prefix, *argv[i:])
 
 
-def _run(plan: RunPlan, fake: bool, extra: tuple[str, ...] = ()) -> dict:
+def _run(plan: RunPlan, fake: bool, prefix: tuple[str, ...] = FAKE) -> dict:
     for path, text in plan.files.items():
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
     plan.probe_dir.mkdir(parents=True, exist_ok=True)
     (proc_spec,) = plan.processes
-    argv = _fake(proc_spec.argv, extra) if fake else proc_spec.argv
+    argv = _fake(proc_spec.argv, prefix) if fake else proc_spec.argv
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, **proc_spec.env})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -60,12 +61,12 @@ def _run(plan: RunPlan, fake: bool, extra: tuple[str, ...] = ()) -> dict:
     return json.loads((plan.probe_dir / f"rank{rank}.metrics.json").read_text())
 
 
-def _compare(tmp_path: Path, name: str, steps: int, *extra: str) -> tuple[dict, dict]:
+def _compare(tmp_path: Path, name: str, steps: int, prefix: tuple[str, ...] = FAKE) -> tuple[dict, dict]:
     recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
     recipe = dataclasses.replace(recipe, steps=dataclasses.replace(recipe.steps, total=steps, warmup=1))
     emu = dataclasses.replace(recipe.emulated[0], data_policy=DataPolicy.MIRROR)
     real = _run(emulation_plan(recipe, emu, 0, tmp_path / "real", None), fake=False)
-    fake = _run(emulation_plan(recipe, emu, 0, tmp_path / "fake", None), fake=True, extra=extra)
+    fake = _run(emulation_plan(recipe, emu, 0, tmp_path / "fake", None), fake=True, prefix=prefix)
     assert real["memory_source"] == fake["memory_source"] == "cpu tensor-storage tracker (prism_plugin.runtime.memory)"
     assert len(real["steps"]) == len(fake["steps"]) == steps
     by_step = [(s["peak_bytes"], s["live_bytes"]) for s in real["steps"]]
@@ -82,7 +83,7 @@ def test_toy_tp2_fake_cpu_allocates_what_real_cpu_does(tmp_path: Path) -> None:
 
 
 def test_deepspeed_zero1_mlp_fake_cpu_allocates_what_real_cpu_does(tmp_path: Path) -> None:
-    real, _ = _compare(tmp_path, "deepspeed-zero1", 3, "--deepspeed")  # ZeRO's overflow flags: the adapter's answers
+    real, _ = _compare(tmp_path, "deepspeed-zero1", 3, FAKE_DEEPSPEED)
     # measured (both runs): the 4 x Linear(256, 256) MLP's fp32 parameters (1,052,672 B) and ZeRO-1's state
     assert [(s["peak_bytes"], s["live_bytes"]) for s in real["steps"]] == [
         (7_179_276, 3_182_600), (8_231_952, 3_182_604), (8_231_952, 3_182_604)]

@@ -20,9 +20,9 @@ and FakeTensorMode makes its outputs. As a launcher prefix::
     python -m prism_plugin.runtime.fake_cpu -m prism_plugin.recipes.probe -m prism_plugin.programs.toy_train ...
     prism run --world-size 2 --real-ranks 0 -- -m prism_plugin.runtime.fake_cpu -m prism_plugin.recipes.probe ...
 
-``--deepspeed`` first installs the DeepSpeed adapter's stated answers (`prism_plugin.adapters.deepspeed.virtual_gpu.
-install`: ZeRO's overflow and invalid-norm flags read 0, as on a virtual GPU). At exit it prints one
-``PRISM_FAKE_CPU {json}`` line (the value policy's answers).
+DeepSpeed programs start through ``python -m prism_plugin.adapters.deepspeed.fake_cpu`` instead, which first installs
+the DeepSpeed adapter's stated answers (ZeRO's overflow and invalid-norm flags read 0, as on a virtual GPU). At exit
+it prints one ``PRISM_FAKE_CPU {json}`` line (the value policy's answers).
 
 Limitations: values are not computed, so a program whose allocations depend on values (data-dependent shapes,
 a skipped step on overflow) diverges from its real run there (FakeTensorMode raises on data-dependent shapes);
@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from prism_plugin.runtime.undo import Patches
 from prism_plugin.runtime.virtual_gpu.values import ValuePolicy
 
 __all__ = ["FakeCpu", "main"]
@@ -179,21 +181,18 @@ class FakeCpu:
         return {"device_mode": "fake-cpu", "values": self.values.summary()}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, install: Callable[[Patches, FakeCpu], None] | None = None) -> None:
+    """Run the target (``script.py args`` or ``-m module args``) on fake CPU tensors. `install`, called before the
+    first tensor is fake, puts in a framework's stated answers (`prism_plugin.adapters.deepspeed.fake_cpu`)."""
     from prism_plugin.runtime.lifecycle import run_target
 
     args = list(sys.argv[1:] if argv is None else argv)
-    deepspeed = bool(args) and args[0] == "--deepspeed"
-    args = args[1:] if deepspeed else args
     if not args:
-        raise SystemExit("usage: python -m prism_plugin.runtime.fake_cpu [--deepspeed] script.py [args] | -m module "
-                         "[args]")
-    if deepspeed:  # imported before any tensor is fake
-        from prism_plugin.adapters.deepspeed import virtual_gpu as ds_answers
-        from prism_plugin.runtime.undo import Patches
+        raise SystemExit("usage: python -m prism_plugin.runtime.fake_cpu script.py [args] | -m module [args] "
+                         "(DeepSpeed programs: python -m prism_plugin.adapters.deepspeed.fake_cpu ...)")
     fake = FakeCpu().start()
-    if deepspeed:
-        ds_answers.install(Patches(), fake)
+    if install is not None:
+        install(Patches(), fake)
     atexit.register(lambda: print("PRISM_FAKE_CPU " + json.dumps(fake.summary(), default=str), flush=True))
     run_target(args)
 
