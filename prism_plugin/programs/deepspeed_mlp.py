@@ -60,7 +60,7 @@ def main() -> None:
 
     def batch(step: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(1_000_000 * dp_rank + 1000 * step + i)
-        x = torch.randn(micro, args.hidden, generator=g)
+        x = torch.randn(micro, args.hidden, generator=g).to(engine.device)  # cpu: the same tensor (no op)
         return x, torch.tanh(x)
 
     for step in range(args.steps):
