@@ -14,7 +14,11 @@ descheduling left out). ``--threads`` (default 1) is ``torch.set_num_threads`` b
 may set its own; the table's metadata reports what was in force at the end). A program that is not a
 torch.distributed job runs as it is; one that calls ``init_process_group`` without a rendezvous in the environment
 runs as rank 0 of 1. Bad input (no program, ``--steps 0``, no step recorded) exits 2 with one line
-saying what to fix.
+saying what to fix. A Megatron job on a CPU host records through the drop-in, one process per rank with its
+``RANK``/``WORLD_SIZE`` set (the wrapper then runs the job in this process, the adapter's CPU shim installed)::
+
+    RANK=0 WORLD_SIZE=2 ... prism kernels record --output table-rank0.json -m prism_plugin.megatron \
+        pretrain_gpt.py <megatron args> --prism-world-size 2 --prism-real-ranks 0,1
 
     prism kernels fit --run out/rank0.summary.json:0.0131 [--run NAME=FILE:SECONDS ...] [--runs runs.yaml] \\
         [--classes gemm,attention] --output fit.yaml
