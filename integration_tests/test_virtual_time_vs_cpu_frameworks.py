@@ -15,9 +15,9 @@ bound and skip rules, its helpers).
   ``"device": "virtual-gpu"`` in its ds_config's ``prism`` section (DeepSpeed's CUDA accelerator on fake cuda
   tensors). The two op sets agree but for 4
   initialisation misses (`DS_MISSES`) and 4 interpolated launches a step (``copy_``, ``mul_`` of another shape).
-  Not checked: the recording inflates this job's step. In 3 runs at loads 2.1-3.4 its program step (the
+  Not checked: the recording inflates this job's step. In 4 runs at loads 2.1-3.4 its program step (the
   recorder's bookkeeping taken out) measured 23-32 ms against real means of 12-27 ms, and the prediction built
-  from it was +40..+112% (a fourth run, at load 3.8: +40..+46%; recipes/RESULTS.md, 6(d)). Both recorded terms
+  from it was +30..+112% (a fifth run, at load 3.8: +40..+46%; recipes/RESULTS.md, 6(d)). Both recorded terms
   overshoot: the time inside the collective calls (9.7-17.6 ms a step) and, in one run, the free-comm step
   alone. The cause is not established (the recorder's untimed cost per op counted as host time per launch, or
   the peers' jitter under the recorder waited out inside the collectives).
