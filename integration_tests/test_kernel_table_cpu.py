@@ -20,7 +20,9 @@ interpolated), one emulated step time per pair of optimizer steps, all steady st
 
 Bias known and left in: the batch is drawn on the host (a CPU generator) and moved, so in the emulation its
 ``randn`` is host work, which virtual time does not model (~1% of the step, see the README figures).
-A timing miss while the load average exceeds cores + 1 skips, naming the figures (never a pass).
+The timing check is made in up to three attempts (`integration_tests.attempts`: a noise burst misses one attempt,
+a model error every one); all attempts missing while the load average exceeds cores + 1 skips, naming the
+figures (never a pass).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from integration_tests.attempts import Attempt, check_in_attempts
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +122,8 @@ def error_bound(real_medians_s: list[float]) -> float:
     return max(FLOOR_REL, 2 * spread)
 
 
-def test_virtual_time_with_a_cpu_table_predicts_the_real_cpu_step(tmp_path: Path) -> None:
+def attempt(tmp_path: Path) -> Attempt:
+    """One attempt: real runs around two recordings (one per clock), each clock's prediction against them."""
     real = [real_step_medians_s(tmp_path)]  # the recordings between the real runs: a drift of load hits both
     tables = {clock: record_table(tmp_path, clock) for clock in CLOCKS}
     real += [real_step_medians_s(tmp_path) for _ in range(REAL_RUNS - 1)]
@@ -142,9 +147,8 @@ def test_virtual_time_with_a_cpu_table_predicts_the_real_cpu_step(tmp_path: Path
             f"{meta['host_overhead_us_per_launch']} us per launch, step {1e3 * meta['step_time_median_s']:.3f} ms")
         if abs(error) > bound:
             missed.append(clock)
-    load = os.getloadavg()
-    report = "; ".join(figures) + f"; load average {load}"
-    print(report)
-    if missed and load[0] > MAX_LOAD:
-        pytest.skip(f"step time beyond the bound on a loaded machine (max load {MAX_LOAD}): {report}")
-    assert not missed, report
+    return Attempt("; ".join(figures), missed)
+
+
+def test_virtual_time_with_a_cpu_table_predicts_the_real_cpu_step(tmp_path: Path) -> None:
+    check_in_attempts(attempt, tmp_path, MAX_LOAD)

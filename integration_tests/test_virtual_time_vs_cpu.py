@@ -33,8 +33,9 @@ steady steps equal), then the emulated step within `error_bound` of the real run
 
 Known biases left in (the report prints them): the virtual peer arrives with this rank (``symmetric``); the load of
 a shared machine drifts between the recording and the real runs (each is a separate run, as in any validation).
-A spread between real runs that allows no check, or a timing miss while the load average exceeds cores + 1, skips
-naming the figures (never a pass).
+The check is made in up to three attempts (`integration_tests.attempts`: a noise burst misses one attempt, a
+model error every one); when all miss and each had a spread between real runs that allows no check, or a load
+average beyond cores + 1, the test skips naming the figures (never a pass).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from integration_tests.attempts import Attempt, check_in_attempts
 
 pytestmark = pytest.mark.slow
 
@@ -188,7 +191,8 @@ def error_bound(real_s: list[float]) -> float:
     return max(FLOOR_REL, 2 * (max(kept) - min(kept)) / statistics.median(kept))
 
 
-def test_the_toy_tp2_job_in_virtual_time_predicts_its_real_cpu_step(tmp_path: Path) -> None:
+def toy_tp2_attempt(tmp_path: Path) -> Attempt:
+    """One attempt: real runs around a recording of both ranks, each rank's prediction against them."""
     real = [real_step_means_s(tmp_path)]
     tables = record_tables(tmp_path)
     real += [real_step_means_s(tmp_path) for _ in range(REAL_RUNS - 1)]
@@ -219,11 +223,8 @@ def test_the_toy_tp2_job_in_virtual_time_predicts_its_real_cpu_step(tmp_path: Pa
             noisy.append(rank)
         elif abs(error) > bound:
             missed.append(rank)
-    load = os.getloadavg()
-    report = "; ".join(figures) + f"; load average {load}"
-    print(report)
-    if noisy:
-        pytest.skip(f"the real runs' own spread allows no check (bound > {MAX_BOUND:.0%}): {report}")
-    if missed and load[0] > MAX_LOAD:
-        pytest.skip(f"step time beyond the bound on a loaded machine (max load {MAX_LOAD}): {report}")
-    assert not missed, report
+    return Attempt("; ".join(figures), missed, noisy)
+
+
+def test_the_toy_tp2_job_in_virtual_time_predicts_its_real_cpu_step(tmp_path: Path) -> None:
+    check_in_attempts(toy_tp2_attempt, tmp_path, MAX_LOAD, f"{MAX_BOUND:.0%}")
