@@ -131,7 +131,8 @@ def attempt(tmp_path: Path) -> Attempt:
     for clock in CLOCKS:
         meta = json.loads(tables[clock].read_text())["metadata"]
         assert (meta["device"], meta["clock"], meta["threads"]) == ("cpu", clock, 1)
-        assert meta["recorded_steps"] == STEPS - WARMUP and meta["collectives_per_step"] == 4
+        assert (meta["recorded_steps"], meta["plain_steps"]) == (10, 10)  # 20 after warm-up: timed and plain in turn
+        assert meta["step_source"] == "plain" and meta["collectives_per_step"] == 4
         steps, summary = emulated_steps_s(tmp_path, tables[clock], meta["host_overhead_us_per_launch"])
         # structure: every kernel answered by its measured entry; one step per pair of optimizer steps, all equal
         kernels = summary["virtual_gpu"]["kernels"]

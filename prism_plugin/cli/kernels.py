@@ -6,9 +6,11 @@
 
 Runs the program once, in this process, on whatever device it uses (``--device auto``: ``cuda`` when torch has one,
 else ``cpu``), under `prism_plugin.runtime.virtual_gpu.record.KernelRecorder`: after ``--warmup`` optimizer steps it
-times every ATen op on that device for ``--steps`` optimizer steps (default: to the end) and writes one entry per
-(op, shape, dtype) with its median duration (``--statistic mean``: its mean), plus metadata (torch version, threads,
-host, program, steps, and on ``cpu`` the host overhead per launch to use as ``kernels.launch_overhead_us``).
+times every ATen op on that device in ``--steps`` timed optimizer steps (default: to the end), each followed by a
+plain step run without the recorder (the step and its collective calls timed: what the table's step, comm and
+host figures come from), and writes one entry per (op, shape, dtype) with its median duration (``--statistic
+mean``: its mean), plus metadata (torch version, threads, host, program, steps, and on ``cpu`` the host overhead per
+launch to use as ``kernels.launch_overhead_us``).
 ``--clock cpu`` times a ``cpu`` run by this thread's CPU time instead of the wall clock (a shared machine's
 descheduling left out). ``--threads`` (default 1) is ``torch.set_num_threads`` before the program starts (a program
 may set its own; the table's metadata reports what was in force at the end). A program that is not a
@@ -97,9 +99,9 @@ def _cmd_record(args: argparse.Namespace) -> int:
     host = meta["host_overhead_us_per_launch"]
     Console(stderr=True).print(
         f"prism kernels record: {len(table['entries'])} kernels (op, shape, dtype) from {meta['recorded_steps']} "
-        f"steps on {meta['device']} ({meta['threads']} thread(s), {meta['clock']} clock) -> {args.output}; per step: "
+        f"steps (+{meta['plain_steps']} plain) on {meta['device']} ({meta['threads']} thread(s), {meta['clock']} clock) -> {args.output}; per step: "
         f"{meta['kernels_per_step']:g} kernels, {1e3 * meta['kernel_time_per_step_median_s']:.3f} ms kernel time, "
-        f"{1e3 * meta['step_time_median_s']:.3f} ms wall"
+        f"{1e3 * meta['step_time_median_s']:.3f} ms a {meta['step_source']} step"
         + (f"; host overhead {host:g} us per launch (profile kernels.launch_overhead_us)" if host is not None else ""),
         soft_wrap=True)
     return 0

@@ -18,8 +18,9 @@ from prism_plugin.runtime.virtual_gpu.record import KernelRecorder, KeySamples, 
 ENTRY_KEYS = {"op", "kernel_class", "shape", "dtype", "device", "flops", "bytes", "duration_us", "count"}
 METADATA_KEYS = {"torch_version", "threads", "host", "machine", "processor", "program", "device_type", "device",
                  "clock", "statistic", "kernel_time_per_step_mean_s", "comm_time_per_step_mean_s",
-                 "warmup_steps", "recorded_steps", "optimizer_steps_seen", "kernels_per_step",
-                 "collectives_per_step", "step_time_median_s", "kernel_time_per_step_median_s",
+                 "warmup_steps", "recorded_steps", "plain_steps", "step_source", "optimizer_steps_seen",
+                 "kernels_per_step", "collectives_per_step", "step_time_median_s", "step_time_mean_s",
+                 "timed_step_time_median_s", "kernel_time_per_step_median_s",
                  "comm_time_per_step_median_s", "recorder_overhead_per_step_median_s", "host_overhead_us_per_launch",
                  "recorded_at", "note"}
 
@@ -71,8 +72,39 @@ def test_warm_up_steps_are_skipped_and_steps_bound_the_window() -> None:
     assert (meta["warmup_steps"], meta["recorded_steps"], meta["optimizer_steps_seen"]) == (2, 3, 7)
     assert meta["threads"] == torch.get_num_threads() and meta["collectives_per_step"] == 0
     assert meta["host_overhead_us_per_launch"] > 0 and meta["program"] == ["train.py"]
-    rest = _recorded(warmup=0, steps=None, total=4)  # warm-up 0, no bound: every step to the end
-    assert rest.recorded_steps == 4
+    assert (meta["plain_steps"], meta["step_source"]) == (2, "plain")  # timed, plain, timed, plain, timed
+    rest = _recorded(warmup=0, steps=None, total=5)  # warm-up 0, no bound: every other step to the end
+    assert (rest.recorded_steps, len(rest.plain_step_ns)) == (3, 2)
+
+
+def test_plain_steps_run_without_the_mode_and_the_stack_is_restored_around_other_modes() -> None:
+    """Between timed steps the mode is off the dispatch stack (no op seen); a mode pushed above it by the program
+    stays above it, and the stack is as before at the end."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+    class Counting(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Counting.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    recorder = KernelRecorder("cpu", warmup=1, steps=2)
+    seen = []
+    w = torch.nn.Parameter(torch.randn(16, 8))
+    opt = torch.optim.SGD([w], lr=0.1)
+    with recorder.record(), Counting() as counting:
+        for _ in range(6):
+            before = recorder._kernels
+            (torch.randn(4, 16) @ w).sum().backward()
+            seen.append((recorder._kernels - before, _get_current_dispatch_mode_stack()[-1] is counting))
+            opt.step()
+            opt.zero_grad()
+    assert _get_current_dispatch_mode_stack() == []
+    # steps 1 (warm-up) and 2 timed... : warm-up, timed, plain, timed, plain (the window closed), then off
+    assert [n > 0 for n, _ in seen] == [False, True, False, True, False, False]
+    assert all(top for _, top in seen) and Counting.ops > 0  # the program's mode stayed the top one throughout
+    assert recorder.recorded_steps == 2 and len(recorder.plain_step_ns) == 2
 
 
 def test_each_entry_holds_the_median_of_its_samples() -> None:
@@ -80,20 +112,26 @@ def test_each_entry_holds_the_median_of_its_samples() -> None:
     assert KeySamples(_cost(), [1000, 4000]).median_us == 2.5
     recorder = KernelRecorder("cpu", warmup=0)
     recorder.samples[("aten.mm.default", (4, 8, 16), "float32")] = KeySamples(_cost(), [5000, 1000, 2000, 9000])
-    recorder.step_ends_ns, recorder.kernels_per_step, recorder.collectives_per_step = [0, 20_000], [4], [0]
+    recorder.timed_step_ns, recorder.kernels_per_step, recorder.collectives_per_step = [20_000], [4], [0]
     recorder.kernel_ns_per_step, recorder.bookkeeping_ns_per_step = [16_000], [1_000]
     recorder.comm_ns_per_step = [1_000]
     table = table_data(recorder, program=["p.py"], device="cpu")
     (entry,) = table["entries"]
     assert entry["duration_us"] == 3.5 and entry["count"] == 4
-    # host time per launch: (20 us wall - 1 us bookkeeping - 16 us kernels - 1 us comm) / 4 launches = 0.5 us
-    assert table["metadata"]["host_overhead_us_per_launch"] == 0.5
+    # no plain step: (20 us timed - 1 us bookkeeping - 16 us kernels - 1 us comm) / 4 launches = 0.5 us
+    assert table["metadata"]["host_overhead_us_per_launch"] == 0.5 and table["metadata"]["step_source"] == "timed"
     assert table["metadata"]["comm_time_per_step_median_s"] == 1e-6
+    assert table["metadata"]["step_time_median_s"] == 19e-6
+    recorder.plain_step_ns, recorder.plain_comm_ns = [18_000, 19_000], [500, 1_500]
+    meta = table_data(recorder, program=["p.py"], device="cpu")["metadata"]
+    # plain steps: (18.5 us mean step - 1 us mean comm - 16 us kernels) / 4 launches = 0.375 us
+    assert meta["host_overhead_us_per_launch"] == 0.375 and meta["step_source"] == "plain"
+    assert (meta["step_time_median_s"], meta["comm_time_per_step_mean_s"], meta["timed_step_time_median_s"]) == (
+        18.5e-6, 1e-6, 19e-6)
     (entry,) = table_data(recorder, program=["p.py"], device="cpu", statistic="mean")["entries"]
     assert entry["duration_us"] == 4.25  # (5 + 1 + 2 + 9) / 4 us
     with pytest.raises(ValueError, match="statistic='max': use median or mean"):
         table_data(recorder, program=["p.py"], statistic="max")
-    assert table["metadata"]["step_time_median_s"] == 19e-6
 
 
 def test_a_written_table_loads_in_the_table_model_and_answers_its_medians(tmp_path: Path) -> None:
@@ -148,7 +186,7 @@ def test_cli_records_a_script_into_the_output(tmp_path: Path, capsys: pytest.Cap
     table = json.loads(out.read_text())
     assert table["metadata"]["recorded_steps"] == 2 and table["metadata"]["threads"] == 1
     assert table["metadata"]["program"] == [str(script)]
-    assert "2 steps on cpu (1 thread(s), wall clock)" in capsys.readouterr().err
+    assert "2 steps (+1 plain) on cpu (1 thread(s), wall clock)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "message"), [
