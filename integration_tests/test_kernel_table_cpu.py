@@ -6,14 +6,14 @@ one thread. Procedure, one process at a time (a 2-core machine shared with other
 
 1. ``REAL_RUNS`` real CPU runs (the first before the recording, the others after it): the step time is the
    period between optimizer steps (an optimizer-step post hook in a wrapper, the same marker the recorder and
-   virtual time use), median over the steps after ``WARMUP``; the spread of the runs' medians is the
+   virtual time use), mean over the steps after ``WARMUP``; the spread of the runs' means is the
    run-to-run noise;
 2. ``prism kernels record`` of the same program: the table, and the host overhead per launch in its metadata;
 3. ``prism run --device virtual-gpu`` of the same program on fake ``cuda`` tensors (``--device cuda``) with
    ``PRISM_KERNEL_MODEL=table`` (the table's one device, ``cpu``, answers the cuda kernels), the profile's
    ``kernels.launch_overhead_us`` set to the recorded host overhead, and ``CUDA_LAUNCH_BLOCKING=1`` (on a CPU
    each op returns when its work is done: host and "device" are one thread). Its emulated step
-   (``virtual_gpu.virtual_time.step_times_s``) must lie within `error_bound` of the real median.
+   (``virtual_gpu.virtual_time.step_times_s``) must lie within `error_bound` of the real runs' median.
 
 Exact structure is checked first: every kernel of the emulation found in the table (no miss, nothing
 interpolated), one emulated step time per pair of optimizer steps, all steady steps equal (deterministic).
@@ -43,15 +43,17 @@ from integration_tests.attempts import Attempt, check_in_attempts
 
 pytestmark = pytest.mark.slow
 
-STEPS, WARMUP, REAL_RUNS = 25, 5, 3
+STEPS, WARMUP, REAL_RUNS = 45, 5, 5
 PROGRAM = ["-m", "prism_plugin.programs.toy_train", "--tp", "1", "--hidden", "512", "--batch", "64",
            "--steps", str(STEPS), "--json"]
 MAX_LOAD = float(os.environ.get("PRISM_RECIPES_MAX_LOAD", (os.cpu_count() or 1) + 1))
 FLOOR_REL = 0.10
-"""The least tolerated error, 10%: the check's known bias (the prediction against the recording run's own step,
-cpu clock: -0.3% .. -6.1% over 6 runs: the batch's randn is host work in the emulation, ~1.4%, and per-op
-medians against a step's sum) plus the recording's own noise (real runs' medians spread >= 7.5% in every
-measurement here, loads 1.6-5.5 on 2 cores)."""
+"""The least tolerated error, 10%: the check's known bias (the prediction against the recording's own plain step:
+-4.6% .. -7.8% over 6 recordings by both clocks, tables of means; the batch's randn is host work in the emulation,
+~1.4%, and the 4 collective calls over groups of one, timed in the recording, cost nothing in the emulation) plus
+the noise between processes: the recording is one more process, and real runs' means of this one job moved
+12.4 .. 15.4 ms between processes at loads 0.7-1.3 on 2 cores. `REAL_RUNS` = 5 so the spread (the bound is twice
+it) samples that noise."""
 
 # the real run: the unmodified program under an optimizer-step post hook that only reads the clocks
 REAL = textwrap.dedent("""
@@ -81,18 +83,18 @@ def _run(cmd: list[str], cwd: Path, **extra: str) -> str:
     return proc.stdout
 
 
-def real_step_medians_s(tmp: Path) -> dict[str, float]:
-    """One real CPU run's median step time by each clock (period between optimizer steps after the warm-up)."""
+def real_step_means_s(tmp: Path) -> dict[str, float]:
+    """One real CPU run's mean step time by each clock (period between optimizer steps after the warm-up)."""
     out = _run([sys.executable, "-c", REAL, *PROGRAM], tmp)
     steps = json.loads(next(line for line in out.splitlines() if line.startswith("REAL_STEPS "))[11:])
     assert all(len(steps[clock]) == STEPS - 1 for clock in CLOCKS)
-    return {clock: statistics.median(steps[clock][WARMUP - 1:]) for clock in CLOCKS}
+    return {clock: statistics.fmean(steps[clock][WARMUP - 1:]) for clock in CLOCKS}
 
 
 def record_table(tmp: Path, clock: str) -> Path:
     table = tmp / f"table-{clock}.json"
     _run([sys.executable, "-m", "prism_plugin.cli.main", "kernels", "record", "--output", str(table),
-          "--warmup", str(WARMUP), "--threads", "1", "--clock", clock, *PROGRAM], tmp)
+          "--warmup", str(WARMUP), "--threads", "1", "--clock", clock, "--statistic", "mean", *PROGRAM], tmp)
     return table
 
 
@@ -124,14 +126,14 @@ def error_bound(real_medians_s: list[float]) -> float:
 
 def attempt(tmp_path: Path) -> Attempt:
     """One attempt: real runs around two recordings (one per clock), each clock's prediction against them."""
-    real = [real_step_medians_s(tmp_path)]  # the recordings between the real runs: a drift of load hits both
+    real = [real_step_means_s(tmp_path)]  # the recordings between the real runs: a drift of load hits both
     tables = {clock: record_table(tmp_path, clock) for clock in CLOCKS}
-    real += [real_step_medians_s(tmp_path) for _ in range(REAL_RUNS - 1)]
+    real += [real_step_means_s(tmp_path) for _ in range(REAL_RUNS - 1)]
     figures, missed = [], []
     for clock in CLOCKS:
         meta = json.loads(tables[clock].read_text())["metadata"]
         assert (meta["device"], meta["clock"], meta["threads"]) == ("cpu", clock, 1)
-        assert (meta["recorded_steps"], meta["plain_steps"]) == (10, 10)  # 20 after warm-up: timed and plain in turn
+        assert (meta["recorded_steps"], meta["plain_steps"]) == (20, 20)  # 40 after warm-up: timed, plain in turn
         assert meta["step_source"] == "plain" and meta["collectives_per_step"] == 4
         steps, summary = emulated_steps_s(tmp_path, tables[clock], meta["host_overhead_us_per_launch"])
         # structure: every kernel answered by its measured entry; one step per pair of optimizer steps, all equal
@@ -142,10 +144,10 @@ def attempt(tmp_path: Path) -> Attempt:
         predicted, real_median = steps[-1], statistics.median(measured)
         error, bound = (predicted - real_median) / real_median, error_bound(measured)
         figures.append(
-            f"{clock} clock: real medians {[round(1e3 * r, 3) for r in measured]} ms (median {1e3 * real_median:.3f})"
+            f"{clock} clock: real means {[round(1e3 * r, 3) for r in measured]} ms (median {1e3 * real_median:.3f})"
             f", predicted {1e3 * predicted:.3f} ms, error {100 * error:+.1f}% against bound {100 * bound:.1f}%; "
-            f"recorded {meta['kernels_per_step']:g} kernels {1e3 * meta['kernel_time_per_step_median_s']:.3f} ms + "
-            f"{meta['host_overhead_us_per_launch']} us per launch, step {1e3 * meta['step_time_median_s']:.3f} ms")
+            f"recorded {meta['kernels_per_step']:g} kernels {1e3 * meta['kernel_time_per_step_mean_s']:.3f} ms + "
+            f"{meta['host_overhead_us_per_launch']} us per launch, plain step {1e3 * meta['step_time_mean_s']:.3f} ms")
         if abs(error) > bound:
             missed.append(clock)
     return Attempt("; ".join(figures), missed)

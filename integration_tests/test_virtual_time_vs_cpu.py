@@ -56,7 +56,7 @@ from integration_tests.attempts import Attempt, check_in_attempts
 
 pytestmark = pytest.mark.slow
 
-STEPS, WARMUP, REAL_RUNS, WORLD = 25, 5, 4, 2
+STEPS, WARMUP, REAL_RUNS, WORLD = 45, 5, 4, 2
 PROGRAM = ["-m", "prism_plugin.programs.toy_train", "--tp", "2", "--hidden", "512", "--batch", "64",
            "--steps", str(STEPS), "--json"]
 MAX_LOAD = float(os.environ.get("PRISM_RECIPES_MAX_LOAD", (os.cpu_count() or 1) + 1))
@@ -200,7 +200,7 @@ def toy_tp2_attempt(tmp_path: Path) -> Attempt:
     for rank, table in enumerate(tables):
         meta = json.loads(table.read_text())["metadata"]
         assert (meta["device"], meta["clock"], meta["statistic"], meta["threads"], meta["recorded_steps"],
-                meta["plain_steps"]) == ("cpu", "wall", "mean", 1, 10, 10)  # timed and plain in turn
+                meta["plain_steps"]) == ("cpu", "wall", "mean", 1, 20, 20)  # timed and plain in turn
         assert meta["collectives_per_step"] == 4  # the TP forward; the DP gradient pair and the loss (groups of 1)
         comm_us = recorded_comm_overhead_us(meta)
         steps, summary = emulated_steps_s(tmp_path, rank, table, meta["host_overhead_us_per_launch"], comm_us)

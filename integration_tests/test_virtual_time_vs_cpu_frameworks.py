@@ -2,25 +2,25 @@
 recorded on this CPU, against their real CPU runs (`test_virtual_time_vs_cpu` does toy-tp2; same procedure, same
 bound and skip rules, its helpers).
 
-- ``megatron-tp2-n2`` (Megatron-core GPT, local spec, fp32, TP2 on 2 gloo processes, 8 iterations, 3 warm-up):
-  checked, both ranks. The real run is the recipe's: both ranks real through ``python -m prism_plugin.megatron``
-  (the adapter's CPU shim). It is recorded the same way: ``prism kernels record ... -m prism_plugin.megatron
-  pretrain_gpt.py <args> --prism-world-size 2 --prism-real-ranks 0,1`` with each process's ``RANK`` set, so the
-  wrapper runs the job in the recorder's process, shim installed. The virtual-GPU run is the same job as that rank
-  alone of 2, ``--prism-device virtual-gpu`` (no shim, fake cuda tensors), ``PRISM_KERNEL_MODEL=table``: its op
-  set differs from the CPU shim's in a few keys (the table misses and interpolations are asserted and reported).
-- ``deepspeed-zero1`` (ZeRO-1, an MLP of 4 x Linear(256, 256), DP2 on 2 gloo processes, 10 optimizer steps of 2
-  micro-batches, 3 warm-up): the structure is checked, the step time only reported. The real run is plain
-  DeepSpeed (its CPU accelerator), recorded as plain torch; the virtual-GPU run is the same program with
+- ``megatron-tp2-n2`` (Megatron-core GPT, local spec, fp32, TP2 on 2 gloo processes; run for 16 iterations, 4
+  warm-up, where the recipe runs 8): checked, both ranks. The real run is the recipe's: both ranks real through
+  ``python -m prism_plugin.megatron`` (the adapter's CPU shim). It is recorded the same way: ``prism kernels
+  record ... -m prism_plugin.megatron pretrain_gpt.py <args> --prism-world-size 2 --prism-real-ranks 0,1`` with
+  each process's ``RANK`` set, so the wrapper runs the job in the recorder's process, shim installed. The
+  virtual-GPU run is the same job as that rank alone of 2, ``--prism-device virtual-gpu`` (no shim, fake cuda
+  tensors), ``PRISM_KERNEL_MODEL=table``: its op set differs from the CPU shim's in a few keys (the table misses
+  and interpolations are asserted and reported).
+- ``deepspeed-zero1`` (ZeRO-1, an MLP of 4 x Linear(256, 256), DP2 on 2 gloo processes, optimizer steps of 2
+  micro-batches; run for 40 steps, 4 warm-up, where the recipe runs 10): checked, both ranks. The real run is
+  plain DeepSpeed (its CPU accelerator), recorded as plain torch; the virtual-GPU run is the same program with
   ``"device": "virtual-gpu"`` in its ds_config's ``prism`` section (DeepSpeed's CUDA accelerator on fake cuda
-  tensors). The two op sets agree but for 4
-  initialisation misses (`DS_MISSES`) and 4 interpolated launches a step (``copy_``, ``mul_`` of another shape).
-  Not checked: the recording inflates this job's step. In 4 runs at loads 2.1-3.4 its program step (the
-  recorder's bookkeeping taken out) measured 23-32 ms against real means of 12-27 ms, and the prediction built
-  from it was +30..+112% (a fifth run, at load 3.8: +40..+46%; recipes/RESULTS.md, 6(d)). Both recorded terms
-  overshoot: the time inside the collective calls (9.7-17.6 ms a step) and, in one run, the free-comm step
-  alone. The cause is not established (the recorder's untimed cost per op counted as host time per launch, or
-  the peers' jitter under the recorder waited out inside the collectives).
+  tensors). The two op sets agree but for 4 initialisation misses (`DS_MISSES`) and 4 interpolated launches a
+  step (``copy_``, ``mul_`` of another shape). Until the recorder took its step figures from plain steps (its
+  mode off the dispatch stack: `prism_plugin.runtime.virtual_gpu.record`), this job's recording inflated its
+  step (23-39 ms a step under the mode against real means of 12-27 ms; predictions +30..+112%): 152 small ops a
+  step each paid the mode's round trip, and each rank's slowed step was waited out in its peer's collectives.
+
+The step checks are made in up to three attempts (`integration_tests.attempts`).
 
 Communication: each rank's virtual run has communication free (`FREE_COMM`: no latency, no overhead, unbounded
 bandwidth; its modelled comm asserted under a microsecond for the whole run); the checked prediction is that run's
@@ -41,7 +41,6 @@ Adam's first-step state). Same-op keys of another shape are interpolated (``mul_
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -59,6 +58,11 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "megatron-tp2-n2.yaml"
 WORLD, REAL_RUNS = 2, 3
+MEGATRON_ITERATIONS, MEGATRON_WARMUP = 16, 4
+"""The recipe's job run longer than the recipe's 8 iterations (12 after the warm-up: 6 timed and 6 plain in the
+recording): the steps cost ~0.1 s each, the processes' start ~5 s, and 2 plain steps left the mean noisy."""
+DS_STEPS, DS_WARMUP = 40, 4
+"""deepspeed-zero1 run longer than the recipe's 10 steps (36 after the warm-up: 18 timed and 18 plain); ~15 ms each."""
 REAL = """
 import json, sys, time, torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -77,8 +81,9 @@ def megatron_job() -> tuple[list[str], int, int]:
     from prism_plugin.recipes.load import load_recipe
     from prism_plugin.recipes.plans import MEGATRON_SCRIPT, megatron_args
 
-    recipe = load_recipe(RECIPE)
-    return [str(MEGATRON_SCRIPT), *megatron_args(recipe, WORLD)], recipe.steps.total, recipe.steps.warmup
+    args = megatron_args(load_recipe(RECIPE), WORLD)
+    args[args.index("--train-iters") + 1] = str(MEGATRON_ITERATIONS)
+    return [str(MEGATRON_SCRIPT), *args], MEGATRON_ITERATIONS, MEGATRON_WARMUP
 
 
 def _both_ranks(cmd_of: Any, tmp: Path, tag: str) -> list[str]:
@@ -124,14 +129,16 @@ FREE_COMM: dict[str, Any] = {
     "inter_node": {"bandwidth_gbytes_per_s": 1e12, "latency_us": 0.0},
     "collective_overhead_us": 0.0, "p2p_overhead_us": 0.0}
 """host-cpu's communication made free: a step's modelled comm is then 0 (to the nanosecond)."""
-MISSES = {
-    0: {"aten.mul_.Tensor": 8, "aten.native_dropout.default": 10, "aten.normal_.default": 9,
-        "aten.rand.default": 5, "aten.tanh.default": 10, "aten.zeros_like.default": 56},
-    1: {"aten.arange.out": 16, "aten.arange.start_out": 32, "aten.fill_.Scalar": 32, "aten.mul_.Tensor": 8,
-        "aten.native_dropout.default": 10, "aten.normal_.default": 9, "aten.rand.default": 5,
-        "aten.remainder_.Scalar": 48, "aten.tanh.default": 10, "aten.triu_.default": 16,
-        "aten.zeros_like.default": 56}}
-"""Each rank's table misses over the whole virtual run (8 iterations), as measured (see the module doc)."""
+MISSES_PER_ITERATION = {
+    0: {"aten.mul_.Tensor": 1},
+    1: {"aten.arange.out": 2, "aten.arange.start_out": 4, "aten.fill_.Scalar": 4, "aten.mul_.Tensor": 1,
+        "aten.remainder_.Scalar": 6, "aten.triu_.default": 2}}
+INITIAL_MISSES = {"aten.native_dropout.default": 10, "aten.normal_.default": 9, "aten.rand.default": 5,
+                  "aten.tanh.default": 10, "aten.zeros_like.default": 56}
+MISSES = {rank: {**INITIAL_MISSES, **{op: n * MEGATRON_ITERATIONS for op, n in ops.items()}}
+          for rank, ops in MISSES_PER_ITERATION.items()}
+"""Each rank's table misses over the whole virtual run, as measured (see the module doc): those of every
+iteration, and those before the recorded window."""
 DS_RECIPE = ROOT / "recipes" / "deepspeed-zero1.yaml"
 DS_MISSES = {"aten.clone.default": 1, "aten.zeros.default": 1, "aten.zeros_like.default": 2}
 """deepspeed-zero1's misses (both ranks), all before the first step (ZeRO's flat buffers, Adam's state)."""
@@ -177,7 +184,7 @@ def megatron_attempt(tmp_path: Path) -> Attempt:
     for rank, table in enumerate(tables):
         meta = json.loads(table.read_text())["metadata"]
         assert (meta["device"], meta["clock"], meta["statistic"], meta["recorded_steps"], meta["plain_steps"]) == (
-            "cpu", "wall", "mean", 3, 2)  # 5 iterations after warm-up: timed and plain in turn
+            "cpu", "wall", "mean", 6, 6)  # 12 iterations after warm-up: timed and plain in turn
         assert meta["collectives_per_step"] > 0  # the wrapper's collective calls, counted as launches
         launch_us = meta["host_overhead_us_per_launch"]
         free = emulated(tmp_path, job, rank, table, launch_us, True)
@@ -224,7 +231,9 @@ def _ds_job(tmp: Path, section: dict[str, Any] | None, name: str) -> tuple[list[
     recipe = load_recipe(DS_RECIPE)
     config = tmp / f"{name}.ds_config.json"
     config.write_text(json.dumps(deepspeed_config(recipe, WORLD, section)))
-    return deepspeed_args(recipe, config), recipe.steps.total, recipe.steps.warmup
+    args = deepspeed_args(recipe, config)
+    args[args.index("--steps") + 1] = str(DS_STEPS)
+    return args, DS_STEPS, DS_WARMUP
 
 
 def _host_cpu(tmp: Path, tag: str, launch_us: float, free_comm: bool) -> Path:
@@ -252,9 +261,9 @@ def ds_emulated(tmp: Path, rank: int, table: Path, launch_us: float, free_comm: 
     return json.loads((out / f"rank{rank}.summary.json").read_text())
 
 
-def test_the_deepspeed_zero1_job_in_virtual_time_is_answered_by_its_cpu_table(tmp_path: Path) -> None:
-    """Exact structure asserted (op sets, collectives, steady steps); the step against the real runs reported, not
-    checked (see the module doc: the recording inflates this job's step)."""
+def deepspeed_attempt(tmp_path: Path) -> Attempt:
+    """One attempt: exact structure asserted (op sets, collectives, steady steps), each rank's step against the
+    real runs around the recording."""
     job, steps, warmup = _ds_job(tmp_path, None, "real")
 
     def real_run(run: int) -> list[float]:
@@ -271,11 +280,11 @@ def test_the_deepspeed_zero1_job_in_virtual_time_is_answered_by_its_cpu_table(tm
                            str(warmup), "--threads", "1", "--clock", "wall", "--statistic", "mean", "--output",
                            str(tables[r]), "--", *job], tmp_path, "ds-record")
     real += [real_run(i) for i in range(1, REAL_RUNS)]
-    figures = []
+    figures, missed, noisy = [], [], []
     for rank, table in enumerate(tables):
         meta = json.loads(table.read_text())["metadata"]
         assert (meta["device"], meta["clock"], meta["statistic"], meta["recorded_steps"], meta["plain_steps"]) == (
-            "cpu", "wall", "mean", 4, 3)  # 7 steps after warm-up: timed and plain in turn
+            "cpu", "wall", "mean", 18, 18)  # 36 steps after warm-up: timed and plain in turn
         assert meta["collectives_per_step"] == 3  # ZeRO-1: 2 gradient all-reduces (one per micro-batch), 1 all-gather
         launch_us = meta["host_overhead_us_per_launch"]
         free = ds_emulated(tmp_path, rank, table, launch_us, True)
@@ -299,6 +308,15 @@ def test_the_deepspeed_zero1_job_in_virtual_time_is_answered_by_its_cpu_table(tm
             f"({meta['kernels_per_step']:g} kernels + {meta['collectives_per_step']:g} collectives); emulated "
             f"{kernels['kernels']} kernels, interpolated {kernels['interpolated']}; free-comm step "
             f"{1e3 * steady_step_s(free, warmup):.3f} ms"))
-        figures[-1] += (f"; recording's program step {1e3 * meta['step_time_median_s']:.3f} ms (median), recorder "
-                        f"bookkeeping {1e3 * meta['recorder_overhead_per_step_median_s']:.3f} ms per step")
-    print("; ".join(figures) + f"; load average {os.getloadavg()} (reported, not checked)")
+        figures[-1] += (f"; the recording's plain step {1e3 * meta['step_time_median_s']:.3f} ms (median), timed "
+                        f"step {1e3 * meta['timed_step_time_median_s']:.3f} ms less the recorder's bookkeeping "
+                        f"{1e3 * meta['recorder_overhead_per_step_median_s']:.3f} ms")
+        if bound > MAX_BOUND:
+            noisy.append(rank)
+        elif abs(error) > bound:
+            missed.append(rank)
+    return Attempt("; ".join(figures), missed, noisy)
+
+
+def test_the_deepspeed_zero1_job_in_virtual_time_predicts_its_real_cpu_step(tmp_path: Path) -> None:
+    check_in_attempts(deepspeed_attempt, tmp_path, MAX_LOAD, f"{MAX_BOUND:.0%}")

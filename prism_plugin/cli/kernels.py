@@ -99,7 +99,8 @@ def _cmd_record(args: argparse.Namespace) -> int:
     host = meta["host_overhead_us_per_launch"]
     Console(stderr=True).print(
         f"prism kernels record: {len(table['entries'])} kernels (op, shape, dtype) from {meta['recorded_steps']} "
-        f"steps (+{meta['plain_steps']} plain) on {meta['device']} ({meta['threads']} thread(s), {meta['clock']} clock) -> {args.output}; per step: "
+        f"steps (+{meta['plain_steps']} plain) on {meta['device']} ({meta['threads']} thread(s), {meta['clock']} "
+        f"clock) -> {args.output}; per step: "
         f"{meta['kernels_per_step']:g} kernels, {1e3 * meta['kernel_time_per_step_median_s']:.3f} ms kernel time, "
         f"{1e3 * meta['step_time_median_s']:.3f} ms a {meta['step_source']} step"
         + (f"; host overhead {host:g} us per launch (profile kernels.launch_overhead_us)" if host is not None else ""),
