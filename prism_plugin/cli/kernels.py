@@ -105,6 +105,12 @@ def _cmd_record(args: argparse.Namespace) -> int:
         f"{1e3 * meta['step_time_median_s']:.3f} ms a {meta['step_source']} step"
         + (f"; host overhead {host:g} us per launch (profile kernels.launch_overhead_us)" if host is not None else ""),
         soft_wrap=True)
+    raw = meta["host_overhead_raw_us_per_launch"]
+    if raw is not None and raw < 0:
+        Console(stderr=True).print(
+            f"[yellow]prism kernels record: the host time per launch came out {raw:g} us (the timed steps' kernels "
+            "took longer than the plain steps' time outside collectives): 0 written; record more steps on a "
+            "quieter machine for a measured figure[/]", soft_wrap=True)
     return 0
 
 

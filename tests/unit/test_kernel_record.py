@@ -22,6 +22,7 @@ METADATA_KEYS = {"torch_version", "threads", "host", "machine", "processor", "pr
                  "kernels_per_step", "collectives_per_step", "step_time_median_s", "step_time_mean_s",
                  "timed_step_time_median_s", "kernel_time_per_step_median_s",
                  "comm_time_per_step_median_s", "recorder_overhead_per_step_median_s", "host_overhead_us_per_launch",
+                 "host_overhead_raw_us_per_launch",
                  "recorded_at", "note"}
 
 
@@ -128,6 +129,9 @@ def test_each_entry_holds_the_median_of_its_samples() -> None:
     assert meta["host_overhead_us_per_launch"] == 0.375 and meta["step_source"] == "plain"
     assert (meta["step_time_median_s"], meta["comm_time_per_step_mean_s"], meta["timed_step_time_median_s"]) == (
         18.5e-6, 1e-6, 19e-6)
+    recorder.plain_step_ns = [16_000, 17_000]  # (16.5 - 1 - 16) / 4 = -0.125 us: no launch costs less than nothing
+    meta = table_data(recorder, program=["p.py"], device="cpu")["metadata"]
+    assert (meta["host_overhead_us_per_launch"], meta["host_overhead_raw_us_per_launch"]) == (0.0, -0.125)
     (entry,) = table_data(recorder, program=["p.py"], device="cpu", statistic="mean")["entries"]
     assert entry["duration_us"] == 4.25  # (5 + 1 + 2 + 9) / 4 us
     with pytest.raises(ValueError, match="statistic='max': use median or mean"):
