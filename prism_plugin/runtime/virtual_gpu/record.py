@@ -126,7 +126,8 @@ class KernelRecorder(TorchDispatchMode):
         """Optimizer steps seen so far (all of them, warm-up included)."""
         self.recording = warmup == 0
         self.step_ends_ns: list[int] = []
-        """The clock (ns) at the start of the window and at the end of each recorded step, timed and plain."""
+        """The clock (ns) at each step's opening in the window (after the hook's own work), timed and plain; empty
+        until the window opens."""
         self.timed_step_ns: list[int] = []
         """Each timed step's wall (or cpu) time, the recorder's work included."""
         self.plain_step_ns: list[int] = []
