@@ -29,16 +29,18 @@ class _Session:
 
 
 def test_cublas_workspace_follows_torchs_defaults_and_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    # parseChosenWorkspaceSize: ":4096:8" on sm90 exactly, ":4096:2:16:8" on every other capability
+    # parseChosenWorkspaceSize (torch 2.13): ":4096:8" on major 9, 10 and 12 (Hopper, Blackwell), ":4096:2:16:8"
+    # on every other capability (sm110 joined the 32 MiB ones after 2.13)
     assert cublas_workspace_bytes((9, 0)) == 8 * 4096 * 1024 == 33_554_432
+    assert cublas_workspace_bytes((10, 0)) == cublas_workspace_bytes((12, 0)) == 33_554_432
     assert cublas_workspace_bytes((8, 0)) == (2 * 4096 + 8 * 16) * 1024 == 8_519_680
-    assert cublas_workspace_bytes((10, 0)) == cublas_workspace_bytes((8, 9)) == 8_519_680
+    assert cublas_workspace_bytes((8, 9)) == cublas_workspace_bytes((11, 0)) == 8_519_680
     assert cublas_workspace_bytes((9, 0), ":16:8") == 131_072 and cublas_workspace_bytes((8, 0), ":4096:1") == 4 * MiB
     assert cublas_workspace_bytes((9, 0), "garbage") == 33_554_432  # unparsable: torch warns and takes the default
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2")
     assert gpu_spec("h100-sxm").cublas_workspace_bytes == 8 * MiB
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
-    assert gpu_spec("h100-sxm").cublas_workspace_bytes == 32 * MiB
+    assert gpu_spec("h100-sxm").cublas_workspace_bytes == gpu_spec("b200-sxm").cublas_workspace_bytes == 32 * MiB
     assert gpu_spec("a100-sxm-80gb").cublas_workspace_bytes == 8_519_680
 
 
