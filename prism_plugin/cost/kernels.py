@@ -100,17 +100,30 @@ class KernelCost:
     elements)`` for a foreach op)."""
 
 
-def peak_dtype(dtype: str) -> str:
-    """The `GpuSpec.peak_flops_per_s` key a kernel of `dtype` runs at: float8 variants -> float8, integer,
-    bool and complex dtypes -> float32 (the CUDA-core rate; an estimate).
+_FP4_NAMES = ("fp4", "nvfp4", "mxfp4")
 
-    >>> peak_dtype("float8_e4m3fn"), peak_dtype("bfloat16"), peak_dtype("int64")
-    ('float8', 'bfloat16', 'float32')
+
+def peak_dtype(dtype: str) -> str:
+    """The `GpuSpec.peak_flops_per_s` key (`prism_plugin.cost.gpu.PEAK_DTYPES`) a kernel of `dtype` runs at.
+
+    torch's FP8 dtypes (``float8_e4m3fn``, ``float8_e5m2``, what `KernelCost.dtype` holds for an
+    ``aten._scaled_mm`` of FP8 operands, and their ``fnuz`` variants) -> float8; ``mxfp8`` -> mxfp8; torch's packed
+    FP4 (``float4_e2m1fn_x2``) and the block-scaled FP4 names ``fp4``, ``nvfp4``, ``mxfp4`` -> fp4; integer, bool
+    and complex dtypes -> float32 (the CUDA-core rate; an estimate). An ``aten._scaled_mm`` of FP8 operands with
+    block scales (MXFP8 through torch) reports its operands' dtype, so it runs at the float8 peak, which Blackwell's
+    datasheet gives MXFP8 too.
+
+    >>> peak_dtype("float8_e4m3fn"), peak_dtype("float8_e5m2"), peak_dtype("bfloat16"), peak_dtype("int64")
+    ('float8', 'float8', 'bfloat16', 'float32')
+    >>> peak_dtype("mxfp8"), peak_dtype("nvfp4"), peak_dtype("float4_e2m1fn_x2")
+    ('mxfp8', 'fp4', 'fp4')
     """
-    if dtype in ("float64", "float32", "tf32", "bfloat16", "float16"):
+    if dtype in ("float64", "float32", "tf32", "bfloat16", "float16", "mxfp8"):
         return dtype
     if dtype.startswith("float8"):
         return "float8"
+    if dtype.startswith("float4") or dtype in _FP4_NAMES:
+        return "fp4"
     return "float32"
 
 
