@@ -246,8 +246,8 @@ def load_nccl_tests_dir(directory: str | Path) -> tuple[list[NcclTestsRun], list
 
 # -- fit ----------------------------------------------------------------------------------
 
-_DEVICE_BASES = (("H100", "dgx-h100"), ("H200", "dgx-h100"), ("H800", "dgx-h100"), ("A100", "dgx-a100"),
-                 ("A800", "dgx-a100"))
+_DEVICE_BASES = (("H100", "dgx-h100"), ("H200", "dgx-h200"), ("H800", "dgx-h100"), ("B200", "dgx-b200"),
+                 ("A100", "dgx-a100"), ("A800", "dgx-a100"))
 
 
 def nccl_tests_fit(
@@ -258,8 +258,9 @@ def nccl_tests_fit(
     Single-node runs fit the intra-node tier, overheads and efficiencies; multi-node runs (the header's
     Rank lines name several hosts) fit the inter-node latency and bandwidth. `base` (a profile or its
     name) gives the intra-node link rate the efficiencies are relative to and the values of parameters
-    the logs do not determine; None picks it from the GPU name in the logs (H100/H200 -> dgx-h100,
-    A100 -> dgx-a100), else no base (fitted rates become link rates; unmeasured figures are tied).
+    the logs do not determine; None picks it from the GPU name in the logs (H100 -> dgx-h100, H200 ->
+    dgx-h200, B200 -> dgx-b200, A100 -> dgx-a100), else no base (fitted rates become link rates; unmeasured
+    figures are tied).
     gpus_per_node = the most ranks any log puts on one host.
     """
     runs, _ = load_nccl_tests_dir(directory)

@@ -1,7 +1,8 @@
 """Hardware profiles: the link figures the cost model turns into time (DESIGN.md section 5).
 
-A profile is a frozen value object loaded from YAML: a built-in name (`dgx-h100`, `dgx-a100`,
-`local-cpu-gloo`, aliases `H100` / `A100`, case-insensitive) or a path to a file of the same schema.
+A profile is a frozen value object loaded from YAML: a built-in name (`dgx-h100`, `dgx-h200`, `dgx-b200`,
+`dgx-a100`, `local-cpu-gloo`, aliases `H100` / `H200` / `B200` / `A100`, case-insensitive) or a path to a file of
+the same schema.
 
 The optional ``kernels:`` section holds the virtual-time kernel model's efficiencies
 (`prism_plugin.cost.kernels.KernelEfficiency`); a profile without one uses that module's policy defaults.
@@ -40,7 +41,7 @@ __all__ = [
     "profile_to_yaml",
 ]
 
-_ALIASES = {"h100": "dgx-h100", "a100": "dgx-a100"}
+_ALIASES = {"h100": "dgx-h100", "h200": "dgx-h200", "b200": "dgx-b200", "a100": "dgx-a100"}
 _LINK_FIELDS = ("bandwidth_gbytes_per_s", "latency_us")
 
 
@@ -100,8 +101,9 @@ class HardwareProfile:
     hop count and traffic (gloo reduces on the CPU, copies all_gather chunks one by one); `prism calibrate
     --per-op` fits them. An op not listed has factor 1; ``send`` also applies to ``recv``. Empty by default."""
     gpu: str | None = None
-    """The GPU model of the nodes (`prism_plugin.cost.gpu.GPUS`: h100-sxm, h200-sxm, a100-sxm-80gb): what a
-    virtual GPU presents (``--device virtual-gpu``). None for CPU profiles."""
+    """The GPU model of the nodes (`prism_plugin.cost.gpu.GPUS`: h100-sxm, h200-sxm, b200-sxm, a100-sxm-80gb, or
+    an alias such as b200, stored as the key it stands for): what a virtual GPU presents (``--device
+    virtual-gpu``). None for CPU profiles."""
     kernels: KernelEfficiency = KernelEfficiency()
     """Optional: the virtual-time kernel model's efficiencies (YAML: a ``kernels:`` mapping, see
     `KernelEfficiency`); absent, every figure is the policy default (listed by ``kernels.defaults_used``)."""
@@ -121,10 +123,12 @@ class HardwareProfile:
         if self.gpus_per_node < 1:
             raise ProfileError(f"{where}: `gpus_per_node` must be >= 1 (8 on DGX nodes)")
         if self.gpu is not None:
-            from prism_plugin.cost.gpu import GPUS
+            from prism_plugin.cost.gpu import gpu_name
 
-            if self.gpu not in GPUS:
-                raise ProfileError(f"{where}: `gpu: {self.gpu}` is not a known GPU model; use one of {sorted(GPUS)}")
+            try:
+                object.__setattr__(self, "gpu", gpu_name(self.gpu))
+            except ConfigError as exc:
+                raise ProfileError(f"{where}: `gpu: {self.gpu}`: {exc}") from None
         for tier in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, tier), LinkSpec):
                 raise ProfileError(f"{where}: `{tier}` must be a LinkSpec")
@@ -262,7 +266,7 @@ def _builtin_dir() -> Any:
 
 
 def available_profiles() -> list[str]:
-    """Names of the built-in profiles, sorted (aliases `H100`, `A100` not included)."""
+    """Names of the built-in profiles, sorted (aliases `H100`, `H200`, `B200`, `A100` not included)."""
     return sorted(
         entry.name.removesuffix(".yaml") for entry in _builtin_dir().iterdir() if entry.name.endswith(".yaml")
     )
@@ -273,7 +277,7 @@ def _looks_like_path(name_or_path: str) -> bool:
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
-    """Load a built-in profile by name (case-insensitive; aliases H100, A100) or a YAML file by path.
+    """Load a built-in profile by name (case-insensitive; aliases H100, H200, B200, A100) or a YAML file by path.
 
     A string ending in .yaml/.yml or containing a path separator is read as a file path.
     Example: ``load_profile("a100").name == "dgx-a100"``; ``load_profile("./my_cluster.yaml")``.

@@ -273,7 +273,8 @@ def test_non_negative_finite_deterministic(profile, kind, size, ranks):
 
 def test_builtin_profiles_load_and_round_trip(tmp_path):
     names = available_profiles()
-    assert names == ["dgx-a100", "dgx-h100", "host-cpu", "local-cpu-gloo", "local-cpu-gloo-train"]
+    assert names == ["dgx-a100", "dgx-b200", "dgx-h100", "dgx-h200", "host-cpu", "local-cpu-gloo",
+                     "local-cpu-gloo-train"]
     for name in names:
         profile = load_profile(name)
         assert profile.name == name
