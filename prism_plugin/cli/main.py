@@ -59,7 +59,8 @@ def _add_world_args(p: argparse.ArgumentParser) -> None:
                    help="real: tensors on this host's devices; virtual-gpu: fake cuda tensors on virtual GPUs of the "
                         "profile's GPU model (real-size jobs on a host without GPUs: exact memory, and virtual time's "
                         "modelled step unless --virtual-time off)")
-    p.add_argument("--gpu", default=None, help="GPU model of the virtual GPUs (default: the profile's), e.g. h100-sxm")
+    p.add_argument("--gpu", default=None,
+                   help="GPU model of the virtual GPUs (default: the profile's), e.g. h100-sxm or b200")
 
 
 def build_config(args: argparse.Namespace) -> EmulationConfig:
