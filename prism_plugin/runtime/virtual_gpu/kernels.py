@@ -41,7 +41,7 @@ from torch.utils.flop_counter import flop_registry
 
 from prism_plugin.cost.kernels import KernelClass, KernelCost, KernelModel, TableModel
 
-__all__ = ["KernelSummary", "KernelTimer", "OpTally", "kernel_cost"]
+__all__ = ["CustomKernel", "KernelSummary", "KernelTimer", "OpTally", "kernel_cost", "register_kernel"]
 
 _aten = torch.ops.aten
 _GEMM = frozenset({
@@ -132,6 +132,25 @@ class _OpInfo:
 _INFO: dict[Any, _OpInfo] = {}
 
 
+@dataclass(frozen=True, slots=True)
+class CustomKernel:
+    """How a custom operator (``torch.library``: a fake kernel of an extension, e.g. TransformerEngine's) is costed:
+    its class, and optionally its FLOPs and table shape from its arguments (by schema name)."""
+
+    kernel_class: KernelClass
+    flops: Callable[[dict[str, Any]], int] | None = None
+    shape: Callable[[dict[str, Any]], tuple[int, ...]] | None = None
+
+
+_CUSTOM: dict[str, CustomKernel] = {}
+
+
+def register_kernel(qualified_name: str, kernel: CustomKernel) -> None:
+    """Cost custom operator `qualified_name` (``"namespace::name"``) as `kernel` (its bytes as any op's: tensors read
+    plus tensors written)."""
+    _CUSTOM[qualified_name] = kernel
+
+
 def _op_info(func: Any) -> _OpInfo:
     info = _INFO.get(func)
     if info is not None:
@@ -149,7 +168,9 @@ def _op_info(func: Any) -> _OpInfo:
         formula = flop_registry.get(_FLOP_ALIASES[name])
     if formula is None and name.endswith("_") and hasattr(_aten, name[:-1]):
         formula = flop_registry.get(getattr(_aten, name[:-1]))
-    info = _OpInfo(op=str(func), name=name, kernel_class=None if no_kernel else _classify(name),
+    custom = _CUSTOM.get(schema.name)
+    kernel_class = custom.kernel_class if custom is not None else _classify(name)
+    info = _OpInfo(op=str(func), name=name, kernel_class=None if no_kernel else kernel_class,
                    flop_formula=formula, positional=tuple(a.name for a in arguments),
                    mutated=mutated, write_only=write_only)
     _INFO[func] = info
@@ -271,13 +292,19 @@ def kernel_cost(func: Any, args: tuple, kwargs: dict | None, out: Any,
     if not device_write:
         return None
     kernel_class = info.kernel_class
-    flops = _flops(info, args, kwargs, out) if info.flop_formula is not None else 0
+    custom = _CUSTOM.get(func._schema.name)
+    if custom is not None:
+        flops = custom.flops(named) if custom.flops is not None else 0
+    else:
+        flops = _flops(info, args, kwargs, out) if info.flop_formula is not None else 0
     source = first_input if first_input is not None else (outputs[0] if outputs else written)
     assert source is not None  # a device tensor was written
     dtype = _dtype_name(source.dtype)
     if kernel_class is KernelClass.GEMM and source.dtype == torch.float32 and _tf32(info.name):
         dtype = "tf32"
-    if kernel_class is KernelClass.GEMM:
+    if custom is not None and custom.shape is not None:
+        shape = custom.shape(named)
+    elif kernel_class is KernelClass.GEMM:
         shape = _gemm_shape(info.name, args, outputs)
     elif kernel_class is KernelClass.ATTENTION:
         shape = _attention_shape(info.name, args)

@@ -319,6 +319,7 @@ class CudaShim:
             "manual_seed": self.manual_seed, "manual_seed_all": self.manual_seed_all,
             "seed": lambda: self.generators[self.current].seed(),
             "initial_seed": lambda: self.generators[self.current].initial_seed(),
+            "is_current_stream_capturing": lambda: False,  # no CUDA graph is ever captured (graphs are refused)
             **self._memory_api(),
         }
         for name, value in api.items():
@@ -328,6 +329,7 @@ class CudaShim:
         p.setattr(cuda.nvtx, "range", contextlib.nullcontext)
         for name, value in self._memory_api().items():  # torch.cuda.memory's own functions call these names
             p.setattr(cuda.memory, name, value)
+        p.setattr(cuda.graphs, "is_current_stream_capturing", api["is_current_stream_capturing"])
         p.setattr(cuda.random, "default_generators", self.generators)
         for name in ("get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all", "manual_seed",
                      "manual_seed_all", "seed", "initial_seed"):  # torch.cuda.random's own (Megatron calls them)

@@ -1,0 +1,178 @@
+"""TransformerEngine on virtual GPUs: TE's own PyTorch layer over a fake compiled extension (DESIGN.md section 12).
+
+The route, decided by what installs on a CPU host: TE's PyTorch layer is pure Python (the ``transformer-engine``
+wheel, ``py3-none-any``: modules, attention, quantizers, FP8 tensors, recipes); only its compiled extension
+``transformer_engine_torch`` and the CUDA libraries TE ``ctypes``-loads need a GPU. So a virtual-GPU process runs
+TE's own modules (their parameters, saved tensors, workspaces and autograd functions are TE's), and `extension`
+answers the compiled extension's calls with fake kernels. A stand-in of the TE API would have to re-implement
+what TE saves for backward and allocates; this route reproduces it by running it.
+
+Where TE comes from: the release `TE_VERSION` (the newest megatron-core 0.19 checks: ``is_te_min_version
+("2.14.0")``), installed by ``scripts/setup_env.sh`` into a private folder (`te_path`), not into site-packages:
+an importable ``transformer_engine`` without its extension breaks Megatron-core's import on a CPU host (its
+``try: import transformer_engine`` guards catch ``ImportError`` only). The folder goes on ``sys.path`` only in a
+virtual-GPU process (`install`), before the program imports Megatron.
+
+On a host where TE is really installed with its extension (a GPU machine), real ranks run real TE; `install` is
+for virtual GPUs only and replaces the extension in that process.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TE_VERSION", "TeNotInstalled", "install", "installed", "te_path"]
+
+TE_VERSION = "2.14.0"
+"""The TransformerEngine release whose PyTorch layer virtual GPUs run."""
+
+_ENV = "PRISM_TE_PATH"
+
+
+class TeNotInstalled(RuntimeError):
+    """TE's PyTorch layer is not where virtual GPUs look for it; the message names the set-up command."""
+
+
+def te_path() -> Path:
+    """The folder holding TE's pure-Python package: ``$PRISM_TE_PATH``, else ``<sys.prefix>/share/prism_plugin/te``
+    (where ``scripts/setup_env.sh`` installs it)."""
+    named = os.environ.get(_ENV)
+    return Path(named) if named else Path(sys.prefix) / "share" / "prism_plugin" / "te"
+
+
+class _FakeExtension(types.ModuleType):
+    """``transformer_engine_torch`` for virtual GPUs; an unknown name is a function that refuses when called."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        from prism_plugin.runtime.virtual_gpu.te.extension import _unsupported
+
+        value = _unsupported(name, "this TransformerEngine kernel has no fake implementation yet")
+        setattr(self, name, value)
+        return value
+
+
+class _TeFinder(importlib.abc.MetaPathFinder):
+    """Runs a fix-up after each TE module in `_AFTER_IMPORT` loads (its import otherwise unchanged)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        after = _AFTER_IMPORT.get(fullname)
+        if after is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_fix(module: types.ModuleType) -> None:
+            after(module, exec_module)
+
+        spec.loader.exec_module = exec_then_fix  # type: ignore[method-assign]
+        return spec
+
+
+def _common(module: types.ModuleType, exec_module: Any) -> None:
+    """``transformer_engine.common`` with its CUDA-library loading skipped (TE's own switch for building without
+    CUDA, ``NVTE_PROJECT_BUILDING``) and its ``load_framework_extension`` answered by the fake extension."""
+    saved = os.environ.get("NVTE_PROJECT_BUILDING")
+    os.environ["NVTE_PROJECT_BUILDING"] = "1"
+    try:
+        exec_module(module)
+    finally:
+        if saved is None:
+            os.environ.pop("NVTE_PROJECT_BUILDING", None)
+        else:
+            os.environ["NVTE_PROJECT_BUILDING"] = saved
+    module.load_framework_extension = _load_framework_extension  # type: ignore[attr-defined]
+
+
+def _attention_utils(module: types.ModuleType, exec_module: Any) -> None:
+    """TE's attention-backend choice with the q/k/v type a GPU run has: TE accepts ``torch.Tensor`` and
+    ``Float8Tensor`` by exact type, and a virtual GPU's tensors are ``FakeTensor`` (FusedAttention would be
+    disabled for the type alone)."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    exec_module(module)
+    choose = module.get_attention_backend
+
+    def get_attention_backend(attention_params: Any) -> Any:
+        if attention_params.qkv_type is FakeTensor:
+            attention_params = dataclasses.replace(attention_params, qkv_type=torch_tensor())
+        return choose(attention_params)
+
+    module.get_attention_backend = get_attention_backend  # type: ignore[attr-defined]
+
+
+def torch_tensor() -> type:
+    import torch
+
+    return torch.Tensor
+
+
+_AFTER_IMPORT = {
+    "transformer_engine.common": _common,
+    "transformer_engine.pytorch.attention.dot_product_attention.utils": _attention_utils,
+}
+
+
+def _load_framework_extension(framework: str) -> None:
+    if framework != "torch":
+        raise ImportError(f"transformer_engine_{framework}: virtual GPUs emulate TE's PyTorch extension only")
+
+
+_INSTALLED = False
+
+
+def installed() -> bool:
+    """Whether this process runs TE over the fake extension."""
+    return _INSTALLED
+
+
+def install(*, required: bool = False) -> bool:
+    """Make ``import transformer_engine`` in this process load TE's PyTorch layer over the fake extension; True when
+    done. Call before the program imports TE or Megatron (TE modules imported earlier keep what they found).
+    Without TE's pure-Python package in `te_path` (and no importable ``transformer_engine`` of release
+    `TE_VERSION`) nothing changes and the answer is False, or, `required`, `TeNotInstalled` names the set-up
+    command."""
+    global _INSTALLED
+    if _INSTALLED:
+        return True
+    if "transformer_engine" in sys.modules or "transformer_engine_torch" in sys.modules:
+        raise RuntimeError("TransformerEngine was imported before the virtual GPU started; start it first")
+    folder = te_path()
+    added = (folder / "transformer_engine").is_dir()
+    if added:
+        sys.path.insert(0, str(folder))
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("transformer-engine")
+    except PackageNotFoundError:
+        found = None
+    if found != TE_VERSION:
+        if added:
+            sys.path.remove(str(folder))
+        if not required:
+            return False
+        raise TeNotInstalled(
+            f"TransformerEngine {TE_VERSION}'s PyTorch layer is not installed where virtual GPUs look for it "
+            f"({folder}{'; found ' + found if found else ''}); run `bash scripts/setup_env.sh` (or `pip install "
+            f"--no-deps --target {folder} transformer-engine=={TE_VERSION}`), or set {_ENV} to such a folder")
+    from prism_plugin.runtime.virtual_gpu.te import extension
+
+    module = _FakeExtension("transformer_engine_torch")
+    module.__doc__ = extension.__doc__
+    extension.build_module(module)
+    sys.modules["transformer_engine_torch"] = module
+    sys.meta_path.insert(0, _TeFinder())
+    _INSTALLED = True
+    return True

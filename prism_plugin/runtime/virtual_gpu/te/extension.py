@@ -1,0 +1,475 @@
+"""A fake ``transformer_engine_torch``: TransformerEngine's compiled PyTorch extension, for virtual GPUs.
+
+TE's PyTorch layer (the pure-Python ``transformer_engine`` package, the release `TE_VERSION`) calls its compiled
+extension for every kernel. This module answers those calls on fake tensors: each function allocates the outputs
+TE's C++ allocates (same shapes, dtypes, order; ``torch.empty`` on the input's device, so the caching-allocator
+model holds them) and launches its kernels as ``prism_te`` operators (`ops`), one per kernel TE launches, so the
+kernel model times them. The enums and classes keep TE's names; their values need only be consistent here.
+
+What is answered: BF16/FP16/FP32 GEMMs (``generic_gemm``, with bias, GeLU epilogue, accumulation into an existing
+output: Megatron's gradient-accumulation fusion), layer and RMS norms (zero-centred gamma included), cuDNN fused
+attention forward and backward (BSHD/SBHD layouts, causal and no mask, GQA), fused RoPE, the activations and their
+backward, multi-tensor optimizer kernels (TE's FusedAdam, scale, l2norm), and the version queries TE makes (a
+policy answer each: `CUDNN_VERSION`, `CUBLASLT_VERSION`). What is not answered raises `NotImplementedError`
+naming the function when it is called (never at import): userbuffers (TP-communication overlap), NVSHMEM, THD
+(packed) attention, quantized (FP8/MXFP8/NVFP4) tensors in GEMMs.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from prism_plugin.cost.kernels import KernelClass
+from prism_plugin.runtime.virtual_gpu.te import ops
+
+__all__ = ["CUBLASLT_VERSION", "CUDNN_VERSION", "build_module"]
+
+CUDNN_VERSION = 91400
+"""cuDNN 9.14.0, encoded as cuDNN encodes it (what TE's fused-attention backend checks read): a policy answer."""
+CUBLASLT_VERSION = 120900
+"""cuBLASLt 12.9 (CUDA 12.9), encoded as cuBLASLt encodes it: a policy answer."""
+
+
+class DType(enum.IntEnum):
+    """transformer_engine::DType (common/include/transformer_engine/transformer_engine.h)."""
+
+    kByte = 0
+    kInt16 = 1
+    kInt32 = 2
+    kInt64 = 3
+    kFloat32 = 4
+    kFloat16 = 5
+    kBFloat16 = 6
+    kFloat8E4M3 = 7
+    kFloat8E5M2 = 8
+    kFloat8E8M0 = 9
+    kFloat4E2M1 = 10
+
+
+TORCH_DTYPE = {
+    DType.kByte: torch.uint8, DType.kInt16: torch.int16, DType.kInt32: torch.int32, DType.kInt64: torch.int64,
+    DType.kFloat32: torch.float32, DType.kFloat16: torch.float16, DType.kBFloat16: torch.bfloat16,
+    DType.kFloat8E4M3: torch.float8_e4m3fn, DType.kFloat8E5M2: torch.float8_e5m2, DType.kFloat8E8M0: torch.uint8,
+    DType.kFloat4E2M1: torch.uint8,
+}
+
+_ENUMS: dict[str, Sequence[str]] = {
+    "NVTE_Bias_Type": ("NVTE_NO_BIAS", "NVTE_PRE_SCALE_BIAS", "NVTE_POST_SCALE_BIAS", "NVTE_ALIBI"),
+    "NVTE_Mask_Type": ("NVTE_NO_MASK", "NVTE_PADDING_MASK", "NVTE_CAUSAL_MASK", "NVTE_PADDING_CAUSAL_MASK",
+                       "NVTE_CAUSAL_BOTTOM_RIGHT_MASK", "NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK"),
+    "NVTE_Softmax_Type": ("NVTE_VANILLA_SOFTMAX", "NVTE_OFF_BY_ONE_SOFTMAX", "NVTE_LEARNABLE_SOFTMAX"),
+    "NVTE_QKV_Format": ("NVTE_SBHD", "NVTE_BSHD", "NVTE_THD", "NVTE_SBHD_2BSHD", "NVTE_BSHD_2SBHD",
+                        "NVTE_THD_2BSHD", "NVTE_THD_2SBHD"),
+    "NVTE_QKV_Layout": (
+        "NVTE_SB3HD", "NVTE_SBH3D", "NVTE_SBHD_SB2HD", "NVTE_SBHD_SBH2D", "NVTE_SBHD_SBHD_SBHD", "NVTE_BS3HD",
+        "NVTE_BSH3D", "NVTE_BSHD_BS2HD", "NVTE_BSHD_BSH2D", "NVTE_BSHD_BSHD_BSHD", "NVTE_T3HD", "NVTE_TH3D",
+        "NVTE_THD_T2HD", "NVTE_THD_TH2D", "NVTE_THD_THD_THD", "NVTE_SBHD_BSHD_BSHD", "NVTE_BSHD_SBHD_SBHD",
+        "NVTE_THD_BSHD_BSHD", "NVTE_THD_SBHD_SBHD", "NVTE_Paged_KV_BSHD_BSHD_BSHD", "NVTE_Paged_KV_BSHD_SBHD_SBHD",
+        "NVTE_Paged_KV_SBHD_BSHD_BSHD", "NVTE_Paged_KV_SBHD_SBHD_SBHD", "NVTE_Paged_KV_THD_BSHD_BSHD",
+        "NVTE_Paged_KV_THD_SBHD_SBHD"),
+    "NVTE_Fused_Attn_Backend": ("NVTE_F16_max512_seqlen", "NVTE_F16_arbitrary_seqlen", "NVTE_FP8",
+                                "NVTE_No_Backend"),
+    "Float8BlockScaleTensorFormat": ("GEMM_READY", "COMPACT", "INVALID"),
+    "CommOverlapType": ("RS", "AG"),
+    "CommOverlapAlgo": ("BULK_OVERLAP_AG", "BULK_OVERLAP_RS", "SPLIT_PIPELINED_AG_P2P", "SPLIT_PIPELINED_RS",
+                        "SPLIT_PIPELINED_RS_P2P", "ATOMIC_GEMM_RS", "ATOMIC_GEMM_AG_P2P", "ATOMIC_GEMM_RS_P2P",
+                        "EXTERNAL_BULK_OVERLAP_AG"),
+    "FP8FwdTensors": ("GEMM1_INPUT", "GEMM1_WEIGHT", "GEMM1_OUTPUT", "GEMM2_INPUT", "GEMM2_WEIGHT", "GEMM2_OUTPUT",
+                      "GEMM3_INPUT", "GEMM3_WEIGHT", "GEMM3_OUTPUT"),
+    "FP8BwdTensors": ("GRAD_OUTPUT1", "GRAD_INPUT1", "GRAD_OUTPUT2", "GRAD_INPUT2", "GRAD_OUTPUT3", "GRAD_INPUT3"),
+}
+"""TE's other pybind enums, values in declaration order (``NVTE_Fused_Attn_Backend.NVTE_No_Backend`` is -1 in C++:
+only compared by identity in TE's Python)."""
+
+
+class FP8TensorMeta:
+    """The per-module FP8 scaling state TE's delayed-scaling recipe keeps (``scale``, ``scale_inv``,
+    ``amax_history``: tensors TE's Python assigns)."""
+
+    def __init__(self) -> None:
+        self.scale: torch.Tensor | None = None
+        self.scale_inv: torch.Tensor | None = None
+        self.amax_history: torch.Tensor | None = None
+
+
+def _unsupported(name: str, why: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"transformer_engine_torch.{name} on a virtual GPU: {why}")
+
+    refuse.__name__ = name
+    return refuse
+
+
+class _Refused:
+    """A TE extension class that virtual GPUs do not emulate: constructing it raises."""
+
+    why = "TE userbuffers (TP-communication overlap) move data outside torch.distributed; not emulated yet"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"transformer_engine_torch.{type(self).__name__} on a virtual GPU: {self.why}")
+
+
+# -- helpers ------------------------------------------------------------------------------------------------------
+
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    return dtype if isinstance(dtype, torch.dtype) else TORCH_DTYPE[DType(int(dtype))]
+
+
+def _plain(tensor: Any, name: str) -> torch.Tensor:
+    """The tensor a kernel reads; quantized TE tensors are not handled yet (refused, naming the argument)."""
+    if isinstance(tensor, torch.Tensor) and type(tensor).__module__.startswith("torch"):
+        return tensor
+    if isinstance(tensor, torch.Tensor) and not hasattr(tensor, "_quantizer"):
+        return tensor
+    raise NotImplementedError(f"transformer_engine_torch on a virtual GPU: {name} is a {type(tensor).__name__}; "
+                              "quantized (FP8/MXFP8/NVFP4) operands are not emulated yet")
+
+
+def _empty(shape: Sequence[int], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tuple(int(d) for d in shape), dtype=dtype, device=like.device)
+
+
+def _rows(t: torch.Tensor) -> int:
+    return math.prod(int(d) for d in t.shape[:-1]) if t.dim() else 1
+
+
+def _no_quantizer(quantizer: Any, name: str) -> None:
+    if quantizer is not None:
+        raise NotImplementedError(f"transformer_engine_torch.{name} on a virtual GPU: quantized outputs (FP8 / "
+                                  "MXFP8 / NVFP4 recipes) are not emulated yet")
+
+
+# -- GEMM ---------------------------------------------------------------------------------------------------------
+
+def gemm_output_shape(a_shape: Sequence[int], transa: bool, b_shape: Sequence[int], transb: bool) -> list[int]:
+    """TE's ``getGemmOutputShape``: A and B flattened to 2-D (outer dims, last dim); D is ``(B1 if transb else B's
+    outer dims..., A0 if transa else A1)``.
+
+    >>> gemm_output_shape((96, 64), True, (8, 2, 64), False)
+    [8, 2, 96]
+    """
+    a0, a1 = math.prod(a_shape[:-1]), a_shape[-1]
+    b0, b1 = math.prod(b_shape[:-1]), b_shape[-1]
+    if (a1 if transa else a0) != (b0 if transb else b1):
+        raise RuntimeError(f"Invalid matrix dimensions for GEMM (A=({a0},{a1}), transa={transa}, B=({b0},{b1}), "
+                           f"transb={transb})")
+    rows = [int(b1)] if transb else [int(d) for d in b_shape[:-1]]
+    return [*rows, int(a0 if transa else a1)]
+
+
+def generic_gemm(A: Any, transa: bool, B: Any, transb: bool, D: Any, quantizer: Any, out_dtype: Any, bias: Any,
+                 bias_type: Any, gelu: bool, gelu_in: Any, grad: bool, workspace: torch.Tensor,
+                 workspace_size: int, accumulate: bool, use_split_accumulator: bool, comm_overlap: Any = None,
+                 comm_type: Any = None, extra_output: Any = None, bulk_overlap: bool = False, alpha: float = 1.0,
+                 beta: float | None = None) -> list[Any]:
+    """TE's ``gemm`` (extensions/gemm.cpp): D = op(B) x op(A)^T in TE's column-major terms, with the bias / GeLU
+    epilogues; returns ``[D, bias_grad, pre_gelu_out, extra_output]``."""
+    if comm_overlap is not None:
+        raise NotImplementedError("transformer_engine_torch.generic_gemm with comm_overlap (userbuffers, "
+                                  "--tp-comm-overlap) on a virtual GPU: not emulated yet")
+    _no_quantizer(quantizer, "generic_gemm")
+    a, b = _plain(A, "A"), _plain(B, "B")
+    shape = gemm_output_shape(tuple(a.shape), transa, tuple(b.shape), transb)
+    m, n = math.prod(shape[:-1]), shape[-1]
+    k = int(a.shape[-1]) if transa else _rows(a)
+    dtype = _torch_dtype(out_dtype) if out_dtype is not None else a.dtype
+    out = _empty(shape, dtype, b) if D is None else D
+    epilogue: list[torch.Tensor] = []
+    bias_grad = pre_gelu = None
+    if bias is not None and grad:
+        bias_grad = _empty((int(b.shape[-1]),), dtype, b)
+        epilogue.append(bias_grad)
+    if gelu and not grad:
+        pre_gelu = _empty(shape, dtype, b)
+        epilogue.append(pre_gelu)
+    elif gelu and gelu_in is not None:
+        pre_gelu = gelu_in
+    read_bias = bias if bias is not None and not grad else None
+    if a.numel() and b.numel():
+        if accumulate:
+            ops.gemm(True)(a, b, m, n, k, read_bias, out, epilogue=epilogue)
+        else:
+            ops.gemm(False)(a, b, m, n, k, read_bias, out=out, epilogue=epilogue)
+    elif out.numel() and not accumulate:
+        ops.pointwise("zero")([], outputs=[out])
+    return [out, bias_grad, pre_gelu, extra_output]
+
+
+# -- normalization ------------------------------------------------------------------------------------------------
+
+def _norm_fwd(name: str, x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None, ln_out: Any,
+              quantizer: Any, otype: Any, with_mu: bool) -> list[Any]:
+    _no_quantizer(quantizer, name)
+    x = _plain(x, "input")
+    out = _empty(x.shape, _torch_dtype(otype), x) if ln_out is None else ln_out
+    mu = _empty((_rows(x),), torch.float32, x) if with_mu else None
+    rsigma = _empty((_rows(x),), torch.float32, x)
+    stats = [t for t in (mu, rsigma) if t is not None]
+    inputs = [x, gamma] + ([beta] if beta is not None else [])
+    ops.pointwise(name, KernelClass.NORM)(inputs, outputs=[out, *stats])
+    return [out, mu, rsigma]
+
+
+def layernorm_fwd(input: Any, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, ln_out: Any,
+                  quantizer: Any, out_dtype: Any, sm_margin: int, zero_centered_gamma: bool) -> list[Any]:
+    """``[ln_out, mu, rsigma]`` (mu, rsigma: fp32, one per row)."""
+    return _norm_fwd("layernorm_fwd", input, weight, bias, ln_out, quantizer, out_dtype, with_mu=True)
+
+
+def rmsnorm_fwd(input: Any, weight: torch.Tensor, eps: float, ln_out: Any, quantizer: Any, otype: Any,
+                sm_margin: int, zero_centered_gamma: bool) -> list[Any]:
+    """``[ln_out, None, rsigma]``."""
+    return _norm_fwd("rmsnorm_fwd", input, weight, None, ln_out, quantizer, otype, with_mu=False)
+
+
+def layernorm_bwd(dz: torch.Tensor, x: torch.Tensor, mu: torch.Tensor, rsigma: torch.Tensor, gamma: torch.Tensor,
+                  sm_margin: int, zero_centered_gamma: bool) -> list[Any]:
+    """``[dx, dgamma, dbeta]``."""
+    grads = [_empty(x.shape, x.dtype, x), _empty(gamma.shape, gamma.dtype, gamma),
+             _empty(gamma.shape, gamma.dtype, gamma)]
+    ops.pointwise("layernorm_bwd", KernelClass.NORM)([dz, x, mu, rsigma, gamma], outputs=grads)
+    return grads
+
+
+def rmsnorm_bwd(dz: torch.Tensor, x: torch.Tensor, rsigma: torch.Tensor, gamma: torch.Tensor, sm_margin: int,
+                zero_centered_gamma: bool) -> list[Any]:
+    """``[dx, dgamma]``."""
+    grads = [_empty(x.shape, x.dtype, x), _empty(gamma.shape, gamma.dtype, gamma)]
+    ops.pointwise("rmsnorm_bwd", KernelClass.NORM)([dz, x, rsigma, gamma], outputs=grads)
+    return grads
+
+
+def rmsnorm_bwd_add(dz: torch.Tensor, x: torch.Tensor, add: torch.Tensor, rsigma: torch.Tensor,
+                    gamma: torch.Tensor, sm_margin: int, zero_centered_gamma: bool) -> list[Any]:
+    """``[dx + add, dgamma]``."""
+    grads = [_empty(x.shape, x.dtype, x), _empty(gamma.shape, gamma.dtype, gamma)]
+    ops.pointwise("rmsnorm_bwd_add", KernelClass.NORM)([dz, x, add, rsigma, gamma], outputs=grads)
+    return grads
+
+
+# -- activations ----------------------------------------------------------------------------------------------------
+
+_GATED = frozenset({"glu", "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu"})
+_ACTIVATIONS = ("glu", "gelu", "geglu", "qgelu", "qgeglu", "relu", "reglu", "srelu", "sreglu", "silu", "swiglu",
+                "clamped_swiglu")
+
+
+def _activation(name: str) -> Callable[..., Any]:
+    def forward(input: torch.Tensor, quantizer: Any, *args: Any) -> torch.Tensor:
+        _no_quantizer(quantizer, name)
+        shape = list(input.shape)
+        if name in _GATED:
+            shape[-1] //= 2
+        out = _empty(shape, input.dtype, input)
+        ops.pointwise(name)([input], outputs=[out])
+        return out
+
+    def backward(grad: torch.Tensor, input: torch.Tensor, quantizer: Any, *args: Any) -> torch.Tensor:
+        _no_quantizer(quantizer, f"d{name}")
+        out = _empty(input.shape, input.dtype, input)
+        ops.pointwise(f"d{name}")([grad, input], outputs=[out])
+        return out
+
+    forward.__name__, backward.__name__ = name, f"d{name}"
+    return forward, backward  # type: ignore[return-value]
+
+
+def _dbias_dact(name: str) -> Callable[..., Any]:
+    def dbias_dact(grad_output: torch.Tensor, act_input: torch.Tensor, quantizer: Any) -> list[Any]:
+        _no_quantizer(quantizer, f"dbias_{name}")
+        dx = _empty(act_input.shape, act_input.dtype, act_input)
+        dbias = _empty((int(act_input.shape[-1]),), act_input.dtype, act_input)
+        ops.pointwise(f"dbias_{name}")([grad_output, act_input], outputs=[dx, dbias])
+        return [dbias, dx]
+
+    dbias_dact.__name__ = f"dbias_{name}"
+    return dbias_dact
+
+
+# -- fused attention -----------------------------------------------------------------------------------------------
+
+def get_fused_attn_backend(is_training: bool, q_dtype: Any, kv_dtype: Any, qkv_layout: Any, bias_type: Any,
+                           attn_mask_type: Any, softmax_type: Any, p_dropout: float, num_attn_heads: int,
+                           num_gqa_groups: int, max_seqlen_q: int, max_seqlen_kv: int, head_dim_qk: int,
+                           head_dim_v: int, window_size_left: int, window_size_right: int, *args: Any) -> Any:
+    """cuDNN's arbitrary-sequence-length F16 backend for BF16/FP16 BSHD/SBHD attention with no bias, causal or no
+    mask and vanilla softmax (what the fake kernels emulate); no backend otherwise (TE then falls back)."""
+    enums = _MODULE_ENUMS
+    backend = enums["NVTE_Fused_Attn_Backend"]
+    layout = enums["NVTE_QKV_Layout"](int(qkv_layout)).name
+    mask = enums["NVTE_Mask_Type"](int(attn_mask_type)).name
+    supported = (DType(int(q_dtype)) in (DType.kBFloat16, DType.kFloat16) and int(q_dtype) == int(kv_dtype)
+                 and "THD" not in layout and "Paged" not in layout
+                 and enums["NVTE_Bias_Type"](int(bias_type)).name == "NVTE_NO_BIAS"
+                 and mask in ("NVTE_NO_MASK", "NVTE_CAUSAL_MASK", "NVTE_CAUSAL_BOTTOM_RIGHT_MASK")
+                 and enums["NVTE_Softmax_Type"](int(softmax_type)).name == "NVTE_VANILLA_SOFTMAX"
+                 and head_dim_qk <= 256 and head_dim_v <= 256 and head_dim_qk % 8 == 0 and head_dim_v % 8 == 0)
+    return backend.NVTE_F16_arbitrary_seqlen if supported else backend.NVTE_No_Backend
+
+
+def _bshd(t: torch.Tensor, layout: str, which: int) -> tuple[int, int, int, int]:
+    """(batch, seq, heads, head_dim) of q/k/v in `layout` (``sbhd_*`` or ``bshd_*`` families; the 3/2 packings
+    hold the heads' dim at the same place)."""
+    part = layout.removeprefix("NVTE_").lower().split("_")[min(which, len(layout.split("_")) - 2)]
+    s0, s1 = int(t.shape[0]), int(t.shape[1])
+    heads, dim = int(t.shape[-2]), int(t.shape[-1])
+    if part.startswith("sb"):
+        return s1, s0, heads, dim
+    return s0, s1, heads, dim
+
+
+def _causal(mask: Any) -> bool:
+    name = _MODULE_ENUMS["NVTE_Mask_Type"](int(mask)).name
+    if name not in ("NVTE_NO_MASK", "NVTE_CAUSAL_MASK", "NVTE_CAUSAL_BOTTOM_RIGHT_MASK"):
+        raise NotImplementedError(f"transformer_engine_torch fused attention on a virtual GPU: mask {name} is not "
+                                  "emulated (no mask and causal masks are)")
+    return name != "NVTE_NO_MASK"
+
+
+def fused_attn_fwd(max_seqlen_q: int, max_seqlen_kv: int, is_training: bool, attn_scale: float, p_dropout: float,
+                   set_zero: bool, qkv_layout: Any, bias_type: Any, attn_mask_type: Any, softmax_type: Any,
+                   window_size: Sequence[int], bottom_right_diagonal: bool, cu_seqlens_q: Any, cu_seqlens_kv: Any,
+                   Q: Any, K: Any, V: Any, fake_dtype: Any, *rest: Any) -> list[Any]:
+    """``[O, softmax_stats (b, h, sq, 1) fp32, rng_state (2,) int64]``, as extensions/attention.cpp returns them."""
+    q, k, v = _plain(Q, "Q"), _plain(K, "K"), _plain(V, "V")
+    layout = _MODULE_ENUMS["NVTE_QKV_Layout"](int(qkv_layout)).name
+    b, sq, h, d = _bshd(q, layout, 0)
+    _b, skv, _hk, _d = _bshd(k, layout, 1)
+    dv = int(v.shape[-1])
+    out = _empty((*q.shape[:-1], dv), q.dtype, q)
+    stats = _empty((b, h, sq, 1), torch.float32, q)
+    rng_state = _empty((2,), torch.int64, q)
+    ops.attention_forward()(q, k, v, b, h, sq, skv, d, dv, _causal(attn_mask_type), out=out, aux=[stats, rng_state])
+    return [out, stats, rng_state]
+
+
+def fused_attn_bwd(max_seqlen_q: int, max_seqlen_kv: int, attn_scale: float, p_dropout: float, set_zero: bool,
+                   qkv_layout: Any, bias_type: Any, attn_mask_type: Any, softmax_type: Any,
+                   window_size: Sequence[int], bottom_right_diagonal: bool, deterministic: bool, cu_seqlens_q: Any,
+                   cu_seqlens_kv: Any, Q: Any, K: Any, V: Any, O: Any, dO: Any,  # noqa: E741 fake_dtype: Any, dqkv_type: Any,
+                   aux_ctx_tensors: Sequence[torch.Tensor], *rest: Any) -> list[Any]:
+    """``[dQ, dK, dV]`` (no bias or softmax-offset gradients: neither is emulated)."""
+    q, k, v, o, do = (_plain(t, n) for t, n in ((Q, "Q"), (K, "K"), (V, "V"), (O, "O"), (dO, "dO")))
+    layout = _MODULE_ENUMS["NVTE_QKV_Layout"](int(qkv_layout)).name
+    b, sq, h, d = _bshd(q, layout, 0)
+    _b, skv, _hk, _d = _bshd(k, layout, 1)
+    grads = [_empty(t.shape, t.dtype, t) for t in (q, k, v)]
+    ops.attention_backward()(q, k, v, o, do, list(aux_ctx_tensors), b, h, sq, skv, d, int(v.shape[-1]),
+                             _causal(attn_mask_type), grads=grads)
+    return grads
+
+
+# -- RoPE, multi-tensor kernels, amax -------------------------------------------------------------------------------
+
+def fused_rope_forward(input: torch.Tensor, freqs: torch.Tensor, start_positions: Any, qkv_format: Any,
+                       interleaved: bool, cu_seqlens: Any, cp_size: int, cp_rank: int) -> torch.Tensor:
+    out = _empty(input.shape, input.dtype, input)
+    ops.pointwise("fused_rope_forward")([input, freqs], outputs=[out])
+    return out
+
+
+def fused_rope_backward(output_grads: torch.Tensor, freqs: torch.Tensor, start_positions: Any, qkv_format: Any,
+                        interleaved: bool, cu_seqlens: Any, cp_size: int, cp_rank: int) -> torch.Tensor:
+    out = _empty(output_grads.shape, output_grads.dtype, output_grads)
+    ops.pointwise("fused_rope_backward")([output_grads, freqs], outputs=[out])
+    return out
+
+
+def _multi_tensor(name: str, kernel_class: KernelClass, writes: Callable[[list[list[torch.Tensor]]], list[int]],
+                  result: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """A multi-tensor-apply kernel ``fn(chunk_size, noop_flag, tensor_lists, *args)``: reads every list, writes the
+    lists `writes` names (indices), in place."""
+    def kernel(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], *args: Any) -> Any:
+        inputs = [t for group in tensor_lists for t in group]
+        outputs = [t for i in writes(tensor_lists) for t in tensor_lists[i]]
+        extra = result(tensor_lists) if result is not None else None
+        if extra is not None:
+            outputs = outputs + [t for t in extra if isinstance(t, torch.Tensor)]
+        if inputs:
+            ops.pointwise(name, kernel_class)(inputs, outputs=outputs)
+        return extra
+
+    kernel.__name__ = name
+    return kernel
+
+
+def _l2norm_result(tensor_lists: list[list[torch.Tensor]], per_tensor: bool = False) -> tuple[Any, Any]:
+    first = tensor_lists[0][0] if tensor_lists and tensor_lists[0] else None
+    if first is None:
+        return (None, None)
+    norm = _empty((1,), torch.float32, first)
+    per = _empty((len(tensor_lists[0]),), torch.float32, first)
+    return (norm, per)
+
+
+def compute_amax(tensor: torch.Tensor, amax: torch.Tensor) -> None:
+    ops.pointwise("compute_amax", KernelClass.REDUCTION)([tensor], outputs=[amax])
+
+
+def fused_amax_and_scale_update_after_reduction(amax_reduction_buffer: torch.Tensor,
+                                                amax_histories: Sequence[torch.Tensor],
+                                                scales: Sequence[torch.Tensor], amax_compute_algo: str,
+                                                fp8_dtype: Any, margin: float) -> None:
+    tensors = [*amax_histories, *scales]
+    ops.pointwise("fused_amax_and_scale_update")([amax_reduction_buffer, *tensors], outputs=tensors)
+
+
+# -- the module -------------------------------------------------------------------------------------------------------
+
+_MODULE_ENUMS: dict[str, type[enum.IntEnum]] = {
+    name: enum.IntEnum(name, {value: i for i, value in enumerate(values)})  # type: ignore[misc]
+    for name, values in _ENUMS.items()}
+
+_REFUSED = {
+    "userbuffers (TP-communication overlap, --tp-comm-overlap) move data outside torch.distributed; not emulated "
+    "yet": ("bulk_overlap_ag_with_external_gemm", "init_nvshmem_backend", "create_nvshmem_tensor",
+            "nvshmem_send_on_current_stream", "nvshmem_wait_on_current_stream", "nvshmem_finalize"),
+    "THD (packed-sequence) attention is not emulated": (
+        "thd_read_half_tensor", "thd_second_half_lse_correction", "thd_read_second_half_lse", "thd_out_correction",
+        "thd_grad_correction", "thd_get_partitioned_indices", "convert_thd_to_bshd", "convert_bshd_to_thd",
+        "fa_prepare_fwd", "fa_prepare_bwd", "copy_to_kv_cache"),
+}
+
+
+def build_module(module: Any) -> None:
+    """Fill `module` (a new ``transformer_engine_torch`` module object) with the fake extension's names."""
+    names: dict[str, Any] = {
+        "DType": DType, "FP8TensorMeta": FP8TensorMeta, **_MODULE_ENUMS,
+        "generic_gemm": generic_gemm, "layernorm_fwd": layernorm_fwd, "rmsnorm_fwd": rmsnorm_fwd,
+        "layernorm_bwd": layernorm_bwd, "rmsnorm_bwd": rmsnorm_bwd, "rmsnorm_bwd_add": rmsnorm_bwd_add,
+        "get_fused_attn_backend": get_fused_attn_backend, "fused_attn_fwd": fused_attn_fwd,
+        "fused_attn_bwd": fused_attn_bwd, "fused_rope_forward": fused_rope_forward,
+        "fused_rope_backward": fused_rope_backward, "compute_amax": compute_amax,
+        "fused_amax_and_scale_update_after_reduction": fused_amax_and_scale_update_after_reduction,
+        "get_cudnn_version": lambda: CUDNN_VERSION, "get_cublasLt_version": lambda: CUBLASLT_VERSION,
+        "get_num_cublas_streams": lambda: 4, "device_supports_multicast": lambda device_id=-1: False,
+        "get_stream_priority_range": lambda device_id=-1: (0, -5), "ubuf_built_with_mpi": lambda: False,
+        "multi_tensor_scale": _multi_tensor("multi_tensor_scale", KernelClass.OPTIMIZER, lambda lists: [1]),
+        "multi_tensor_l2norm": _multi_tensor("multi_tensor_l2norm", KernelClass.REDUCTION, lambda lists: [],
+                                             _l2norm_result),
+        "multi_tensor_adam": _multi_tensor("multi_tensor_adam", KernelClass.OPTIMIZER,
+                                           lambda lists: list(range(1, len(lists)))),
+        "multi_tensor_adam_param_remainder": _multi_tensor("multi_tensor_adam_param_remainder",
+                                                           KernelClass.OPTIMIZER,
+                                                           lambda lists: list(range(1, len(lists)))),
+        "multi_tensor_sgd": _multi_tensor("multi_tensor_sgd", KernelClass.OPTIMIZER,
+                                          lambda lists: list(range(1, len(lists)))),
+    }
+    for name in _ACTIVATIONS:
+        forward, backward = _activation(name)  # type: ignore[misc]
+        names[name], names[f"d{name}"] = forward, backward
+    for name in ("dgelu", "dsilu", "drelu", "dqgelu", "dsrelu"):
+        names[f"dbias_{name}"] = _dbias_dact(name)
+    for why, refused in _REFUSED.items():
+        for name in refused:
+            names[name] = _unsupported(name, why)
+    for name in ("CommOverlapCore", "CommOverlapBase", "CommOverlapP2PBase", "CommOverlap", "CommOverlapP2P",
+                 "CommOverlapHelper"):
+        names[name] = type(name, (_Refused,), {})
+    for name, value in names.items():
+        setattr(module, name, value)
