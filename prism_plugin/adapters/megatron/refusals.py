@@ -57,6 +57,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from prism_plugin.config.errors import ConfigError
+from prism_plugin.runtime.virtual_gpu.te import available as te_available
+from prism_plugin.runtime.virtual_gpu.te import missing_message as te_missing_message
 
 __all__ = ["Refusal", "SwitchOff", "refusals_for", "virtual_gpu_refusals", "cpu_switch_offs", "check_args",
            "parse_megatron_argv"]
@@ -123,9 +125,9 @@ def virtual_gpu_refusals(options: Mapping[str, Any] | argparse.Namespace) -> lis
     tensors holds no values (``--save``) and loading one would write values nowhere (``--load``).
     """
     out: list[str] = []
-    if _get(options, "transformer_impl", "transformer_engine") == "transformer_engine":
-        out.append("--transformer-impl transformer_engine (Megatron's default): TransformerEngine modules are "
-                   "CUDA extensions, which virtual GPUs (fake tensors) cannot run; pass --transformer-impl local")
+    if _get(options, "transformer_impl", "transformer_engine") == "transformer_engine" and not te_available():
+        out.append(f"--transformer-impl transformer_engine (Megatron's default): {te_missing_message()}; or pass "
+                   "--transformer-impl local")
     if _get(options, "cuda_graph_impl", "none") not in (None, "none") or _get(options, "enable_cuda_graph"):
         out.append("--cuda-graph-impl / --enable-cuda-graph: CUDA graphs capture real kernels, which virtual "
                    "GPUs do not run; pass --cuda-graph-impl none")
@@ -183,7 +185,8 @@ def cpu_switch_offs(options: Mapping[str, Any] | argparse.Namespace, *, virtual_
                              reason="masked-softmax fusion with --bf16/--fp16 needs the CUDA extension "
                                     "scaled_masked_softmax_cuda"))
     rope = _get(options, "position_embedding_type") == "rope" or _get(options, "use_rotary_position_embeddings")
-    if rope and _get(options, "apply_rope_fusion", True):
+    te_runs = virtual_gpu and _get(options, "transformer_impl", "transformer_engine") == "transformer_engine"
+    if rope and _get(options, "apply_rope_fusion", True) and not te_runs:  # TE's fused RoPE is a fake kernel there
         out.append(SwitchOff(dest="apply_rope_fusion", flag="--no-rope-fusion",
                              reason="RoPE fusion needs TransformerEngine's fused rotary kernel"))
     return out

@@ -107,6 +107,9 @@ def preload(path: Path | None = None) -> None:
             ctypes.CDLL(str(lib / name), mode=ctypes.RTLD_GLOBAL)
     ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     os.environ[_ENV] = str(path)
+    from prism_plugin.runtime.virtual_gpu import te
+
+    te.install()  # before the program (or an adapter's argument parsing) imports Megatron, which probes TE once
 
 
 _MODULE: list = []

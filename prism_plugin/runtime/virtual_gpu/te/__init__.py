@@ -27,7 +27,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TE_VERSION", "TeNotInstalled", "install", "installed", "te_path"]
+__all__ = ["TE_VERSION", "TeNotInstalled", "available", "install", "installed", "missing_message", "te_path"]
 
 TE_VERSION = "2.14.0"
 """The TransformerEngine release whose PyTorch layer virtual GPUs run."""
@@ -132,6 +132,27 @@ def _load_framework_extension(framework: str) -> None:
 _INSTALLED = False
 
 
+def available() -> bool:
+    """Whether `install` would find TE's pure-Python package of release `TE_VERSION` (in `te_path`, or importable);
+    changes nothing (the launcher asks before any rank starts)."""
+    if (te_path() / f"transformer_engine-{TE_VERSION}.dist-info").is_dir():
+        return True
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformer-engine") == TE_VERSION
+    except PackageNotFoundError:
+        return False
+
+
+def missing_message() -> str:
+    """What to do when TE is not `available` (the set-up command)."""
+    folder = te_path()
+    return (f"TransformerEngine {TE_VERSION}'s PyTorch layer is not installed where virtual GPUs look for it "
+            f"({folder}); run `bash scripts/setup_env.sh` (or `pip install --no-deps --target {folder} "
+            f"transformer-engine=={TE_VERSION} onnxscript onnx onnx-ir ml_dtypes`), or set {_ENV} to such a folder")
+
+
 def installed() -> bool:
     """Whether this process runs TE over the fake extension."""
     return _INSTALLED
@@ -163,10 +184,7 @@ def install(*, required: bool = False) -> bool:
             sys.path.remove(str(folder))
         if not required:
             return False
-        raise TeNotInstalled(
-            f"TransformerEngine {TE_VERSION}'s PyTorch layer is not installed where virtual GPUs look for it "
-            f"({folder}{'; found ' + found if found else ''}); run `bash scripts/setup_env.sh` (or `pip install "
-            f"--no-deps --target {folder} transformer-engine=={TE_VERSION}`), or set {_ENV} to such a folder")
+        raise TeNotInstalled(missing_message() + (f"; found {found}" if found else ""))
     from prism_plugin.runtime.virtual_gpu.te import extension
 
     module = _FakeExtension("transformer_engine_torch")

@@ -351,8 +351,8 @@ def fused_attn_fwd(max_seqlen_q: int, max_seqlen_kv: int, is_training: bool, att
 def fused_attn_bwd(max_seqlen_q: int, max_seqlen_kv: int, attn_scale: float, p_dropout: float, set_zero: bool,
                    qkv_layout: Any, bias_type: Any, attn_mask_type: Any, softmax_type: Any,
                    window_size: Sequence[int], bottom_right_diagonal: bool, deterministic: bool, cu_seqlens_q: Any,
-                   cu_seqlens_kv: Any, Q: Any, K: Any, V: Any, O: Any, dO: Any,  # noqa: E741 fake_dtype: Any, dqkv_type: Any,
-                   aux_ctx_tensors: Sequence[torch.Tensor], *rest: Any) -> list[Any]:
+                   cu_seqlens_kv: Any, Q: Any, K: Any, V: Any, O: Any, dO: Any,  # noqa: E741 (TE's names)
+                   fake_dtype: Any, dqkv_type: Any, aux_ctx_tensors: Sequence[torch.Tensor], *rest: Any) -> list[Any]:
     """``[dQ, dK, dV]`` (no bias or softmax-offset gradients: neither is emulated)."""
     q, k, v, o, do = (_plain(t, n) for t, n in ((Q, "Q"), (K, "K"), (V, "V"), (O, "O"), (dO, "dO")))
     layout = _MODULE_ENUMS["NVTE_QKV_Layout"](int(qkv_layout)).name
@@ -387,7 +387,7 @@ def _multi_tensor(name: str, kernel_class: KernelClass, writes: Callable[[list[l
     def kernel(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]], *args: Any) -> Any:
         inputs = [t for group in tensor_lists for t in group]
         outputs = [t for i in writes(tensor_lists) for t in tensor_lists[i]]
-        extra = result(tensor_lists) if result is not None else None
+        extra = result(tensor_lists, *args) if result is not None else None
         if extra is not None:
             outputs = outputs + [t for t in extra if isinstance(t, torch.Tensor)]
         if inputs:
@@ -398,12 +398,15 @@ def _multi_tensor(name: str, kernel_class: KernelClass, writes: Callable[[list[l
     return kernel
 
 
-def _l2norm_result(tensor_lists: list[list[torch.Tensor]], per_tensor: bool = False) -> tuple[Any, Any]:
+def _l2norm_result(tensor_lists: list[list[torch.Tensor]], *args: Any) -> tuple[Any, Any]:
+    """``(norm (1,), per-tensor norms (n,) or (0,))`` in fp32, as ``multi_tensor_l2norm_cuda`` returns them (the
+    last argument: per_tensor)."""
     first = tensor_lists[0][0] if tensor_lists and tensor_lists[0] else None
     if first is None:
         return (None, None)
+    per_tensor = bool(args[-1]) if args else False
     norm = _empty((1,), torch.float32, first)
-    per = _empty((len(tensor_lists[0]),), torch.float32, first)
+    per = _empty((len(tensor_lists[0]) if per_tensor else 0,), torch.float32, first)
     return (norm, per)
 
 
@@ -450,8 +453,17 @@ def build_module(module: Any) -> None:
         "get_num_cublas_streams": lambda: 4, "device_supports_multicast": lambda device_id=-1: False,
         "get_stream_priority_range": lambda device_id=-1: (0, -5), "ubuf_built_with_mpi": lambda: False,
         "multi_tensor_scale": _multi_tensor("multi_tensor_scale", KernelClass.OPTIMIZER, lambda lists: [1]),
+        "multi_tensor_scale_tensor": _multi_tensor("multi_tensor_scale_tensor", KernelClass.OPTIMIZER,
+                                                   lambda lists: [1]),
         "multi_tensor_l2norm": _multi_tensor("multi_tensor_l2norm", KernelClass.REDUCTION, lambda lists: [],
                                              _l2norm_result),
+        "multi_tensor_unscale_l2norm": _multi_tensor("multi_tensor_unscale_l2norm", KernelClass.REDUCTION,
+                                                     lambda lists: [], _l2norm_result),
+        "multi_tensor_adam_capturable": _multi_tensor("multi_tensor_adam_capturable", KernelClass.OPTIMIZER,
+                                                      lambda lists: list(range(1, len(lists)))),
+        "multi_tensor_adam_capturable_master": _multi_tensor("multi_tensor_adam_capturable_master",
+                                                             KernelClass.OPTIMIZER,
+                                                             lambda lists: list(range(1, len(lists)))),
         "multi_tensor_adam": _multi_tensor("multi_tensor_adam", KernelClass.OPTIMIZER,
                                            lambda lists: list(range(1, len(lists)))),
         "multi_tensor_adam_param_remainder": _multi_tensor("multi_tensor_adam_param_remainder",
