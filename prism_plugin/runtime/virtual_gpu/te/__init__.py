@@ -112,6 +112,27 @@ def _attention_utils(module: types.ModuleType, exec_module: Any) -> None:
     module.get_attention_backend = get_attention_backend  # type: ignore[attr-defined]
 
 
+def _inner_dispatch_on_fakes() -> None:
+    """TE's quantized tensors run an op on their buffers as ``data.__torch_dispatch__(func, types, args, kwargs)``
+    with the outer call's `types` (``Float8Tensor`` among them). On a GPU ``torch.Tensor.__torch_dispatch__`` just
+    runs `func`; ``FakeTensor``'s refuses types it does not know (``NotImplemented``). When every tensor argument
+    is a fake tensor, such a call is run as the plain tensor's would be: `func` through the active modes."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
+
+    dispatch = FakeTensor.__dict__["__torch_dispatch__"].__func__
+
+    def __torch_dispatch__(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        foreign = [t for t in types if not issubclass(t, FakeTensor) and t is not torch_tensor()]
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch_tensor())]
+        if foreign and tensors and all(type(t) is FakeTensor for t in tensors):
+            return func(*args, **kwargs)
+        return dispatch(cls, func, types, args, kwargs)
+
+    FakeTensor.__torch_dispatch__ = classmethod(__torch_dispatch__)  # type: ignore[method-assign,assignment]
+
+
 def torch_tensor() -> type:
     import torch
 
@@ -192,5 +213,6 @@ def install(*, required: bool = False) -> bool:
     extension.build_module(module)
     sys.modules["transformer_engine_torch"] = module
     sys.meta_path.insert(0, _TeFinder())
+    _inner_dispatch_on_fakes()
     _INSTALLED = True
     return True

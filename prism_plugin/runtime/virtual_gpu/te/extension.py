@@ -6,13 +6,14 @@ TE's C++ allocates (same shapes, dtypes, order; ``torch.empty`` on the input's d
 model holds them) and launches its kernels as ``prism_te`` operators (`ops`), one per kernel TE launches, so the
 kernel model times them. The enums and classes keep TE's names; their values need only be consistent here.
 
-What is answered: BF16/FP16/FP32 GEMMs (``generic_gemm``, with bias, GeLU epilogue, accumulation into an existing
-output: Megatron's gradient-accumulation fusion), layer and RMS norms (zero-centred gamma included), cuDNN fused
-attention forward and backward (BSHD/SBHD layouts, causal and no mask, GQA), fused RoPE, the activations and their
-backward, multi-tensor optimizer kernels (TE's FusedAdam, scale, l2norm), and the version queries TE makes (a
-policy answer each: `CUDNN_VERSION`, `CUBLASLT_VERSION`). What is not answered raises `NotImplementedError`
-naming the function when it is called (never at import): userbuffers (TP-communication overlap), NVSHMEM, THD
-(packed) attention, quantized (FP8/MXFP8/NVFP4) tensors in GEMMs.
+What is answered: GEMMs (``generic_gemm``: BF16/FP16/FP32 and FP8 operands, with bias, GeLU epilogue,
+accumulation into an existing output: Megatron's gradient-accumulation fusion, and FP8 output), layer and RMS
+norms (zero-centred gamma included; FP8 output), quantization (`quantize`: delayed and current scaling, MXFP8,
+block scaling), cuDNN fused attention forward and backward (BSHD/SBHD layouts, causal and no mask, GQA; BF16/FP16),
+fused RoPE, the activations and their backward, multi-tensor optimizer kernels (TE's FusedAdam, scale, l2norm),
+and the version queries TE makes (a policy answer each: `CUDNN_VERSION`, `CUBLASLT_VERSION`). What is not answered
+raises `NotImplementedError` naming the function when it is called (never at import): userbuffers
+(TP-communication overlap), NVSHMEM, THD (packed) attention, FP8 attention.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from prism_plugin.cost.kernels import KernelClass
-from prism_plugin.runtime.virtual_gpu.te import ops
+from prism_plugin.runtime.virtual_gpu.te import ops, quantize
 
 __all__ = ["CUBLASLT_VERSION", "CUDNN_VERSION", "build_module"]
 
@@ -121,13 +122,12 @@ def _torch_dtype(dtype: Any) -> torch.dtype:
 
 
 def _plain(tensor: Any, name: str) -> torch.Tensor:
-    """The tensor a kernel reads; quantized TE tensors are not handled yet (refused, naming the argument)."""
-    if isinstance(tensor, torch.Tensor) and type(tensor).__module__.startswith("torch"):
-        return tensor
-    if isinstance(tensor, torch.Tensor) and not hasattr(tensor, "_quantizer"):
-        return tensor
-    raise NotImplementedError(f"transformer_engine_torch on a virtual GPU: {name} is a {type(tensor).__name__}; "
-                              "quantized (FP8/MXFP8/NVFP4) operands are not emulated yet")
+    """The tensor a memory-bound kernel reads: a plain tensor, or a quantized one's row-wise buffer."""
+    if quantize.is_quantized(tensor):
+        return quantize.operand(tensor, rowwise=True)[0]
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"transformer_engine_torch on a virtual GPU: {name} is a {type(tensor).__name__}")
+    return tensor
 
 
 def _empty(shape: Sequence[int], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
@@ -136,12 +136,6 @@ def _empty(shape: Sequence[int], dtype: torch.dtype, like: torch.Tensor) -> torc
 
 def _rows(t: torch.Tensor) -> int:
     return math.prod(int(d) for d in t.shape[:-1]) if t.dim() else 1
-
-
-def _no_quantizer(quantizer: Any, name: str) -> None:
-    if quantizer is not None:
-        raise NotImplementedError(f"transformer_engine_torch.{name} on a virtual GPU: quantized outputs (FP8 / "
-                                  "MXFP8 / NVFP4 recipes) are not emulated yet")
 
 
 # -- GEMM ---------------------------------------------------------------------------------------------------------
@@ -172,17 +166,27 @@ def generic_gemm(A: Any, transa: bool, B: Any, transb: bool, D: Any, quantizer: 
     if comm_overlap is not None:
         raise NotImplementedError("transformer_engine_torch.generic_gemm with comm_overlap (userbuffers, "
                                   "--tp-comm-overlap) on a virtual GPU: not emulated yet")
-    _no_quantizer(quantizer, "generic_gemm")
-    a, b = _plain(A, "A"), _plain(B, "B")
-    shape = gemm_output_shape(tuple(a.shape), transa, tuple(b.shape), transb)
+    a, a_shape = quantize.operand(A, rowwise=transa)
+    b, b_shape = quantize.operand(B, rowwise=not transb)
+    shape = gemm_output_shape(a_shape, transa, b_shape, transb)
     m, n = math.prod(shape[:-1]), shape[-1]
-    k = int(a.shape[-1]) if transa else _rows(a)
-    dtype = _torch_dtype(out_dtype) if out_dtype is not None else a.dtype
-    out = _empty(shape, dtype, b) if D is None else D
-    epilogue: list[torch.Tensor] = []
+    k = int(a_shape[-1]) if transa else math.prod(a_shape[:-1])
+    low_precision = quantize.is_quantized(A) or quantize.is_quantized(B)
+    dtype = _torch_dtype(out_dtype) if out_dtype is not None else (torch.bfloat16 if low_precision else a.dtype)
+    fused_cast = (quantizer is not None and type(quantizer).__name__ == "Float8Quantizer" and low_precision
+                  and D is None)
+    if D is not None:
+        out, written = D, quantize.quantized_buffers(D) if quantize.is_quantized(D) else [D]
+    elif fused_cast:  # TE writes FP8 straight from the GEMM's epilogue (delayed scaling, per-tensor inputs)
+        out = quantize._create(quantizer, shape, dtype, b.device)
+        written = [*quantize.quantized_buffers(out), quantizer.amax]
+    else:
+        out = _empty(shape, dtype, b)
+        written = [out]
+    epilogue: list[torch.Tensor] = written[1:]
     bias_grad = pre_gelu = None
     if bias is not None and grad:
-        bias_grad = _empty((int(b.shape[-1]),), dtype, b)
+        bias_grad = _empty((int(b_shape[-1]),), dtype, b)
         epilogue.append(bias_grad)
     if gelu and not grad:
         pre_gelu = _empty(shape, dtype, b)
@@ -192,11 +196,13 @@ def generic_gemm(A: Any, transa: bool, B: Any, transb: bool, D: Any, quantizer: 
     read_bias = bias if bias is not None and not grad else None
     if a.numel() and b.numel():
         if accumulate:
-            ops.gemm(True)(a, b, m, n, k, read_bias, out, epilogue=epilogue)
+            ops.gemm(True)(a, b, m, n, k, read_bias, written[0], epilogue=epilogue)
         else:
-            ops.gemm(False)(a, b, m, n, k, read_bias, out=out, epilogue=epilogue)
-    elif out.numel() and not accumulate:
-        ops.pointwise("zero")([], outputs=[out])
+            ops.gemm(False)(a, b, m, n, k, read_bias, out=written[0], epilogue=epilogue)
+    elif written[0].numel() and not accumulate:
+        ops.pointwise("zero")([], outputs=[written[0]])
+    if quantizer is not None and D is None and not fused_cast:  # the unfused cast of TE's GEMM output
+        out = quantize.quantize(out, quantizer)
     return [out, bias_grad, pre_gelu, extra_output]
 
 
@@ -204,14 +210,17 @@ def generic_gemm(A: Any, transa: bool, B: Any, transb: bool, D: Any, quantizer: 
 
 def _norm_fwd(name: str, x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None, ln_out: Any,
               quantizer: Any, otype: Any, with_mu: bool) -> list[Any]:
-    _no_quantizer(quantizer, name)
     x = _plain(x, "input")
-    out = _empty(x.shape, _torch_dtype(otype), x) if ln_out is None else ln_out
     mu = _empty((_rows(x),), torch.float32, x) if with_mu else None
     rsigma = _empty((_rows(x),), torch.float32, x)
     stats = [t for t in (mu, rsigma) if t is not None]
     inputs = [x, gamma] + ([beta] if beta is not None else [])
-    ops.pointwise(name, KernelClass.NORM)(inputs, outputs=[out, *stats])
+    if ln_out is not None:
+        written = quantize.quantized_buffers(ln_out) if quantize.is_quantized(ln_out) else [ln_out]
+        ops.pointwise(name, KernelClass.NORM)(inputs, outputs=[*written, *stats])
+        return [ln_out, mu, rsigma]
+    out = quantize.fused_output(name, inputs, tuple(x.shape), _torch_dtype(otype), quantizer, x, extra=stats,
+                                kernel_class=KernelClass.NORM)
     return [out, mu, rsigma]
 
 
@@ -259,36 +268,44 @@ _ACTIVATIONS = ("glu", "gelu", "geglu", "qgelu", "qgeglu", "relu", "reglu", "sre
                 "clamped_swiglu")
 
 
-def _activation(name: str) -> Callable[..., Any]:
-    def forward(input: torch.Tensor, quantizer: Any, *args: Any) -> torch.Tensor:
-        _no_quantizer(quantizer, name)
+def _activation(name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def forward(input: torch.Tensor, quantizer: Any, *args: Any) -> Any:
         shape = list(input.shape)
         if name in _GATED:
             shape[-1] //= 2
-        out = _empty(shape, input.dtype, input)
-        ops.pointwise(name)([input], outputs=[out])
-        return out
+        return quantize.fused_output(name, [input], shape, input.dtype, quantizer, input)
 
-    def backward(grad: torch.Tensor, input: torch.Tensor, quantizer: Any, *args: Any) -> torch.Tensor:
-        _no_quantizer(quantizer, f"d{name}")
-        out = _empty(input.shape, input.dtype, input)
-        ops.pointwise(f"d{name}")([grad, input], outputs=[out])
-        return out
+    def backward(grad: torch.Tensor, input: torch.Tensor, quantizer: Any, *args: Any) -> Any:
+        return quantize.fused_output(f"d{name}", [grad, input], tuple(input.shape), input.dtype, quantizer, input)
 
     forward.__name__, backward.__name__ = name, f"d{name}"
-    return forward, backward  # type: ignore[return-value]
+    return forward, backward
 
 
 def _dbias_dact(name: str) -> Callable[..., Any]:
     def dbias_dact(grad_output: torch.Tensor, act_input: torch.Tensor, quantizer: Any) -> list[Any]:
-        _no_quantizer(quantizer, f"dbias_{name}")
-        dx = _empty(act_input.shape, act_input.dtype, act_input)
         dbias = _empty((int(act_input.shape[-1]),), act_input.dtype, act_input)
-        ops.pointwise(f"dbias_{name}")([grad_output, act_input], outputs=[dx, dbias])
+        dx = quantize.fused_output(f"dbias_{name}", [grad_output, act_input], tuple(act_input.shape),
+                                   act_input.dtype, quantizer, act_input, extra=[dbias])
         return [dbias, dx]
 
     dbias_dact.__name__ = f"dbias_{name}"
     return dbias_dact
+
+
+def bgrad_quantize(input: torch.Tensor, quantizer: Any) -> list[Any]:
+    """``[bias_grad, input quantized]`` (the bias gradient is the column sum, fused into the cast)."""
+    dbias = _empty((int(input.shape[-1]),), input.dtype, input)
+    out = quantize.fused_output("bgrad_quantize", [input], tuple(input.shape), input.dtype, quantizer, input,
+                                extra=[dbias])
+    return [dbias, out]
+
+
+def split_quantize(tensor: torch.Tensor, split_sections: Sequence[int], quantizer_list: Sequence[Any],
+                   disable_bulk_allocation: bool = False) -> list[Any]:
+    """The first-dimension splits of `tensor`, each quantized by its quantizer (one cast kernel per split)."""
+    parts = torch.split(tensor, [int(n) for n in split_sections])
+    return [quantize.quantize(part, q) for part, q in zip(parts, quantizer_list, strict=True)]
 
 
 # -- fused attention -----------------------------------------------------------------------------------------------
@@ -443,7 +460,9 @@ def build_module(module: Any) -> None:
     """Fill `module` (a new ``transformer_engine_torch`` module object) with the fake extension's names."""
     names: dict[str, Any] = {
         "DType": DType, "FP8TensorMeta": FP8TensorMeta, **_MODULE_ENUMS,
-        "generic_gemm": generic_gemm, "layernorm_fwd": layernorm_fwd, "rmsnorm_fwd": rmsnorm_fwd,
+        "generic_gemm": generic_gemm, "quantize": quantize.quantize, "dequantize": quantize.dequantize,
+        "fp8_transpose": quantize.fp8_transpose, "bgrad_quantize": bgrad_quantize, "split_quantize": split_quantize,
+        "layernorm_fwd": layernorm_fwd, "rmsnorm_fwd": rmsnorm_fwd,
         "layernorm_bwd": layernorm_bwd, "rmsnorm_bwd": rmsnorm_bwd, "rmsnorm_bwd_add": rmsnorm_bwd_add,
         "get_fused_attn_backend": get_fused_attn_backend, "fused_attn_fwd": fused_attn_fwd,
         "fused_attn_bwd": fused_attn_bwd, "fused_rope_forward": fused_rope_forward,
@@ -473,7 +492,7 @@ def build_module(module: Any) -> None:
                                           lambda lists: list(range(1, len(lists)))),
     }
     for name in _ACTIVATIONS:
-        forward, backward = _activation(name)  # type: ignore[misc]
+        forward, backward = _activation(name)
         names[name], names[f"d{name}"] = forward, backward
     for name in ("dgelu", "dsilu", "drelu", "dqgelu", "dsrelu"):
         names[f"dbias_{name}"] = _dbias_dact(name)
