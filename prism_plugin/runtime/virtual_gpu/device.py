@@ -9,7 +9,9 @@
    (malloc on the current stream when made, free when its storage dies: allocated bytes are exactly the
    program's tensors) and answers data-dependent reads through the value policy (`values.ValuePolicy`);
 4. a function mode that resolves an integer device (``device=torch.cuda.current_device()``,
-   ``t.to(0)``, ``t.cuda(1)``), which the CPU wheel would send to its accelerator API and refuse.
+   ``t.to(0)``, ``t.cuda(1)``), which the CPU wheel would send to its accelerator API and refuse;
+5. fusion regions (`fusion`): ``torch.compile`` makes a function or module one region, whose ops are one kernel
+   and whose intermediates are never allocated.
 
 Limitations: ``torch.device(<int>)`` itself still needs an accelerator (write ``"cuda:<i>"``); tensors made
 before `start()` are real CPU tensors (allowed as inputs); storages resized in place are not followed; no
@@ -31,9 +33,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 from prism_plugin.cost.allocator import Block, CachingAllocatorModel, DeviceOutOfMemory
 from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import DEFAULT_CUBLAS_WORKSPACES, DeviceTotal, GpuSpec
+from prism_plugin.cost.kernels import KernelCost
 from prism_plugin.runtime.leaves import leaves
 from prism_plugin.runtime.memory import StorageTracker
-from prism_plugin.runtime.virtual_gpu import cuda_runtime, snapshot
+from prism_plugin.runtime.virtual_gpu import cuda_runtime, fusion, snapshot
 from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
 from prism_plugin.runtime.virtual_gpu.shim import CudaShim
 from prism_plugin.runtime.virtual_gpu.values import ValuePolicy
@@ -221,8 +224,13 @@ class _AllocatorTracker(StorageTracker):
         self._blocks: dict[int, Block] = {}
 
     def _allocated(self, key: int, nbytes: int, tensor: torch.Tensor) -> None:
-        shim = self.gpu.shim
         index = tensor.device.index or 0
+        if not self.gpu.fusion.defer_allocation(key, nbytes, index):  # a fusion region's: at its end, if it survives
+            self.malloc(key, nbytes, index)
+
+    def malloc(self, key: int, nbytes: int, index: int) -> None:
+        """Storage `key` of `nbytes` is allocated on device `index`, on its current stream."""
+        shim = self.gpu.shim
         stream = shim.current_stream(index).stream_id
         try:
             self._blocks[key] = shim.allocators[index].malloc(nbytes, stream)
@@ -231,9 +239,14 @@ class _AllocatorTracker(StorageTracker):
             raise torch.OutOfMemoryError(str(exc)) from None
 
     def _released(self, key: int) -> None:
+        if self.gpu.fusion.drop(key):  # a fusion region's intermediate: never allocated
+            return
         block = self._blocks.pop(key, None)
-        if block is not None:
-            self.gpu.shim.allocators[0 if block is None else self._device_of(block)].free(block)
+        if block is not None and not self.gpu.fusion.hold(block):  # held: freed when the region ends
+            self.free(block)
+
+    def free(self, block: Block) -> None:
+        self.gpu.shim.allocators[self._device_of(block)].free(block)
 
     def _device_of(self, block: Block) -> int:
         for i, allocator in enumerate(self.gpu.shim.allocators):
@@ -332,17 +345,21 @@ class VirtualGpu:
         self.kernel_time: KernelTime | None = None
         self.kernel_summary: Callable[[], Any] | None = None
         """The kernel model's report (`prism_plugin.runtime.virtual_gpu.kernels.KernelTimer.summary`), if any."""
+        self.fusion = fusion.FusionRegions(self._region_ended)
+        """The fusion regions of these GPUs (`fusion`): one kernel each, intermediates never allocated."""
 
-    def start_time(self, kernel_time: KernelTime, launch_overhead_s: float, *,
-                   program_time: bool = False) -> VirtualTime:
+    def start_time(self, kernel_time: KernelTime, launch_overhead_s: float, *, program_time: bool = False,
+                   region_time: Callable[[KernelCost], float] | None = None) -> VirtualTime:
         """Give these GPUs virtual time: `kernel_time(func, args, kwargs, out)` is an op's modelled seconds (None:
-        not a kernel, e.g. a view), each launch costs the host `launch_overhead_s`.
+        not a kernel, e.g. a view), each launch costs the host `launch_overhead_s`; `region_time(cost)` a fusion
+        region's one kernel (None: the sum of its ops' `kernel_time`).
 
         `program_time`: ``time.time``, ``time.perf_counter`` and ``time.monotonic`` (and their ``_ns`` forms)
         return the emulated host time from then on (``time.time`` from the wall time at this call), so the
         program's own iteration-time and throughput logs print the emulated job's figures; code that imported
         them by name before (``from time import perf_counter``) keeps the wall clock."""
         self.kernel_time = kernel_time
+        self.fusion.region_time = region_time
         clock = self.clock = self.shim.start_clock(launch_overhead_s)
         for model in self.allocators:  # memory history in emulated microseconds
             if model.history is not None:
@@ -362,6 +379,11 @@ class VirtualGpu:
         """Place the op just run on the current stream of its device, as a kernel of its modelled duration.
         `index`: its device if the caller found it already (`_cuda_index`; None: no cuda tensor; -1: find it)."""
         assert self.clock is not None and self.kernel_time is not None
+        if self.fusion.folds():  # inside a fusion region: part of its one kernel
+            device = _cuda_index(args, out) if index == -1 else index
+            op_s = self.kernel_time(func, args, kwargs, out) if self.fusion.region_time is None else None
+            self.fusion.add_op(func, args, kwargs, out, device, op_s)
+            return
         duration = self.kernel_time(func, args, kwargs, out)
         if duration is None:
             return
@@ -372,6 +394,21 @@ class VirtualGpu:
         self.clock.kernel(stream, duration, str(func))
         if to_host:  # a blocking copy to the host: the host has the data when the copy ends
             self.clock.sync_stream(stream)
+
+    def _region_ended(self, end: fusion.RegionEnd) -> None:
+        """A fusion region's end: its survivors allocated in creation order, then the inputs it outlived freed, then
+        its one kernel on the current stream of its device."""
+        for key, nbytes, index in end.survivors:
+            self.tracker.malloc(key, nbytes, index)
+        for block in end.released:
+            self.tracker.free(block)
+        if self.clock is None or end.device is None or (end.cost is None and not end.ops_s):
+            return
+        if end.cost is not None and self.fusion.region_time is not None:
+            duration = self.fusion.region_time(end.cost)
+        else:
+            duration = end.ops_s
+        self.clock.kernel(self.shim.current_stream(end.device).key, duration, end.name)
 
     def _swap_tensors(self, t1: torch.Tensor, t2: torch.Tensor) -> None:
         """``torch.utils.swap_tensors`` (Module.to/cuda swaps fake parameters) once the fake mode's converter memo
@@ -398,6 +435,9 @@ class VirtualGpu:
         self._original_swap = torch.utils.swap_tensors
         self.shim._patches.setattr(torch.utils, "swap_tensors", self._swap_tensors)
         _object_collectives_on_cpu(self.shim._patches)
+        self.shim._patches.setattr(torch, "compile", fusion.compile)  # a compiled function or module: one region
+        fusion.activate(self.fusion)
+        self.shim._patches.callback(fusion.deactivate, self.fusion)
         self.fake.__enter__()
         self.tracker.start()
         self._int_devices.__enter__()

@@ -2,8 +2,9 @@
 
 `kernel_cost(func, args, kwargs, out)` turns one op call seen by a dispatch mode (under ``FakeTensorMode``:
 shapes, dtypes and devices only, never values) into a `prism_plugin.cost.kernels.KernelCost`, or None when the
-op launches no kernel. `KernelTimer` applies a kernel model to each and keeps per-op tallies for the summary;
-the virtual-time clock (`clock.VirtualTime`) puts each duration on the op's stream.
+op launches no kernel. `KernelTimer` applies a kernel model to each (and to each fusion region's one kernel,
+`fusion`) and keeps per-op tallies for the summary; the virtual-time clock (`clock.VirtualTime`) puts each
+duration on the op's stream.
 
 - FLOPs: ``torch.utils.flop_counter``'s registry (the formula `FlopCounterMode` applies, called the way it
   calls it), not a table of our own; an in-place variant (``addmm_``) uses its out-of-place formula, and the
@@ -41,7 +42,8 @@ from torch.utils.flop_counter import flop_registry
 
 from prism_plugin.cost.kernels import KernelClass, KernelCost, KernelModel, TableModel
 
-__all__ = ["CustomKernel", "KernelSummary", "KernelTimer", "OpTally", "kernel_cost", "register_kernel"]
+__all__ = ["CustomKernel", "KernelSummary", "KernelTimer", "OpTally", "kernel_cost", "register_kernel",
+           "tensor_accesses"]
 
 _aten = torch.ops.aten
 _GEMM = frozenset({
@@ -391,6 +393,26 @@ def _attention_shape(name: str, args: tuple) -> tuple[int, ...]:
     return (int(batch), int(heads), int(seq_q), int(seq_kv), int(dim))
 
 
+def tensor_accesses(func: Any, args: tuple, kwargs: dict | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the tensor arguments ATen overload `func` reads, those it writes in place), by its schema as
+    `kernel_cost` counts them: an argument it only writes (``out=``, the self of ``copy_``/``fill_``) is not read;
+    its returned new tensors are neither."""
+    if not isinstance(func, torch._ops.OpOverload):
+        return [], []
+    info = _op_info(func)
+    named = dict(zip(info.positional, args, strict=False))
+    named.update(kwargs or {})
+    reads: list[torch.Tensor] = []
+    writes: list[torch.Tensor] = []
+    for arg_name, value in named.items():
+        tensors = _tensors(value)
+        if arg_name not in info.write_only:
+            reads.extend(tensors)
+        if arg_name in info.mutated:
+            writes.extend(tensors)
+    return reads, writes
+
+
 # -- the timer ------------------------------------------------------------------------------------------------
 
 
@@ -423,14 +445,15 @@ class KernelSummary:
     interpolated: dict[str, int] = field(default_factory=dict)
     defaults_used: tuple[str, ...] = ()
     """Kernel-model figures (dotted keys) no profile set: policy defaults."""
+    fused: tuple[OpTally, ...] = ()
+    """Every fusion region's kernel (``fused::<name>``, `prism_plugin.runtime.virtual_gpu.fusion`), by op name."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for a JSON report."""
         return {
             "model": self.model, "kernels": self.kernels, "total_s": round(self.total_s, 12), "flops": self.flops,
             "bytes": self.bytes, "by_class_s": {k: round(v, 12) for k, v in self.by_class_s.items()},
-            "top": [{"op": t.op, "class": t.kernel_class.value, "count": t.count, "total_s": round(t.total_s, 12),
-                     "flops": t.flops, "bytes": t.bytes} for t in self.top],
+            "top": [_tally_dict(t) for t in self.top], "fused": [_tally_dict(t) for t in self.fused],
             "misses": self.misses, "interpolated": self.interpolated, "defaults_used": list(self.defaults_used),
         }
 
@@ -442,13 +465,21 @@ class KernelSummary:
             out.append(f"  {t.op:<48} {t.kernel_class.value:<11} {t.count:>8} x  {t.total_s * 1e3:10.3f} ms")
         if self.misses:
             out.append("  table misses (roofline used): " + ", ".join(f"{op} x{n}" for op, n in self.misses.items()))
+        if self.fused:
+            out.append("  fusion regions: " + ", ".join(f"{t.op} x{t.count}" for t in self.fused))
         if self.defaults_used:
             out.append("  policy defaults (no profile figure): " + ", ".join(self.defaults_used))
         return out
 
 
+def _tally_dict(t: OpTally) -> dict[str, Any]:
+    return {"op": t.op, "class": t.kernel_class.value, "count": t.count, "total_s": round(t.total_s, 12),
+            "flops": t.flops, "bytes": t.bytes}
+
+
 class KernelTimer:
-    """Times each op call with a kernel model and tallies per op; the dispatch mode calls `duration_s`.
+    """Times each op call with a kernel model and tallies per op; the dispatch mode calls `duration_s`, a fusion
+    region's end `region_duration_s`.
 
     Example: ``KernelTimer(kernel_model("roofline", gpu, profile.kernels)).duration_s(func, args, kwargs, out)``
     is the op's modelled seconds, or None when it launches no kernel.
@@ -471,6 +502,10 @@ class KernelTimer:
         cost = kernel_cost(func, args, kwargs, out, device_types=self.device_types)
         if cost is None:
             return None
+        return self.region_duration_s(cost)
+
+    def region_duration_s(self, cost: KernelCost) -> float:
+        """The modelled seconds of one kernel of `cost` (an op's, or a fusion region's), tallied under its op."""
         seconds = self.model.duration_s(cost)
         tally = self._tallies.get(cost.op)
         if tally is None:
@@ -495,4 +530,6 @@ class KernelTimer:
             top=tuple(OpTally(t.op, t.kernel_class, t.count, t.total_s, t.flops, t.bytes) for t in tallies[:top]),
             misses=table.misses() if table else {}, interpolated=table.interpolated() if table else {},
             defaults_used=efficiency.defaults_used if efficiency is not None else (),
+            fused=tuple(OpTally(t.op, t.kernel_class, t.count, t.total_s, t.flops, t.bytes)
+                        for t in sorted(tallies, key=lambda t: t.op) if t.op.startswith("fused::")),
         )
