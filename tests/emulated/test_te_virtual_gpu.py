@@ -1,0 +1,163 @@
+"""TransformerEngine's own modules on a virtual H100: each TE kernel is one ``prism_te`` kernel, costed exactly.
+
+Each case runs in a fresh process (the virtual CUDA device library and TE's fake extension load before torch) and
+records every ``prism_te`` kernel the virtual GPU launches as (name, class, dtype, FLOPs, bytes, shape), the
+`kernel_cost` the kernel model would time. Figures follow from the shapes: a GEMM's FLOPs are 2mnk, its bytes its
+operands read plus its output written; FP8 operands are 1 byte an element and timed as ``float8_e4m3fn``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from children import program, run_child
+
+MiB = 1 << 20
+
+PRELUDE = """
+import json, sys
+from prism_plugin.runtime.virtual_gpu import cuda_runtime
+cuda_runtime.preload()
+import torch
+from prism_plugin.cost.gpu import gpu_spec
+from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+from prism_plugin.runtime.virtual_gpu.kernels import kernel_cost
+costs = []
+def model(func, args, kwargs, out):
+    cost = kernel_cost(func, args, kwargs, out)
+    if cost is None:
+        return None
+    if cost.op.startswith("prism_te."):
+        costs.append([cost.op.split(".")[1], cost.kernel_class.value, cost.dtype, cost.flops, cost.bytes,
+                      list(cost.shape)])
+    return 2.0**-20
+def take():
+    taken = costs[:]
+    costs.clear()
+    return taken
+out = {}
+code = 0
+try:
+    vg = VirtualGpu(gpu_spec("h100-sxm"), num_devices=8).start()
+    clock = vg.start_time(model, 2.0**-17)
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+"""
+EPILOGUE = """
+except BaseException as exc:
+    import traceback; traceback.print_exc()
+    out["error"] = f"{type(exc).__name__}: {exc}"
+    code = 1
+print("RESULT " + json.dumps(out))
+cuda_runtime.exit_now(code)
+"""
+
+LINEAR = """
+lin = te.Linear(1024, 4096, bias=False, params_dtype=torch.bfloat16, device="cuda")
+x = torch.empty(2048, 1024, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+"""
+
+
+def run(body: str) -> dict:
+    return run_child(program(PRELUDE, body, EPILOGUE))
+
+
+def test_te_linear_bf16_runs_its_three_gemms_as_te_kernels(library: None) -> None:
+    out = run(LINEAR + """
+y = lin(x)
+y.sum().backward()
+out["kernels"] = take()
+out["fake_extension"] = type(sys.modules["transformer_engine_torch"]).__name__
+""")
+    assert out["fake_extension"] == "_FakeExtension"
+    flops = 2 * 2048 * 4096 * 1024
+    # forward y = x W^T: (2048, 4096, k 1024); dgrad dx = dy W: (2048, 1024, k 4096); wgrad dW = dy^T x
+    # (TE's NT layout: D (4096, 1024), k 2048). Bytes: W 8 MiB + x 4 MiB + y 16 MiB, all bf16, in each.
+    assert out["kernels"] == [
+        ["gemm", "gemm", "bfloat16", flops, 28 * MiB, [2048, 4096, 1024]],
+        ["gemm", "gemm", "bfloat16", flops, 28 * MiB, [2048, 1024, 4096]],
+        ["gemm", "gemm", "bfloat16", flops, 28 * MiB, [4096, 1024, 2048]],
+    ]
+
+
+def test_te_linear_under_delayed_scaling_runs_fp8_gemms_and_te_casts(library: None) -> None:
+    out = run(LINEAR + """
+with te.autocast(enabled=True, recipe=DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16)):
+    y = lin(x)
+y.sum().backward()
+out["kernels"] = take()
+""")
+    flops = 2 * 2048 * 4096 * 1024
+    cast = 4 + 4 + 4  # scale read, scale-inverse and amax written (fp32 each)
+    assert out["kernels"] == [
+        # the input's cast-transpose: 4 MiB bf16 read, 2 MiB E4M3 data + 2 MiB transpose written
+        ["cast_transpose_fp8", "elementwise", "bfloat16", 0, 8 * MiB + cast, [2048, 1024]],
+        # the weight's (cached for backward): 8 MiB read, 4 + 4 MiB written
+        ["cast_transpose_fp8", "elementwise", "bfloat16", 0, 16 * MiB + cast, [4096, 1024]],
+        # FP8 forward GEMM: W 4 MiB + x 2 MiB (E4M3) read, y 16 MiB bf16 written
+        ["gemm", "gemm", "float8_e4m3fn", flops, 22 * MiB, [2048, 4096, 1024]],
+        # the forward amax reduction's update: amax history (16 x 3 fp32) and 3 scales
+        ["fused_amax_and_scale_update", "elementwise", "float32", 0, 420, [16, 3]],
+        # dy's cast to E5M2 (hybrid): 16 MiB read, 8 + 8 MiB written
+        ["cast_transpose_fp8", "elementwise", "bfloat16", 0, 32 * MiB + cast, [2048, 4096]],
+        # dgrad from W's transpose (4 MiB) and dy (8 MiB), dx 4 MiB bf16; wgrad from x's transpose and dy's
+        ["gemm", "gemm", "float8_e4m3fn", flops, 16 * MiB, [2048, 1024, 4096]],
+        ["gemm", "gemm", "float8_e4m3fn", flops, 18 * MiB, [4096, 1024, 2048]],
+        ["fused_amax_and_scale_update", "elementwise", "float32", 0, 280, [16, 2]],
+    ]
+
+
+def test_current_scaling_computes_the_amax_then_casts(library: None) -> None:
+    out = run(LINEAR + """
+with te.autocast(enabled=True, recipe=Float8CurrentScaling(fp8_format=Format.HYBRID)):
+    y = lin(x)
+out["kernels"] = [k[:2] + k[5:] for k in take()]
+""")
+    assert out["kernels"] == [
+        ["compute_amax", "reduction", [2048, 1024]], ["compute_scale_from_amax", "elementwise", [1]],
+        ["cast_transpose_fp8", "elementwise", [2048, 1024]],
+        ["compute_amax", "reduction", [4096, 1024]], ["compute_scale_from_amax", "elementwise", [1]],
+        ["cast_transpose_fp8", "elementwise", [4096, 1024]],
+        ["gemm", "gemm", [2048, 4096, 1024]],
+    ]
+
+
+def test_rmsnorm_and_fused_attention_are_one_kernel_each(library: None) -> None:
+    out = run("""
+x = torch.empty(2048, 1024, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+norm = te.RMSNorm(1024, params_dtype=torch.bfloat16, device="cuda")
+norm(x).sum().backward()
+out["norm"] = take()
+dpa = te.DotProductAttention(num_attention_heads=8, kv_channels=64, num_gqa_groups=2, attn_mask_type="causal",
+                             qkv_format="sbhd")
+q = torch.empty(2048, 1, 8, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+k = torch.empty(2048, 1, 2, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+v = torch.empty(2048, 1, 2, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+o = dpa(q, k, v)
+o.sum().backward()
+out["attention"] = take()
+out["attention_out"] = list(o.shape)
+""")
+    # forward: x 4 MiB + gamma 2 KiB read, y 4 MiB + rsigma (2048 fp32) written; backward: dy, x, rsigma, gamma
+    # read, dx and dgamma written
+    assert out["norm"] == [
+        ["rmsnorm_fwd", "norm", "bfloat16", 0, 8 * MiB + 2048 + 8192, [2048, 1024]],
+        ["rmsnorm_bwd", "norm", "bfloat16", 0, 12 * MiB + 8192 + 2048 + 2048, [2048, 1024]],
+    ]
+    # TE chose cuDNN's fused attention (one kernel each way, no s x s tensor): 4 b h s^2 d FLOPs forward, causal:
+    # the 2048 * 2049 / 2 unmasked pairs of 2048^2; backward torch's flash-backward count (2.5x) with the same mask
+    causal = 2048 * 2049 // 2
+    forward = 4 * 8 * 2048 * 2048 * 64 * causal // (2048 * 2048)
+    assert [k[:4] + k[5:] for k in out["attention"]] == [
+        ["fused_attn_fwd", "attention", "bfloat16", forward, [1, 8, 2048, 2048, 64, 1]],
+        ["fused_attn_bwd", "attention", "bfloat16", forward * 5 // 2, [1, 8, 2048, 2048, 64, 1]],
+    ]
+    assert out["attention_out"] == [2048, 1, 512]
+
+
+@pytest.mark.parametrize("name", ["nvshmem_finalize", "an_unknown_kernel"])
+def test_kernels_without_a_fake_refuse_when_called(library: None, name: str) -> None:
+    out = run_child(program(PRELUDE, f"""
+import transformer_engine_torch as tex
+tex.{name}()
+""", EPILOGUE), allow_error=True)
+    assert out["error"].startswith(f"NotImplementedError: transformer_engine_torch.{name} on a virtual GPU")
