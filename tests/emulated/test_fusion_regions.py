@@ -44,7 +44,8 @@ try:
     def measure(fn, *args):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        base, allocs, start = torch.cuda.memory_allocated(), torch.cuda.memory_stats()["allocation.all.allocated"], clock.host_s
+        base, start = torch.cuda.memory_allocated(), clock.host_s
+        allocs = torch.cuda.memory_stats()["allocation.all.allocated"]
         result = fn(*args)
         return result, {{"allocated": torch.cuda.memory_allocated() - base,
                          "peak": torch.cuda.max_memory_allocated() - base,
@@ -139,3 +140,34 @@ def test_tensors_autograd_saves_survive_the_region(library: None) -> None:
     # x * 2.0 is an intermediate; tanh's output (saved) and the result survive: two 4 MiB mallocs at the end
     assert out["fused"]["mallocs"] == 2 and out["fused"]["allocated"] == out["fused"]["peak"] == 2 * 4 * MiB
     assert out["grad"] == [1024, 1024]
+
+
+def test_megatron_extension_fakes_are_one_kernel_each_and_allocate_only_their_outputs(library: None) -> None:
+    out = run("""
+        from prism_plugin.adapters.megatron.fused_kernels import extensions
+        fakes = extensions()
+        total_input = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)  # 16 MiB
+        grad_output = torch.randn(4096, 8192, device="cuda", dtype=torch.bfloat16)  # 64 MiB
+        main_grad = torch.zeros(8192, 2048, device="cuda")  # fp32: 64 MiB
+        _, out["wgrad"] = measure(fakes["fused_weight_gradient_mlp_cuda"].wgrad_gemm_accum_fp32, total_input,
+                                  grad_output, main_grad)
+        scores = torch.randn(32, 1024, 1024, device="cuda", dtype=torch.bfloat16)  # 64 MiB
+        probs, out["softmax"] = measure(fakes["scaled_upper_triang_masked_softmax_cuda"].forward, scores, 0.125)
+        grads = torch.randn_like(probs)
+        returned, out["softmax_backward"] = measure(fakes["scaled_upper_triang_masked_softmax_cuda"].backward,
+                                                    grads, probs, 0.125)
+        out["in_place"] = returned is grads
+        out["tally"] = {t["op"]: [t["class"], t["count"], t["flops"], t["bytes"]]
+                        for t in timer.summary().as_dict()["fused"]}
+    """)
+    # the wgrad GEMM accumulates into main_grad: nothing is allocated (the bf16 product is the kernel's own)
+    assert out["wgrad"] == {**out["wgrad"], "allocated": 0, "peak": 0, "mallocs": 0}
+    wgrad_bytes = (4096 * 2048 + 4096 * 8192) * 2 + 2 * 8192 * 2048 * 4  # both operands read, main_grad read+written
+    # the softmax: its bf16 output only (the float32 scores, mask and probabilities are the kernel's registers)
+    assert out["softmax"] == {**out["softmax"], "allocated": 64 * MiB, "peak": 64 * MiB, "mallocs": 1}
+    assert out["softmax_backward"] == {**out["softmax_backward"], "allocated": 0, "peak": 0, "mallocs": 0}
+    assert out["in_place"]
+    assert out["tally"] == {
+        "fused::wgrad_gemm_accum_fp32": ["gemm", 1, 2 * 8192 * 2048 * 4096, wgrad_bytes],
+        "fused::scaled_upper_triang_masked_softmax_cuda.forward": ["norm", 1, 0, 2 * 64 * MiB],
+        "fused::scaled_upper_triang_masked_softmax_cuda.backward": ["norm", 1, 0, 3 * 64 * MiB]}

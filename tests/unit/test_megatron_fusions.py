@@ -62,3 +62,11 @@ def test_defaults_that_run_on_cpu_are_neither_refused_nor_switched() -> None:
     assert refusals_for(DEFAULTS, cpu_mode=True) == []
     flags = _flags({"bias_gelu_fusion": True, "bias_swiglu_fusion": True, "bias_dropout_fusion": True})
     assert flags == ["--no-gradient-accumulation-fusion"]
+
+
+def test_virtual_gpus_keep_the_fusions_whose_kernels_they_fake() -> None:
+    # gradient-accumulation fusion, masked softmax and the persistent layer norm stay on (apex's extensions are fake
+    # kernels there: adapters/megatron/fused_kernels.py); RoPE fusion with the local spec is still switched off
+    job = {**DEFAULTS, "bf16": True, "position_embedding_type": "rope", "persist_layer_norm": True}
+    assert [off.flag for off in cpu_switch_offs(job, virtual_gpu=True)] == ["--no-rope-fusion"]
+    assert [off.flag for off in cpu_switch_offs({**DEFAULTS, "bf16": True}, virtual_gpu=True)] == []

@@ -8,10 +8,11 @@ program builds its model. Every seam is explicit, listed here, and undone by `un
    (`refusals.cpu_switch_offs`: one printed line each, ``switched_off`` in the summary; the native
    patch, already inside ``parse_args``, calls `MegatronAdapter.switch_off_cpu_fusions` itself).
    **Virtual-GPU mode** (``virtual_gpu=True``, device mode virtual-gpu: the runtime's virtual GPU is
-   started): no CPU shim (Megatron takes its GPU paths on fake ``cuda`` tensors), the same switch-offs
-   (the host has no apex, no softmax extension, no TransformerEngine), the device is the virtual GPU's
-   current one; the other seams below are the same, but for 5 (a fake tensor has no values to be
-   degenerate, and the all-zero test would be a data-dependent read).
+   started): no CPU shim (Megatron takes its GPU paths on fake ``cuda`` tensors); its fused kernels
+   (``@jit_fuser`` functions, apex's gradient-accumulation GEMM, the masked-softmax extensions) are one
+   kernel each (`fused_kernels`), so only the virtual-GPU switch-offs of `refusals.cpu_switch_offs` apply;
+   the device is the virtual GPU's current one; the other seams below are the same, but for 5 (a fake
+   tensor has no values to be degenerate, and the all-zero test would be a data-dependent read).
 2. **Device mapping**: physical process i uses physical device ``world.device_of(i)`` (CUDA) or
    the CPU; a virtual rank's LOCAL_RANK never selects a device. Megatron's own
    ``torch.cuda.set_device(args.local_rank)`` is skipped because torch.distributed is already
@@ -132,6 +133,9 @@ class MegatronAdapter:
                 from prism_plugin.adapters.megatron.cpu_shim import install_sp_norm
 
                 install_sp_norm(self._patches)
+                from prism_plugin.adapters.megatron import fused_kernels  # @jit_fuser and CUDA extensions: 1 kernel
+
+                fused_kernels.install(self._patches)
                 from prism_plugin.adapters.megatron import attention  # --prism-attention flash: fused attention
 
                 if attention.attention_mode() is attention.AttentionMode.FLASH:

@@ -37,13 +37,14 @@ arguments before Megatron builds anything, prints one line each and lists them i
   (``ValueError: apply_rope_fusion is not available``); as ``--no-rope-fusion``.
 Device mode virtual-gpu (`virtual_gpu_refusals`): the GPU is fake tensors, so CUDA extensions cannot
 run there either: TransformerEngine, CUDA graphs and the GPU-only opt-ins above are refused as in CPU
-mode, and so are ``--save`` / ``--load`` (a checkpoint of fake tensors holds no values); the same three
-defaults are switched off (apex / the softmax extension / TransformerEngine's RoPE are absent on the
-host), and a fourth: the persistent layer norm (default on; apex's kernel; the local spec's torch norm
-asserts it is off: ``persist_layer_norm not supported by torch LayerNorm``), as
-``--no-persist-layer-norm`` (CPU mode lets the norm accept it instead: cpu_shim patch 10).
+mode, and so are ``--save`` / ``--load`` (a checkpoint of fake tensors holds no values).
+Of the defaults CPU mode switches off, only RoPE fusion is switched off there (`cpu_switch_offs`);
+gradient-accumulation fusion and masked-softmax fusion stay on (apex's ``fused_weight_gradient_mlp_cuda``
+and the softmax extensions are fake kernels there, one kernel each: `fused_kernels`), and so does the
+persistent layer norm (the local spec's torch norm accepts ``persist_layer_norm``: cpu_shim patch 10).
 The other fusions run on CPU as they are: bias-GeLU / bias-SwiGLU / bias-dropout (Megatron's
-``jit_fuser`` functions, eager in CPU mode), ``--use-fused-weighted-squared-relu``,
+``jit_fuser`` functions, eager in CPU mode, one fused kernel each on virtual GPUs: `fused_kernels`),
+``--use-fused-weighted-squared-relu``,
 ``--cross-entropy-loss-fusion`` with the native implementation, and the persistent layer norm
 (cpu_shim patch 10); the TransformerEngine-only ``--fused-residual-rmsnorm`` and
 ``--use-te-activation-func`` have no effect with the local implementation.
@@ -169,18 +170,15 @@ class SwitchOff:
 
 def cpu_switch_offs(options: Mapping[str, Any] | argparse.Namespace, *, virtual_gpu: bool = False) -> list[SwitchOff]:
     """The CPU-mode (or, `virtual_gpu`, virtual-GPU) switch-offs that apply to `options` (Megatron arg dests ->
-    values); empty when none."""
+    values); empty when none. Virtual GPUs keep gradient-accumulation and masked-softmax fusion (fake kernels of
+    apex's extensions, `fused_kernels`)."""
     out: list[SwitchOff] = []
-    if virtual_gpu and not _get(options, "no_persist_layer_norm", False):
-        out.append(SwitchOff(dest="no_persist_layer_norm", value=True, flag="--no-persist-layer-norm",
-                             reason="the persistent layer norm is apex's CUDA kernel (the local spec's torch norm "
-                                    "refuses it)"))
-    if _get(options, "gradient_accumulation_fusion", True):
+    if not virtual_gpu and _get(options, "gradient_accumulation_fusion", True):
         out.append(SwitchOff(dest="gradient_accumulation_fusion", flag="--no-gradient-accumulation-fusion",
                              reason="gradient-accumulation fusion needs the CUDA extension "
                                     "fused_weight_gradient_mlp_cuda (apex)"))
     half = _get(options, "bf16") or _get(options, "fp16")
-    if half and _get(options, "masked_softmax_fusion", True):
+    if half and not virtual_gpu and _get(options, "masked_softmax_fusion", True):
         out.append(SwitchOff(dest="masked_softmax_fusion", flag="--no-masked-softmax-fusion",
                              reason="masked-softmax fusion with --bf16/--fp16 needs the CUDA extension "
                                     "scaled_masked_softmax_cuda"))

@@ -15,7 +15,7 @@ The device library must load before torch is imported, so the process that runs 
 
 Refused up front in this mode (`refusals.virtual_gpu_refusals`): TransformerEngine (pass ``--transformer-impl
 local``), CUDA graphs, GPU-only opt-in kernels, ``--save`` / ``--load``. Switched off (as in CPU mode, one line
-each): gradient-accumulation fusion, masked-softmax fusion with bf16/fp16, RoPE fusion.
+each): RoPE fusion. Megatron's other fusion defaults stay on, one kernel each (`fused_kernels`).
 
 Limitations: the process ends with ``os._exit`` after the summary (`cuda_runtime.exit_now`: the autograd engine's
 CUDA worker threads would abort C++ static destruction), so the program's own atexit handlers do not run; no step

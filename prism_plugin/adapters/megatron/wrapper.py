@@ -312,6 +312,10 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
         config = replace(config, timeout_s=job_timeout)
     virtual_gpu = config.device is DeviceMode.VIRTUAL_GPU
     cpu_mode = not virtual_gpu and not torch.cuda.is_available()
+    if virtual_gpu:  # before Megatron's first import: its @jit_fuser functions and CUDA extensions become one kernel
+        from prism_plugin.adapters.megatron.fused_kernels import install_for_process
+
+        install_for_process()
     _check_job(config, script_argv[1:], cpu_mode)
     process_index = int(os.environ.get("RANK", "0"))
     k = int(os.environ.get("WORLD_SIZE", "1"))
