@@ -5,7 +5,9 @@ A profile is a frozen value object loaded from YAML: a built-in name (`dgx-h100`
 the same schema.
 
 The optional ``kernels:`` section holds the virtual-time kernel model's efficiencies
-(`prism_plugin.cost.kernels.KernelEfficiency`); a profile without one uses that module's policy defaults.
+(`prism_plugin.cost.kernels.KernelEfficiency`); a profile without one uses that module's policy defaults. The
+optional ``storage:`` section holds the per-GPU checkpoint bandwidths (`prism_plugin.cost.storage.StorageSpec`),
+likewise with policy defaults.
 
 Limitations: a profile describes one homogeneous cluster (every node alike, one NIC per GPU);
 there is no PCIe tier, no per-switch oversubscription and no congestion. The built-in figures are
@@ -29,6 +31,7 @@ import yaml
 
 from prism_plugin.config.errors import ConfigError
 from prism_plugin.cost.kernels import KernelEfficiency
+from prism_plugin.cost.storage import StorageSpec
 
 __all__ = [
     "HardwareProfile",
@@ -107,6 +110,9 @@ class HardwareProfile:
     kernels: KernelEfficiency = KernelEfficiency()
     """Optional: the virtual-time kernel model's efficiencies (YAML: a ``kernels:`` mapping, see
     `KernelEfficiency`); absent, every figure is the policy default (listed by ``kernels.defaults_used``)."""
+    storage: StorageSpec = StorageSpec()
+    """Optional: the per-GPU checkpoint write and read bandwidths (YAML: a ``storage:`` mapping, see `StorageSpec`);
+    a figure not set is the policy default (listed by ``storage.defaults_used``)."""
 
     def __post_init__(self) -> None:
         where = f"profile {self.name!r}"
@@ -114,6 +120,9 @@ class HardwareProfile:
         if not isinstance(self.kernels, KernelEfficiency):
             object.__setattr__(self, "kernels", KernelEfficiency.from_mapping(self.kernels, where=where,
                                                                               error=ProfileError))
+        if not isinstance(self.storage, StorageSpec):
+            object.__setattr__(self, "storage", StorageSpec.from_mapping(self.storage, where=where,
+                                                                         error=ProfileError))
         if not isinstance(self.name, str) or not self.name.strip():
             raise ProfileError(f"`name` must be a non-empty string, got {self.name!r}; e.g. name: my-cluster")
         if not isinstance(self.description, str):
@@ -186,7 +195,8 @@ def _check_number(value: object, field_path: str, where: str, *, allow_zero: boo
 
 
 _FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(HardwareProfile))
-_OPTIONAL_FIELDS = frozenset({"op_transfer_factors", "gpu", "kernels"})  # older profile files do not have them
+# older profile files do not have these
+_OPTIONAL_FIELDS = frozenset({"op_transfer_factors", "gpu", "kernels", "storage"})
 
 
 def _profile_from_mapping(data: object, source: str) -> HardwareProfile:
@@ -251,6 +261,7 @@ def _as_mapping(profile: HardwareProfile) -> dict[str, Any]:
     """The profile as plain YAML data: op_transfer_factors and kernels as mappings, left out when empty."""
     data = dataclasses.asdict(profile)
     data.pop("kernels")
+    data.pop("storage")
     factors = data.pop("op_transfer_factors")
     if data.get("gpu") is None:
         data.pop("gpu", None)
@@ -258,6 +269,8 @@ def _as_mapping(profile: HardwareProfile) -> dict[str, Any]:
         data["op_transfer_factors"] = dict(factors)
     if profile.kernels.given:
         data["kernels"] = profile.kernels.to_mapping()
+    if profile.storage.to_mapping():
+        data["storage"] = profile.storage.to_mapping()
     return data
 
 
@@ -325,6 +338,7 @@ def override_profile(profile: HardwareProfile, overrides: Mapping[str, object]) 
     data = _as_mapping(profile)
     data.setdefault("op_transfer_factors", {})
     data.setdefault("kernels", {})
+    data.setdefault("storage", {})
     for dotted, value in overrides.items():
         head, _, tail = dotted.partition(".")
         target = data.get(head)
@@ -338,10 +352,13 @@ def override_profile(profile: HardwareProfile, overrides: Mapping[str, object]) 
             else:
                 target[group] = value  # type: ignore[index]
             continue
+        if head == "storage" and tail:  # `storage.<field>`, checked when parsed
+            target[tail] = value  # type: ignore[index]
+            continue
         if head not in data or (tail and (not isinstance(target, dict) or tail not in target)):
             valid = [f for f in _FIELDS if f not in ("intra_node", "inter_node")]
             valid += [f"{tier}.{key}" for tier in ("intra_node", "inter_node") for key in _LINK_FIELDS]
-            valid += ["op_transfer_factors.<op>", "kernels.<field>", "kernels.<class>.<field>"]
+            valid += ["op_transfer_factors.<op>", "kernels.<field>", "kernels.<class>.<field>", "storage.<field>"]
             raise ProfileError(f"override: unknown field `{dotted}`; valid fields: {', '.join(valid)}")
         if tail:
             target[tail] = value
