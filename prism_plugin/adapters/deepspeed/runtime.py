@@ -231,14 +231,15 @@ def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, st
         raise ConfigError(f"init_distributed(rank={rank}) but this process plays rank {world.real_ranks[index]}")
     if timeout is not None:
         section = replace(section, emulation=replace(section.emulation, timeout_s=timeout.total_seconds()))
-    vgpu = _virtual_gpu(section)
+    vgpu = _virtual_gpu(section, index)
     emulation = DeepSpeedEmulation(section, index, real_store(world.num_real, index, store=store,
                                                               init_method=init_method))
     emulation.run.start()
     if vgpu is not None:
         from prism_plugin.adapters.deepspeed.virtual_gpu import summary_part
 
-        emulation.run.add_summary(lambda: summary_part(vgpu, emulation.run.session))
+        emulation.run.add_summary(lambda: {**summary_part(vgpu, emulation.run.session),
+                                           "policy_defaults": list(section.policy_defaults)})
     try:
         emulation.install(int(os.environ.get("LOCAL_WORLD_SIZE", world.num_real)))
     except BaseException:
@@ -251,9 +252,10 @@ def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, st
     return emulation
 
 
-def _virtual_gpu(section: PrismSection) -> Any | None:
+def _virtual_gpu(section: PrismSection, index: int = 0) -> Any | None:
     """``"device": "virtual-gpu"``: the entry's virtual GPU; re-executes the process through the entry when it
-    has none (`virtual_gpu.reexec`, before any process group exists). None for ``"device": "real"``."""
+    has none (`virtual_gpu.reexec`, before any process group exists; process `index` 0 says first which profile a
+    section without ``"profile"`` and ``"gpu"`` runs on). None for ``"device": "real"``."""
     if section.emulation.device is not DeviceMode.VIRTUAL_GPU:
         return None
     from prism_plugin.adapters.deepspeed import virtual_gpu
@@ -261,6 +263,11 @@ def _virtual_gpu(section: PrismSection) -> Any | None:
     virtual_gpu.check_config(section.ds_config or {})
     vgpu = virtual_gpu.active_gpu()
     if vgpu is None:
+        if section.policy_defaults and index == 0:
+            from prism_plugin.adapters.deepspeed.section import KEY_NAMES
+            from prism_plugin.runtime.preflight import default_profile_note
+
+            print(default_profile_note(KEY_NAMES), file=sys.stderr, flush=True)
         virtual_gpu.reexec(section.emulation)
     return vgpu
 

@@ -5,7 +5,8 @@ A DeepSpeed config (a dict, or a path to a JSON/HJSON file) turns emulation on w
     "prism": {
         "world_size": 8192,              # N, the job's rank count (required)
         "real_ranks": [0, 8191],         # or "0,8191" / "0-3": virtual ranks run by processes 0, 1 (required)
-        "profile": "dgx-h100",           # hardware profile name or YAML path (default local-cpu-gloo)
+        "profile": "dgx-h100",           # hardware profile name or YAML path (default local-cpu-gloo; dgx-h100
+                                         # for "device": "virtual-gpu" without "gpu": a policy default)
         "graph": null,                   # execution graph (`prism graph build`): hybrid emulation, see below
         "trace": null,                   # DIR: write each real rank's per-iteration trace (rank<R>.trace.json)
         "trace_iterations": 64,          # iterations traced
@@ -51,8 +52,10 @@ from typing import Any
 
 from prism_plugin.config.emulation import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
 from prism_plugin.config.kinds import DataPolicy
+from prism_plugin.runtime.preflight import DEFAULT_PROFILE, respell
 
-__all__ = ["PrismSection", "TensorSpec", "load_ds_config", "parse_section", "SECTION_KEY", "ALLOWED_KEYS"]
+__all__ = ["PrismSection", "TensorSpec", "load_ds_config", "parse_section", "SECTION_KEY", "ALLOWED_KEYS",
+           "KEY_NAMES"]
 
 SECTION_KEY = "prism"
 ALLOWED_KEYS: tuple[str, ...] = (
@@ -85,6 +88,9 @@ class PrismSection:
     graph: Path | None = None
     ds_config: Mapping[str, Any] | None = None
     """The whole DeepSpeed config (without modification)."""
+    policy_defaults: tuple[dict[str, str], ...] = ()
+    """Keys the section left to a policy default (``setting``, ``value``, ``reason``): the profile of a virtual GPU
+    named by neither ``"profile"`` nor ``"gpu"`` (`preflight.DEFAULT_PROFILE`)."""
 
     @property
     def world_size(self) -> int:
@@ -274,9 +280,12 @@ def _check_batch(ds_config: Mapping[str, Any], world_size: int, topology: dict[s
 
 
 _PATH_KEYS = ("output", "record_dir", "replay_dir", "trace", "graph")
-_KEY_NAMES = {"world_size": '"prism.world_size"', "output_dir": '"prism.output"', "record_dir": '"prism.record_dir"',
-              "replay_dir": '"prism.replay_dir"', "trace_dir": '"prism.trace"', "graph": '"prism.graph"'}
-"""How the section spells each EmulationConfig field (`runtime.preflight`'s messages)."""
+KEY_NAMES = {"world_size": '"prism.world_size"', "output_dir": '"prism.output"', "record_dir": '"prism.record_dir"',
+             "replay_dir": '"prism.replay_dir"', "trace_dir": '"prism.trace"', "graph": '"prism.graph"',
+             "real_ranks": '"prism.real_ranks"', "gpus_per_node": '"prism.gpus_per_node"',
+             "profile": '"prism.profile"', "gpu": '"prism.gpu"', "device": '"prism.device"',
+             "data_policy": '"prism.data_policy"'}
+"""How the section spells each EmulationConfig field (`runtime.preflight`'s messages, `preflight.respell`)."""
 
 
 def _check_value_types(section: Mapping[str, Any]) -> None:
@@ -316,7 +325,7 @@ def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool =
         world = VirtualWorld(world_size=world_size, real_ranks=real_ranks,
                              gpus_per_node=_int(section, "gpus_per_node", 8))
     except ConfigError as exc:
-        raise ConfigError(f'"prism" section: {exc}') from None
+        raise ConfigError(f'"prism" section: {respell(str(exc), KEY_NAMES)}') from None
     topology = _topology(section.get("topology"), world_size)
     _check_batch(config, world_size, topology)
     _check_value_types(section)
@@ -327,7 +336,11 @@ def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool =
     timing = section.get("timing", True)
     if not isinstance(timing, bool):
         raise ConfigError(f'"prism.timing"={timing!r} must be true or false')
-    profile = section.get("profile", "local-cpu-gloo")
+    defaults: tuple[dict[str, str], ...] = ()
+    if section.get("device") == "virtual-gpu" and "profile" not in section and "gpu" not in section:
+        defaults = ({"setting": KEY_NAMES["profile"], "value": DEFAULT_PROFILE,
+                     "reason": '"prism.device": "virtual-gpu" without "prism.profile" or "prism.gpu"'},)
+    profile = section.get("profile", DEFAULT_PROFILE if defaults else "local-cpu-gloo")
     policy = section.get("data_policy", DataPolicy.MIRROR.value)
     if policy not in [p.value for p in DataPolicy]:
         raise ConfigError(f'"prism.data_policy"={policy!r} is unknown; use one of {[p.value for p in DataPolicy]}')
@@ -340,12 +353,13 @@ def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool =
             device=section.get("device", "real"), gpu=section.get("gpu"),
         )
     except ConfigError as exc:
-        raise ConfigError(f'"prism" section: {exc}') from None
+        raise ConfigError(f'"prism" section: {respell(str(exc), KEY_NAMES)}') from None
     from prism_plugin.runtime.preflight import check_directories, check_graph, check_recording
 
-    check_directories(emulation, _KEY_NAMES)  # each real process checks its section before any process group
-    check_graph(emulation, _KEY_NAMES)
-    check_recording(emulation, _KEY_NAMES)
+    check_directories(emulation, KEY_NAMES)  # each real process checks its section before any process group
+    check_graph(emulation, KEY_NAMES)
+    check_recording(emulation, KEY_NAMES)
     return PrismSection(emulation=emulation, topology=topology,
                         pipe_activations=_pipe_activations(section.get("pipe_activations")),
-                        graph=Path(graph) if graph is not None else None, ds_config=config)
+                        graph=Path(graph) if graph is not None else None, ds_config=config,
+                        policy_defaults=defaults)

@@ -99,9 +99,10 @@ def reexec(config: EmulationConfig) -> None:
     if os.environ.get(ENTRY_ENV):
         raise ConfigError('"prism.device": "virtual-gpu": this process was re-executed for a virtual GPU but has '
                           "none (was the script started some other way than `python -m prism_plugin.deepspeed`?)")
+    from prism_plugin.adapters.deepspeed.section import KEY_NAMES
     from prism_plugin.cost.gpu import GPUS
 
-    gpu = resolve_gpu(config)  # no GPU model: refused before the exec
+    gpu = resolve_gpu(config, flags=KEY_NAMES)  # no GPU model: refused before the exec, naming the keys
     model = next(key for key, spec in GPUS.items() if spec == gpu)
     path = cuda_runtime.library_path()
     if path is None or not path.exists():
@@ -132,6 +133,7 @@ def _start_gpu() -> Any:
     device = int(os.environ.get("LOCAL_RANK", "0")) % num_devices
     allocator = AllocatorConfig.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     vgpu = VirtualGpu(gpu_spec(spec["gpu"]), num_devices=num_devices, device=device, allocator=allocator)
+    vgpu.values.real_device_hint = '"prism.device": "real"'  # how a NoValueError names the fix
     vgpu.start()
     vgpu.snapshot_path = snapshot.from_env(vgpu.allocators, rank=spec.get("rank"))
     options = VirtualTimeOptions.from_env()

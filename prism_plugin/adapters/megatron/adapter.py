@@ -95,7 +95,8 @@ class MegatronAdapter:
     """Installs the Megatron seams for the active session (see the module docstring)."""
 
     def __init__(self, session: Any, *, cpu_mode: bool | None = None, redirect_logs: bool = True,
-                 fix_tp_data: bool = True, import_training: bool | None = None, virtual_gpu: bool = False) -> None:
+                 fix_tp_data: bool = True, import_training: bool | None = None, virtual_gpu: bool = False,
+                 policy_defaults: tuple[dict[str, Any], ...] = ()) -> None:
         self.session = session
         self.virtual_gpu = virtual_gpu
         self.cpu_mode = False if virtual_gpu else (not torch.cuda.is_available()) if cpu_mode is None else cpu_mode
@@ -113,6 +114,8 @@ class MegatronAdapter:
         """Virtual GPUs: the MoE routing policy (`moe.RoutingPolicy`) answering the dispatcher's token counts."""
         self.switched_off: list[str] = []
         """The flags of the CPU-mode switch-offs applied (`refusals.cpu_switch_offs`), in order."""
+        self.policy_defaults = policy_defaults
+        """Settings the launch left to a policy default (``setting``, ``value``, ``reason``), for the summary."""
 
     # -- install / uninstall -------------------------------------------------------------------------
     def install(self) -> MegatronAdapter:
@@ -257,6 +260,7 @@ class MegatronAdapter:
             "switched_off": list(self.switched_off),
             **({"attention": self.attention.summary()} if getattr(self, "attention", None) is not None else {}),
             **({"moe_routing": self.moe_routing.summary()} if self.moe_routing is not None else {}),
+            "policy_defaults": list(self.policy_defaults),
             **_job_figures(),
         }
 

@@ -17,6 +17,9 @@ Refused up front in this mode (`refusals.virtual_gpu_refusals`): TransformerEngi
 local``), CUDA graphs, GPU-only opt-in kernels, ``--save`` / ``--load``. Switched off (as in CPU mode, one line
 each): RoPE fusion. Megatron's other fusion defaults stay on, one kernel each (`fused_kernels`).
 
+Data-dependent reads Megatron's logging options make have stated answers (`log_values`: ``--log-num-zeros-in-grad``
+reads 0); a read with no answer names ``--prism-device real``.
+
 Limitations: the process ends with ``os._exit`` after the summary (`cuda_runtime.exit_now`: the autograd engine's
 CUDA worker threads would abort C++ static destruction), so the program's own atexit handlers do not run; no step
 time is modelled (timing is off in this mode).
@@ -40,11 +43,12 @@ _ENV = "PRISM_VIRTUAL_CUDA_LIB"
 
 def library_env(config: EmulationConfig) -> dict[str, str]:
     """The environment a fresh Megatron process needs: the device library (built once, cached). Checks first
-    that the run names a GPU model (`session.resolve_gpu`: a `ConfigError` naming the fix)."""
+    that the run names a GPU model (`session.resolve_gpu`: a `ConfigError` naming the ``--prism-*`` fix)."""
+    from prism_plugin.adapters.megatron.wrapper import FLAG_NAMES
     from prism_plugin.runtime.virtual_gpu import cuda_runtime
     from prism_plugin.runtime.virtual_gpu.session import resolve_gpu
 
-    resolve_gpu(config)
+    resolve_gpu(config, flags=FLAG_NAMES)
     path = os.environ.get(_ENV) or str(cuda_runtime.library_path() or cuda_runtime.build())
     return {_ENV: path}
 
@@ -58,16 +62,23 @@ def reexec(argv: list[str], config: EmulationConfig) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "prism_plugin.megatron", *argv], env)
 
 
-def run_script(config: EmulationConfig, script_argv: list[str], process_index: int, k: int) -> None:
-    """Run the script on this process's virtual GPUs; write the summary and end the process (``os._exit``)."""
-    from prism_plugin.adapters.megatron.wrapper import start_run
+def run_script(config: EmulationConfig, script_argv: list[str], process_index: int, k: int, *,
+               policy_defaults: tuple[dict[str, str], ...] = ()) -> None:
+    """Run the script on this process's virtual GPUs; write the summary and end the process (``os._exit``).
+    `policy_defaults`: the settings the launch left to a policy default (the summary lists them)."""
+    from prism_plugin.adapters.megatron import log_values
+    from prism_plugin.adapters.megatron.wrapper import FLAG_NAMES, start_run
+    from prism_plugin.runtime.preflight import spell
     from prism_plugin.runtime.virtual_gpu import cuda_runtime
     from prism_plugin.runtime.virtual_gpu.session import start_virtual_gpu
 
     vgpu = start_virtual_gpu(config, process_index)
+    vgpu.values.real_device_hint = spell(FLAG_NAMES, "device", "real")
+    log_values.state_answers(vgpu.values)
     code: int = 0
     try:
-        emulated = start_run(config, process_index, k, cpu_mode=False, cuda_peak=False, virtual_gpu=True)
+        emulated = start_run(config, process_index, k, cpu_mode=False, cuda_peak=False, virtual_gpu=True,
+                             policy_defaults=policy_defaults)
         emulated.add_summary(lambda: _device_summary(vgpu, emulated.session))
         with emulated:
             sys.argv = list(script_argv)

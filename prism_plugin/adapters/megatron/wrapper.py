@@ -33,7 +33,9 @@ of ``prism graph build``); ``prism profile`` runs a slicing plan's profiling run
 
 ``--prism-device virtual-gpu`` (``--prism-gpu MODEL``, else the profile's GPU) trains on virtual GPUs: fake
 ``cuda`` tensors, exact per-device memory, no CPU shim (`virtual`: how the process is started fresh with the
-device library, what is refused and switched off).
+device library, what is refused and switched off). Without ``--prism-profile`` and ``--prism-gpu`` it runs on
+profile ``dgx-h100`` (a policy default: one line on stderr, listed in the summary's
+``megatron.policy_defaults``). Messages name the settings as this entry point spells them (``--prism-*``).
 
 ``--prism-fault SPEC`` (repeatable; `prism_plugin.config.faults`) injects a fault on virtual participants
 (straggler, link, jitter, hang, crash) or kills a real rank. The collective timeout is the job's own:
@@ -101,13 +103,27 @@ class PrismFlags:
         except ValueError as exc:
             raise ConfigError("--prism-world-size / --prism-gpus-per-node / --prism-trace-iterations must be "
                               f"integers: {exc}") from None
-        world = VirtualWorld(world_size=world_size, gpus_per_node=gpus_per_node,
-                             real_ranks=parse_rank_list(v["real-ranks"], field_name="--prism-real-ranks"))
+        from prism_plugin.runtime.preflight import respell
+
+        try:
+            world = VirtualWorld(world_size=world_size, gpus_per_node=gpus_per_node,
+                                 real_ranks=parse_rank_list(v["real-ranks"], field_name="--prism-real-ranks"))
+        except ConfigError as exc:
+            raise ConfigError(respell(str(exc), FLAG_NAMES)) from None
         policy = v.get("data-policy", "recorded" if "replay" in v else "mirror")
         graph = v.get("graph")
         if graph is not None and not Path(graph).is_file():
             raise ConfigError(f"--prism-graph {graph}: no such file; build one with `prism graph build`")
-        return EmulationConfig(world=world, profile=v.get("profile", "local-cpu-gloo"), data_policy=policy,
+        try:
+            return self._config(world, policy, graph, trace_iterations)
+        except ConfigError as exc:
+            raise ConfigError(respell(str(exc), FLAG_NAMES)) from None
+
+    def _config(self, world: VirtualWorld, policy: str, graph: str | None, trace_iterations: int) -> EmulationConfig:
+        v = self.values
+        profile = next((d["value"] for d in self.policy_defaults() if d["setting"] == "--prism-profile"),
+                       v.get("profile", "local-cpu-gloo"))
+        return EmulationConfig(world=world, profile=profile, data_policy=policy,
                                record_dir=v.get("record"), replay_dir=v.get("replay"),
                                timing="no-timing" not in self.switches, output_dir=v.get("output"),
                                trace_dir=v.get("trace"), trace_max_iterations=trace_iterations, graph=graph,
@@ -115,6 +131,17 @@ class PrismFlags:
                                faults=tuple(f for f in v.get("fault", "").split(";") if f.strip()),
                                timeout_s=_timeout_s(v.get("timeout")), device=v.get("device", "real"),
                                gpu=v.get("gpu"))
+
+    def policy_defaults(self) -> tuple[dict[str, str], ...]:
+        """The settings these flags leave to a policy default (``setting``, ``value``, ``reason``): the profile of a
+        virtual GPU named by neither ``--prism-profile`` nor ``--prism-gpu``."""
+        v = self.values
+        if v.get("device") != "virtual-gpu" or "profile" in v or "gpu" in v:
+            return ()
+        from prism_plugin.runtime.preflight import DEFAULT_PROFILE
+
+        return ({"setting": "--prism-profile", "value": DEFAULT_PROFILE,
+                 "reason": "--prism-device virtual-gpu without --prism-profile or --prism-gpu"},)
 
 
 def _timeout_s(text: str | None) -> float:
@@ -180,6 +207,12 @@ def _check_job(config: EmulationConfig, script_args: list[str], cpu_mode: bool) 
     check_args(ns, cpu_mode=cpu_mode, virtual_gpu=config.device is DeviceMode.VIRTUAL_GPU)
     check_job(ns, attention_mode(), virtual_gpu=config.device is DeviceMode.VIRTUAL_GPU)
     _check_layout(config, ns)
+    if os.environ.get("RANK", "0") == "0":  # once: TensorBoard flags on a host without tensorboard
+        from prism_plugin.adapters.megatron.log_values import tensorboard_note
+
+        note = tensorboard_note(ns)
+        if note is not None:
+            print(note, file=sys.stderr, flush=True)
     return ns
 
 
@@ -203,8 +236,12 @@ def _check_layout(config: EmulationConfig, ns: Any) -> None:
             raise ConfigError(f"--prism-graph: {exc}") from None
 
 
-_FLAG_NAMES = {"world_size": "--prism-world-size", "output_dir": "--prism-output", "record_dir": "--prism-record",
-               "replay_dir": "--prism-replay", "trace_dir": "--prism-trace", "graph": "--prism-graph"}
+FLAG_NAMES = {"world_size": "--prism-world-size", "output_dir": "--prism-output", "record_dir": "--prism-record",
+              "replay_dir": "--prism-replay", "trace_dir": "--prism-trace", "graph": "--prism-graph",
+              "real_ranks": "--prism-real-ranks", "gpus_per_node": "--prism-gpus-per-node",
+              "profile": "--prism-profile", "gpu": "--prism-gpu", "device": "--prism-device",
+              "data_policy": "--prism-data-policy"}
+"""How the drop-in spells each EmulationConfig field (`runtime.preflight.RUN_FLAGS` is `prism run`'s)."""
 
 
 def preflight(script_argv: list[str], config: EmulationConfig) -> None:
@@ -219,7 +256,7 @@ def preflight(script_argv: list[str], config: EmulationConfig) -> None:
     usage = "name the training script first: python -m prism_plugin.megatron pretrain_gpt.py <args>"
     if not script_argv or script_argv[0].startswith("-"):
         raise ConfigError(usage)
-    check_launch(config, script_argv[:1], _FLAG_NAMES, usage=usage)
+    check_launch(config, script_argv[:1], FLAG_NAMES, usage=usage)
 
 
 def _self_launch(argv: list[str], config: EmulationConfig, extra_env: dict[str, str] | None = None) -> int:
@@ -241,11 +278,13 @@ def _self_launch(argv: list[str], config: EmulationConfig, extra_env: dict[str, 
 
 
 def start_run(config: EmulationConfig, process_index: int, k: int, cpu_mode: bool, *,
-              cuda_peak: bool, virtual_gpu: bool = False) -> EmulatedRun:
+              cuda_peak: bool, virtual_gpu: bool = False,
+              policy_defaults: tuple[dict[str, str], ...] = ()) -> EmulatedRun:
     """The real processes' store, this process's environment (RANK = its virtual rank, WORLD_SIZE = N), the
     emulation, the Megatron adapter and, in CPU mode, the tensor-storage tracker; shared with `native`.
 
-    The run's summary gains ``megatron`` (the adapter's) and ``memory`` (the tracker's peak; with
+    The run's summary gains ``megatron`` (the adapter's, with `policy_defaults`: settings the launch left to a
+    policy default) and ``memory`` (the tracker's peak; with
     `cuda_peak`, ``torch.cuda.max_memory_allocated`` on a CUDA host). A failure after activation is
     summarised (``exit_code`` 1, ``error``) before it propagates.
     """
@@ -263,7 +302,8 @@ def start_run(config: EmulationConfig, process_index: int, k: int, cpu_mode: boo
     session = run.start()
     try:
         adapter = current_adapter() or MegatronAdapter(session, cpu_mode=cpu_mode, import_training=True,
-                                                           virtual_gpu=virtual_gpu).install()
+                                                           virtual_gpu=virtual_gpu,
+                                                           policy_defaults=policy_defaults).install()
         run.add_summary(lambda: {"megatron": adapter.summary()})
         run.cleanup.callback(adapter.uninstall)
         if cpu_mode:
@@ -325,7 +365,8 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
     if virtual_gpu:
         from prism_plugin.adapters.megatron.virtual import run_script
 
-        run_script(config, script_argv, process_index, k)  # ends the process (os._exit) after the summary
+        # ends the process (os._exit) after the summary
+        run_script(config, script_argv, process_index, k, policy_defaults=flags.policy_defaults())
     emulated = start_run(config, process_index, k, cpu_mode, cuda_peak=True)
     with emulated:  # the program's exit status and error go into the summary; its exception propagates
         sys.argv = list(script_argv)
@@ -348,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
 
             os.environ[attention.ENV] = attention.attention_mode(flags.values["attention"]).value
         config = flags.to_config()
+        if flags.policy_defaults() and ("RANK" not in os.environ or (os.environ["RANK"] == "0" and not _PRELOADED)):
+            from prism_plugin.runtime.preflight import default_profile_note
+
+            print(default_profile_note(FLAG_NAMES), file=sys.stderr, flush=True)  # once: launcher or process 0
         if config.device is DeviceMode.VIRTUAL_GPU:  # the Megatron process starts fresh with the device library
             from prism_plugin.adapters.megatron import virtual
 

@@ -1,8 +1,10 @@
 """A virtual GPU for one real process of an emulation: the GPU model, device index and allocator options.
 
 `resolve_gpu` picks the model (``EmulationConfig.gpu``, else the hardware profile's ``gpu``) and refuses a
-virtual-GPU run without one before any process starts; `start_virtual_gpu` starts this process's virtual
-GPUs: one node's worth (``gpus_per_node``, at most 8), the current one ``LOCAL_RANK`` modulo that, with the
+virtual-GPU run without one before any process starts, naming the settings as the entry point spells them (an
+entry point whose launch names neither a profile nor a GPU model runs on `preflight.DEFAULT_PROFILE` instead);
+`start_virtual_gpu` starts this process's virtual GPUs: one node's worth (``gpus_per_node``, at most 8), the current
+one ``LOCAL_RANK`` modulo that, with the
 allocator options of ``PYTORCH_CUDA_ALLOC_CONF`` as torch would read them. ``PRISM_VIRTUAL_GPU_OOM=report``
 reports an allocation that crosses the GPU's memory (counted in the summary's ``ooms``, served beyond the device)
 instead of raising torch's ``OutOfMemoryError`` there (the default, ``raise``): a job that does not fit still
@@ -22,6 +24,7 @@ from prism_plugin.config.errors import ConfigError
 from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import GpuSpec, gpu_spec
 from prism_plugin.cost.profiles import HardwareProfile, load_profile
+from prism_plugin.runtime.preflight import DEFAULT_PROFILE, RUN_FLAGS, spell
 from prism_plugin.runtime.virtual_gpu import cuda_runtime, snapshot, te
 from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
 from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
@@ -76,13 +79,16 @@ class VirtualTimeOptions:
                    launch_blocking=env.get("CUDA_LAUNCH_BLOCKING", "0") == "1")
 
 
-def resolve_gpu(config: EmulationConfig, profile: HardwareProfile | None = None) -> GpuSpec:
-    """The GPU model of `config`'s virtual GPUs (a `ConfigError` naming the fix when there is none)."""
+def resolve_gpu(config: EmulationConfig, profile: HardwareProfile | None = None,
+                flags: Mapping[str, str] = RUN_FLAGS) -> GpuSpec:
+    """The GPU model of `config`'s virtual GPUs (a `ConfigError` naming the fix, with the settings spelled as
+    `flags` spells them, when there is none)."""
     profile = profile or load_profile(config.profile)
     name = config.gpu or profile.gpu
     if name is None:
-        raise ConfigError(f"device virtual-gpu needs a GPU model: profile {profile.name!r} names none; use a GPU "
-                          "profile (--profile dgx-h100) or name the model (--gpu h100-sxm)")
+        raise ConfigError(f"{spell(flags, 'device', 'virtual-gpu')} needs a GPU model: profile {profile.name!r} "
+                          f"names none; use a GPU profile ({spell(flags, 'profile', DEFAULT_PROFILE)}) or name the "
+                          f"model ({spell(flags, 'gpu', 'h100-sxm')})")
     return gpu_spec(name)
 
 

@@ -9,9 +9,12 @@ tensor, and counts every answer per call site (the first frame outside torch and
   or ``logical_not`` of them keep or flip that answer; ``eq`` gives True and ``ne`` False (Megatron's RNG-tracker check
   ``torch.all(a == b).item()`` passes); a found-inf buffer after ``_amp_foreach_non_finite_check_and_unscale_``
   reads 0.0 (no inf: the optimizer steps);
+- a read inside a program function an adapter stated an answer for (`SiteAnswer`, `ValuePolicy.state`: e.g.
+  Megatron's count of zero gradient elements, which it only logs) returns that answer;
 - any other floating-point read returns `float_value` (1.0: a finite loss, a finite grad norm);
 - any other integer or boolean read has no stated answer and raises `NoValueError` naming the op and the call
-  site: never a silently wrong control path.
+  site (and how to run it on the host's own device, spelled as the entry point in use spells it:
+  `ValuePolicy.real_device_hint`): never a silently wrong control path.
 
 Non-goals: data-dependent output shapes (``nonzero``, ``masked_select``, ``unique``) raise as FakeTensorMode
 does; MoE routing counts are answered by the adapters' routing policy, not here.
@@ -24,6 +27,7 @@ import os
 import sys
 import weakref
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from prism_plugin.runtime.leaves import leaves
 
-__all__ = ["NoValueError", "ValuePolicy"]
+__all__ = ["NoValueError", "SiteAnswer", "ValuePolicy"]
 
 aten = torch.ops.aten
 _FALSE_CHECKS = {aten.isnan.default, aten.isinf.default, aten.isneginf.default, aten.isposinf.default, aten.ne.Tensor}
@@ -56,14 +60,41 @@ class NoValueError(RuntimeError):
     """A data-dependent read the value policy has no stated answer for."""
 
 
-def _call_site() -> str:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SiteAnswer:
+    """A stated answer for the data-dependent reads inside one program function (whatever the tensor's dtype).
+
+    Example: ``SiteAnswer(path_suffix="megatron/core/optimizer/clip_grads.py", function="count_zeros_fp32",
+    value=0, reason="no gradient element is exactly zero")``.
+    """
+
+    path_suffix: str
+    """The end of the function's source path (``/``-separated), e.g. ``megatron/core/optimizer/clip_grads.py``."""
+    function: str
+    """The function's name (``co_name``) in that file."""
+    value: bool | int | float
+    """What every read there returns (cast to the read tensor's dtype)."""
+    reason: str
+    """Why this answer keeps the program's control flow valid (listed in the summary)."""
+
+    def matches(self, path: str, function: str) -> bool:
+        return function == self.function and path.replace(os.sep, "/").endswith(self.path_suffix)
+
+
+def _site_frame() -> Any:
+    """The first frame outside torch and prism_plugin (the program's call site), or None."""
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
         if not path.startswith(_SKIP_DIRS) and not path.startswith(_OWN_DIR) and "<frozen" not in path:
-            return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+            return frame
         frame = frame.f_back
-    return "<unknown>"
+    return None
+
+
+def _call_site() -> str:
+    frame = _site_frame()
+    return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 class ValuePolicy:
@@ -75,9 +106,25 @@ class ValuePolicy:
         # id(tensor) -> answer, dropped when the tensor dies (a WeakKeyDictionary would compare tensors with ==)
         self._answers_of: dict[int, tuple[bool | int | float, weakref.ref]] = {}
         self.constants_read = 0  # reads of a value the program itself put in the tensor (torch.tensor([...]))
+        self.stated: list[SiteAnswer] = []
+        """Answers adapters stated for reads inside named program functions (`state`)."""
+        self.real_device_hint = "--device real"
+        """How the entry point in use spells running on the host's own device (named by `NoValueError`)."""
 
         # id(fake tensor) -> a real CPU tensor holding its values: small tensors the program made from data
         self._data: dict[int, tuple[torch.Tensor, weakref.ref]] = {}
+
+    def state(self, answer: SiteAnswer) -> None:
+        """Answer every read inside `answer`'s function with its value from now on (counted per call site)."""
+        self.stated.append(answer)
+
+    def _stated(self) -> SiteAnswer | None:
+        if not self.stated:
+            return None
+        frame = _site_frame()
+        if frame is None:
+            return None
+        return next((a for a in self.stated if a.matches(frame.f_code.co_filename, frame.f_code.co_name)), None)
 
     def tag_data(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
         """Record that the fake `tensor` holds `values` (a real CPU tensor, e.g. a constant moved to a virtual GPU);
@@ -163,8 +210,11 @@ class ValuePolicy:
             self.constants_read += 1
             with _disable_current_modes():
                 return data.item()
+        stated = self._stated() if known is None else None
+        if stated is not None:
+            known = stated.value
         if known is not None:
-            value: bool | int | float = known if dtype == torch.bool else (
+            value: bool | int | float = bool(known) if dtype == torch.bool else (
                 float(known) if dtype.is_floating_point else int(known))
         elif dtype.is_floating_point or dtype.is_complex:
             value = self.float_value
@@ -172,7 +222,7 @@ class ValuePolicy:
             raise NoValueError(
                 f"prism virtual GPU: {site} reads the value of a {dtype} tensor (aten._local_scalar_dense: .item(), "
                 "bool(), int()); fake execution has no values and the value policy states no answer for this read. "
-                "Compute it from shapes, or run this part on the host's own device (--device real)")
+                f"Compute it from shapes, or run this part on the host's own device ({self.real_device_hint})")
         self.answers[(site, repr(value))] += 1
         return value
 
@@ -180,6 +230,8 @@ class ValuePolicy:
         """Per call site, each answer given and how often (what the run's control flow assumed)."""
         return {"float_value": self.float_value, "reads": sum(self.answers.values()),
                 "constants_read": self.constants_read,
+                "stated": [{"function": f"{a.path_suffix}:{a.function}", "value": a.value, "reason": a.reason}
+                           for a in self.stated],
                 "by_site": [{"site": site, "value": value, "count": n}
                             for (site, value), n in sorted(self.answers.items())]}
 

@@ -1,0 +1,54 @@
+"""Megatron's logging options on virtual GPUs: the value policy's stated answers, and what a missing writer does.
+
+Megatron's functional tests always log ``--log-num-zeros-in-grad --log-params-norm``. Both read values the virtual
+GPU does not have:
+
+- ``--log-num-zeros-in-grad``: ``megatron/core/optimizer/clip_grads.py``'s ``count_zeros_fp32`` sums
+  ``numel - count_nonzero(grad)`` over the gradients into an int64 tensor, all-reduces it and reads it
+  (``.item()``). The stated answer (`COUNT_ZEROS`): 0, no gradient element is exactly zero. Megatron only logs
+  the count (``num zeros`` in its iteration line, TensorBoard's ``num-zeros``); nothing branches on it;
+- ``--log-params-norm``: the parameters' l2 norm is a floating-point read, answered by the policy's finite
+  ``float_value`` like the gradient norm.
+
+Both are counted per call site in the summary's ``values`` (``stated`` lists the answer and its reason).
+
+``--tensorboard-dir`` / ``--log-timers-to-tensorboard`` / ``--log-memory-to-tensorboard``: Megatron writes
+TensorBoard events through ``torch.utils.tensorboard``, which needs the ``tensorboard`` package. Without it
+Megatron warns and writes nothing; `tensorboard_note` says so in one line naming the fix
+(``pip install tensorboard``), since Megatron's own warning blames the PyTorch version.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from prism_plugin.runtime.virtual_gpu.values import SiteAnswer, ValuePolicy
+
+__all__ = ["COUNT_ZEROS", "state_answers", "tensorboard_note"]
+
+COUNT_ZEROS = SiteAnswer(
+    path_suffix="megatron/core/optimizer/clip_grads.py", function="count_zeros_fp32", value=0,
+    reason="--log-num-zeros-in-grad: no gradient element is exactly zero (Megatron logs the count; nothing "
+           "branches on it)")
+"""The stated answer of ``count_zeros_fp32``'s read."""
+
+
+def state_answers(values: ValuePolicy) -> None:
+    """State this module's answers on `values` (the virtual GPU's value policy)."""
+    values.state(COUNT_ZEROS)
+
+
+def tensorboard_note(args: Any) -> str | None:
+    """The one line to say when the job asks for TensorBoard logs this host cannot write (None: nothing to say)."""
+    wanted = getattr(args, "tensorboard_dir", None)
+    if not wanted or importlib.util.find_spec("tensorboard") is not None:
+        return None
+    also = [flag for flag, dest in (("--log-timers-to-tensorboard", "log_timers_to_tensorboard"),
+                                    ("--log-memory-to-tensorboard", "log_memory_to_tensorboard"),
+                                    ("--log-validation-ppl-to-tensorboard", "log_validation_ppl_to_tensorboard"))
+            if getattr(args, dest, False)]
+    flags = " ".join(["--tensorboard-dir", *also])
+    return (f"prism: {flags}: the tensorboard package is not installed on this host, so Megatron writes no "
+            f"TensorBoard events to {wanted} (its warning follows); the job runs on; pip install tensorboard to "
+            "write them")
