@@ -129,6 +129,11 @@ def virtual_gpu_refusals(options: Mapping[str, Any] | argparse.Namespace) -> lis
     if _get(options, "transformer_impl", "transformer_engine") == "transformer_engine" and not te_available():
         out.append(f"--transformer-impl transformer_engine (Megatron's default): {te_missing_message()}; or pass "
                    "--transformer-impl local")
+    backend = _get(options, "attention_backend")
+    if getattr(backend, "name", backend) == "flash" and _get(options, "transformer_impl") != "local":
+        out.append("--attention-backend flash: TransformerEngine would call the flash-attn package, whose kernels "
+                   "virtual GPUs do not emulate; pass --attention-backend fused (cuDNN fused attention, what TE picks "
+                   "on an H100 with auto) or auto")
     if _get(options, "cuda_graph_impl", "none") not in (None, "none") or _get(options, "enable_cuda_graph"):
         out.append("--cuda-graph-impl / --enable-cuda-graph: CUDA graphs capture real kernels, which virtual "
                    "GPUs do not run; pass --cuda-graph-impl none")

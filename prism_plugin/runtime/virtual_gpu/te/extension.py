@@ -370,15 +370,60 @@ def fused_attn_bwd(max_seqlen_q: int, max_seqlen_kv: int, attn_scale: float, p_d
                    window_size: Sequence[int], bottom_right_diagonal: bool, deterministic: bool, cu_seqlens_q: Any,
                    cu_seqlens_kv: Any, Q: Any, K: Any, V: Any, O: Any, dO: Any,  # noqa: E741 (TE's names)
                    fake_dtype: Any, dqkv_type: Any, aux_ctx_tensors: Sequence[torch.Tensor], *rest: Any) -> list[Any]:
-    """``[dQ, dK, dV]`` (no bias or softmax-offset gradients: neither is emulated)."""
+    """``[dQ, dK, dV, dBias, dSoftmaxOffset]`` (the last two None: neither is emulated)."""
     q, k, v, o, do = (_plain(t, n) for t, n in ((Q, "Q"), (K, "K"), (V, "V"), (O, "O"), (dO, "dO")))
     layout = _MODULE_ENUMS["NVTE_QKV_Layout"](int(qkv_layout)).name
     b, sq, h, d = _bshd(q, layout, 0)
     _b, skv, _hk, _d = _bshd(k, layout, 1)
-    grads = [_empty(t.shape, t.dtype, t) for t in (q, k, v)]
+    grads = _attention_grads(layout, q, k, v)
     ops.attention_backward()(q, k, v, o, do, list(aux_ctx_tensors), b, h, sq, skv, d, int(v.shape[-1]),
                              _causal(attn_mask_type), grads=grads)
-    return grads
+    return [*grads, None, None]  # no bias or softmax-offset gradient (neither is emulated)
+
+
+def _attention_grads(layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """dQ, dK, dV as TE's C++ allocates them: one tensor for a packed group (``3hd`` / ``h3d``: q, k and v;
+    ``2hd`` / ``h2d``: k and v), whose slices are the gradients, else one tensor each."""
+    packing = layout.removeprefix("NVTE_").lower().split("_")
+    packed = next((part for part in packing if "3" in part or "2" in part), None)
+    if packed is None:
+        return [_empty(t.shape, t.dtype, t) for t in (q, k, v)]
+    group = (q, k, v) if "3" in packed else (k, v)
+    n = len(group)
+    heads, dim = int(group[0].shape[-2]), int(group[0].shape[-1])
+    if packed.endswith(("3hd", "2hd")):  # (..., n, h, d)
+        whole = _empty((*group[0].shape[:-2], n, heads, dim), group[0].dtype, group[0])
+        parts = [whole.select(-3, i) for i in range(n)]
+    else:  # (..., h, n, d)
+        whole = _empty((*group[0].shape[:-2], heads, n, dim), group[0].dtype, group[0])
+        parts = [whole.select(-2, i) for i in range(n)]
+    return parts if n == 3 else [_empty(q.shape, q.dtype, q), *parts]
+
+
+# -- TE's fused softmax (UnfusedDotProductAttention, --attention-backend unfused) ---------------------------------
+
+def _softmax_forward(name: str) -> Callable[..., Any]:
+    def forward(input: torch.Tensor, *rest: Any) -> torch.Tensor:
+        mask = [t for t in rest if isinstance(t, torch.Tensor)]
+        out = _empty(input.shape, input.dtype, input)  # softmax_results, as TE's C++ allocates them
+        ops.pointwise(name, KernelClass.NORM)([input, *mask], outputs=[out])
+        return out
+
+    forward.__name__ = name
+    return forward
+
+
+def _softmax_backward(name: str) -> Callable[..., Any]:
+    def backward(output_grads: torch.Tensor, softmax_results: torch.Tensor, *rest: Any) -> torch.Tensor:
+        ops.pointwise(name, KernelClass.NORM)([output_grads, softmax_results], outputs=[output_grads])
+        return output_grads  # in place, as TE's C++ returns it
+
+    backward.__name__ = name
+    return backward
+
+
+_SOFTMAXES = ("scaled_softmax", "scaled_masked_softmax", "scaled_upper_triang_masked_softmax",
+              "scaled_aligned_causal_masked_softmax")
 
 
 # -- RoPE, multi-tensor kernels, amax -------------------------------------------------------------------------------
@@ -494,6 +539,9 @@ def build_module(module: Any) -> None:
     for name in _ACTIVATIONS:
         forward, backward = _activation(name)
         names[name], names[f"d{name}"] = forward, backward
+    for name in _SOFTMAXES:
+        names[f"{name}_forward"] = _softmax_forward(f"{name}_forward")
+        names[f"{name}_backward"] = _softmax_backward(f"{name}_backward")
     for name in ("dgelu", "dsilu", "drelu", "dqgelu", "dsrelu"):
         names[f"dbias_{name}"] = _dbias_dact(name)
     for why, refused in _REFUSED.items():
