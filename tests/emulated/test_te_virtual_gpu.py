@@ -161,3 +161,19 @@ import transformer_engine_torch as tex
 tex.{name}()
 """, EPILOGUE), allow_error=True)
     assert out["error"].startswith(f"NotImplementedError: transformer_engine_torch.{name} on a virtual GPU")
+
+
+def test_grouped_linear_runs_one_gemm_per_group_with_rows(library: None) -> None:
+    out = run("""
+grouped = te.GroupedLinear(3, 1024, 4096, bias=False, params_dtype=torch.bfloat16, device="cuda")
+x = torch.empty(2048, 1024, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+y = grouped(x, [1024, 0, 1024])
+y.sum().backward()
+out["kernels"] = [k[:2] + k[3:4] + k[5:] for k in take()]
+out["y"] = list(y.shape)
+""")
+    flops = 2 * 1024 * 4096 * 1024
+    # forward, dgrad, wgrad for the two groups with rows (TE's grouped GEMM); the empty group launches none
+    assert out["kernels"] == [["gemm", "gemm", flops, [1024, 4096, 1024]]] * 2 + \
+        [["gemm", "gemm", flops, [1024, 1024, 4096]]] * 2 + [["gemm", "gemm", flops, [4096, 1024, 1024]]] * 2
+    assert out["y"] == [2048, 4096]

@@ -137,13 +137,36 @@ def virtual_gpu_refusals(options: Mapping[str, Any] | argparse.Namespace) -> lis
     if _get(options, "cuda_graph_impl", "none") not in (None, "none") or _get(options, "enable_cuda_graph"):
         out.append("--cuda-graph-impl / --enable-cuda-graph: CUDA graphs capture real kernels, which virtual "
                    "GPUs do not run; pass --cuda-graph-impl none")
+    te_runs = _get(options, "transformer_impl", "transformer_engine") == "transformer_engine"
     for dest, flag, kernel in _GPU_ONLY_OPT_INS:
+        if dest == "moe_grouped_gemm" and te_runs:
+            continue  # TEGroupedLinear: TE's grouped GEMM is a fake kernel (runtime/virtual_gpu/te)
         if _get(options, dest):
             out.append(f"{flag}: {kernel}, which virtual GPUs (fake tensors) cannot run; drop {flag}")
-    for dest, flag in (("save", "--save"), ("load", "--load")):
-        if _get(options, dest):
-            out.append(f"{flag} {_get(options, dest)}: virtual GPUs hold no tensor values, so a checkpoint "
-                       f"would be empty (save) or go nowhere (load); drop {flag} in device mode virtual-gpu")
+    out.extend(checkpoint_refusals(options))
+    return out
+
+
+def checkpoint_refusals(options: Mapping[str, Any] | argparse.Namespace) -> list[str]:
+    """Checkpoint kinds virtual GPUs do not model (`checkpoint`: ``torch_dist`` and legacy ``torch`` saves and
+    loads of Megatron's own trainer run; nothing is written): the FSDP formats (``torch_dcp``, ``fsdp_dtensor``),
+    non-persistent ``local`` / ``in_memory`` checkpoints (nvidia-resiliency-ext's managers), and a legacy save of
+    the distributed optimizer (its parameter state is gathered to data-parallel rank 0 over gloo)."""
+    if not (_get(options, "save") or _get(options, "load")):
+        return []
+    out: list[str] = []
+    fmt = _get(options, "ckpt_format", "torch_dist")
+    if fmt in ("torch_dcp", "fsdp_dtensor"):
+        out.append(f"--ckpt-format {fmt}: virtual GPUs model torch_dist and torch checkpoints only; pass "
+                   "--ckpt-format torch_dist (Megatron's default)")
+    kind = _get(options, "non_persistent_ckpt_type")
+    if kind in ("local", "in_memory") and (_get(options, "non_persistent_save_interval") or _get(options, "load")):
+        out.append(f"--non-persistent-ckpt-type {kind}: checkpoints of nvidia-resiliency-ext's managers are not "
+                   "modelled on virtual GPUs; pass --non-persistent-ckpt-type global or drop the flag")
+    if _get(options, "save") and fmt == "torch" and _get(options, "use_distributed_optimizer"):
+        out.append("--ckpt-format torch with --use-distributed-optimizer: the legacy save gathers the optimizer "
+                   "state to data-parallel rank 0, which virtual GPUs do not model; pass --ckpt-format torch_dist "
+                   "(Megatron's default)")
     return out
 
 

@@ -206,6 +206,34 @@ def generic_gemm(A: Any, transa: bool, B: Any, transb: bool, D: Any, quantizer: 
     return [out, bias_grad, pre_gelu, extra_output]
 
 
+def te_general_grouped_gemm(A: Sequence[Any], transa: bool, B: Sequence[Any], transb: bool, D: Any, D_type: Any,
+                            m_splits: Sequence[int], bias: Sequence[torch.Tensor], bias_type: Any,
+                            single_output: bool, pre_gelu_out: Sequence[torch.Tensor], grad: bool,
+                            workspace: Any, workspace_size: int, accumulate: bool, use_split_accumulator: bool,
+                            math_sm_count: int) -> Any:
+    """TE's grouped GEMM (TEGroupedLinear, ``--moe-grouped-gemm``): one GEMM per group into the outputs the caller
+    allocated (one tensor split by `m_splits` rows when `single_output`), as TE launches them; groups with no
+    rows launch nothing. Returns `bias` (the bias gradients, written when `grad`)."""
+    outs = list(torch.split(D[0], [int(m) for m in m_splits])) if single_output else list(D)
+    for i, (a_in, b_in) in enumerate(zip(A, B, strict=True)):
+        a, a_shape = quantize.operand(a_in, rowwise=transa)
+        b, b_shape = quantize.operand(b_in, rowwise=not transb)
+        if not a.numel() or not b.numel():
+            continue
+        shape = gemm_output_shape(a_shape, transa, b_shape, transb)
+        m, n = math.prod(shape[:-1]), shape[-1]
+        k = int(a_shape[-1]) if transa else math.prod(a_shape[:-1])
+        target = outs[i]
+        written = quantize.quantized_buffers(target) if quantize.is_quantized(target) else [target]
+        epilogue = [*written[1:]] + ([bias[i]] if grad and bias[i].numel() else [])
+        read_bias = bias[i] if bias[i].numel() and not grad else None
+        if accumulate:
+            ops.gemm(True)(a, b, m, n, k, read_bias, written[0], epilogue=epilogue)
+        else:
+            ops.gemm(False)(a, b, m, n, k, read_bias, out=written[0], epilogue=epilogue)
+    return bias
+
+
 # -- normalization ------------------------------------------------------------------------------------------------
 
 def _norm_fwd(name: str, x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None, ln_out: Any,
@@ -505,7 +533,8 @@ def build_module(module: Any) -> None:
     """Fill `module` (a new ``transformer_engine_torch`` module object) with the fake extension's names."""
     names: dict[str, Any] = {
         "DType": DType, "FP8TensorMeta": FP8TensorMeta, **_MODULE_ENUMS,
-        "generic_gemm": generic_gemm, "quantize": quantize.quantize, "dequantize": quantize.dequantize,
+        "generic_gemm": generic_gemm, "te_general_grouped_gemm": te_general_grouped_gemm,
+        "quantize": quantize.quantize, "dequantize": quantize.dequantize,
         "fp8_transpose": quantize.fp8_transpose, "bgrad_quantize": bgrad_quantize, "split_quantize": split_quantize,
         "layernorm_fwd": layernorm_fwd, "rmsnorm_fwd": rmsnorm_fwd,
         "layernorm_bwd": layernorm_bwd, "rmsnorm_bwd": rmsnorm_bwd, "rmsnorm_bwd_add": rmsnorm_bwd_add,
