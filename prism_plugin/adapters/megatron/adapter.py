@@ -30,6 +30,8 @@ program builds its model. Every seam is explicit, listed here, and undone by `un
 6. **TP data broadcast** (mirror policy): a real rank whose tensor-parallel rank 0 is virtual
    receives a synthetic, valid batch instead of its uninitialised receive buffers, and the run
    flags megatron.training broadcasts from a virtual rank 0 are set as rank 0 would. See `data`.
+7. **Checkpoints** (virtual GPUs): ``--save`` writes nothing and reports its bytes, modelled time and
+   memory; ``--load`` of a real checkpoint reads its metadata, never its values. See `checkpoint`.
 
 Group construction needs no hook: megatron's ``create_group`` reaches the backend's
 ``new_group`` (torch >= 2.13) or creator, gloo twins included, with no rendezvous; `groups`
@@ -116,6 +118,8 @@ class MegatronAdapter:
         """The flags of the CPU-mode switch-offs applied (`refusals.cpu_switch_offs`), in order."""
         self.policy_defaults = policy_defaults
         """Settings the launch left to a policy default (``setting``, ``value``, ``reason``), for the summary."""
+        self.checkpoints: Any = None
+        """Virtual GPUs: the checkpoint seams' records (`checkpoint.CheckpointSeams`)."""
 
     # -- install / uninstall -------------------------------------------------------------------------
     def install(self) -> MegatronAdapter:
@@ -146,6 +150,12 @@ class MegatronAdapter:
                 from prism_plugin.adapters.megatron import moe  # MoE token counts from the routing policy
 
                 self.moe_routing = moe.install(self._patches)
+                if training:  # --save / --load: nothing written, no value read (`checkpoint`)
+                    from prism_plugin.adapters.megatron import checkpoint
+                    from prism_plugin.cost.profiles import load_profile
+
+                    self.checkpoints = checkpoint.install(self._patches, load_profile(self.session.config.profile)
+                                                          .storage, announce=self.session.process_index == 0)
             if self.cpu_mode or self.virtual_gpu:
                 self._hook_parse_args()
             self._hook_schedules()
@@ -260,9 +270,21 @@ class MegatronAdapter:
             "switched_off": list(self.switched_off),
             **({"attention": self.attention.summary()} if getattr(self, "attention", None) is not None else {}),
             **({"moe_routing": self.moe_routing.summary()} if self.moe_routing is not None else {}),
-            "policy_defaults": list(self.policy_defaults),
+            **({"checkpoints": self.checkpoints.summary()} if self.checkpoints is not None else {}),
+            "policy_defaults": [*self.policy_defaults, *self._storage_defaults()],
             **_job_figures(),
         }
+
+
+    def _storage_defaults(self) -> list[dict[str, Any]]:
+        """The storage figures a save or load took from `cost.storage`'s policy defaults."""
+        if self.checkpoints is None:
+            return []
+        from prism_plugin.cost.storage import DEFAULTS_GBYTES_PER_S
+
+        return [{"setting": key, "value": DEFAULTS_GBYTES_PER_S[key.removeprefix("storage.")],
+                 "reason": "the profile sets no storage figure: the per-GPU share of Llama 3's checkpoint storage "
+                           "(prism_plugin/cost/storage.py)"} for key in self.checkpoints.defaults_used()]
 
 
 def _job_figures() -> dict[str, Any]:

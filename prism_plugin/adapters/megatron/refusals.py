@@ -37,7 +37,8 @@ arguments before Megatron builds anything, prints one line each and lists them i
   (``ValueError: apply_rope_fusion is not available``); as ``--no-rope-fusion``.
 Device mode virtual-gpu (`virtual_gpu_refusals`): the GPU is fake tensors, so CUDA extensions cannot
 run there either: TransformerEngine, CUDA graphs and the GPU-only opt-ins above are refused as in CPU
-mode, and so are ``--save`` / ``--load`` (a checkpoint of fake tensors holds no values).
+mode (``--save`` / ``--load`` run: nothing is written and no tensor value read, `checkpoint`; refused are
+the checkpoint kinds that path does not model, `checkpoint_refusals`).
 Of the defaults CPU mode switches off, only RoPE fusion is switched off there (`cpu_switch_offs`);
 gradient-accumulation fusion and masked-softmax fusion stay on (apex's ``fused_weight_gradient_mlp_cuda``
 and the softmax extensions are fake kernels there, one kernel each: `fused_kernels`), and so does the
@@ -61,7 +62,8 @@ from prism_plugin.config.errors import ConfigError
 from prism_plugin.runtime.virtual_gpu.te import available as te_available
 from prism_plugin.runtime.virtual_gpu.te import missing_message as te_missing_message
 
-__all__ = ["Refusal", "SwitchOff", "refusals_for", "virtual_gpu_refusals", "cpu_switch_offs", "check_args",
+__all__ = ["Refusal", "SwitchOff", "refusals_for", "virtual_gpu_refusals", "checkpoint_refusals", "cpu_switch_offs",
+           "check_args",
            "parse_megatron_argv"]
 
 
@@ -122,8 +124,8 @@ def virtual_gpu_refusals(options: Mapping[str, Any] | argparse.Namespace) -> lis
     """What device mode virtual-gpu refuses: code that needs real CUDA kernels or real values.
 
     TransformerEngine (Megatron's default ``--transformer-impl``) and the GPU-only kernels a job opts into are
-    CUDA extensions that fake tensors cannot run; CUDA graphs capture real kernels; a checkpoint of fake
-    tensors holds no values (``--save``) and loading one would write values nowhere (``--load``).
+    CUDA extensions that fake tensors cannot run; CUDA graphs capture real kernels; and the checkpoint kinds the
+    virtual-GPU checkpoint path does not model (`checkpoint_refusals`).
     """
     out: list[str] = []
     if _get(options, "transformer_impl", "transformer_engine") == "transformer_engine" and not te_available():

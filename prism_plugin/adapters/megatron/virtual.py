@@ -14,7 +14,8 @@ The device library must load before torch is imported, so the process that runs 
   watches it) with the variable set; nothing of Megatron has run before.
 
 Refused up front in this mode (`refusals.virtual_gpu_refusals`): TransformerEngine (pass ``--transformer-impl
-local``), CUDA graphs, GPU-only opt-in kernels, ``--save`` / ``--load``. Switched off (as in CPU mode, one line
+local``), CUDA graphs, GPU-only opt-in kernels, checkpoint kinds the virtual-GPU checkpoint path does not model
+(``--save`` / ``--load`` themselves run: `checkpoint`). Switched off (as in CPU mode, one line
 each): RoPE fusion. Megatron's other fusion defaults stay on, one kernel each (`fused_kernels`).
 
 Data-dependent reads Megatron's logging options make have stated answers (`log_values`: ``--log-num-zeros-in-grad``
