@@ -74,16 +74,19 @@ class DeviceTotal:
     nccl_buffer_bytes: int
     """`prism_plugin.cost.comm_memory.NcclBufferModel` over the groups the rank used."""
     context_bytes: int
+    userbuffer_bytes: int = 0
+    """TransformerEngine's userbuffers (TP-communication overlap): registered device memory outside the allocator."""
 
     @property
     def total_bytes(self) -> int:
         return (self.peak_reserved_bytes + self.cublas_workspaces * self.cublas_workspace_bytes
-                + self.nccl_buffer_bytes + self.context_bytes)
+                + self.nccl_buffer_bytes + self.context_bytes + self.userbuffer_bytes)
 
     def as_dict(self) -> dict[str, int]:
         return {"peak_reserved_bytes": self.peak_reserved_bytes, "cublas_workspaces": self.cublas_workspaces,
                 "cublas_workspace_bytes": self.cublas_workspaces * self.cublas_workspace_bytes,
                 "nccl_buffer_bytes": self.nccl_buffer_bytes, "context_bytes": self.context_bytes,
+                **({"userbuffer_bytes": self.userbuffer_bytes} if self.userbuffer_bytes else {}),
                 "total_bytes": self.total_bytes}
 
 

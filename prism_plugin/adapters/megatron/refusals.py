@@ -84,7 +84,8 @@ def refusals_for(options: Mapping[str, Any] | argparse.Namespace, *, cpu_mode: b
     device mode virtual-gpu, where the GPU is fake tensors: the CPU-mode refusals apply too, see
     `virtual_gpu_refusals`)."""
     out: list[str] = []
-    if _get(options, "tp_comm_overlap"):
+    te_userbuffers = virtual_gpu and _get(options, "transformer_impl", "transformer_engine") == "transformer_engine"
+    if _get(options, "tp_comm_overlap") and not te_userbuffers:  # virtual GPUs emulate TE's userbuffers
         out.append("--tp-comm-overlap: TransformerEngine userbuffers exchange tensor-parallel data outside "
                    "torch.distributed, so no backend can emulate it; remove --tp-comm-overlap")
     if _get(options, "moe_token_dispatcher_type") == "flex" or _get(options, "moe_enable_deepep"):

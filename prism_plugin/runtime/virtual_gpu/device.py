@@ -490,7 +490,8 @@ class VirtualGpu:
                 f"caching-allocator model) + {DEFAULT_CUBLAS_WORKSPACES} cuBLAS workspaces of "
                 f"{self.gpu.cublas_workspace_bytes} B (torch's CUBLAS_WORKSPACE_CONFIG default, one per handle and "
                 "stream: forward and autograd threads) + NCCL communicator buffers (cost/comm_memory.py, modelled, "
-                "on the device this process uses) + the CUDA context; policy defaults: context_bytes, "
+                "on the device this process uses) + TransformerEngine's userbuffers (TP-communication overlap, "
+                "registered outside the allocator) + the CUDA context; policy defaults: context_bytes, "
                 "cublas_workspaces",
                 "step_time": "not modelled (virtual GPU without virtual time: compute takes no time)"
                 if self.clock is None else "modelled (virtual time: kernel model and emulated CUDA streams)",
@@ -501,10 +502,13 @@ class VirtualGpu:
     def device_total(self, peak_reserved_bytes: int, nccl_buffer_bytes: int = 0, *, own: bool = True) -> DeviceTotal:
         """The device total of one of these GPUs (`prism_plugin.cost.gpu.DeviceTotal`): the workspaces and NCCL
         buffers only on the device this process uses (`own`), the context on each."""
+        from prism_plugin.runtime.virtual_gpu.te.userbuffers import buffer_bytes
+
         return DeviceTotal(peak_reserved_bytes=peak_reserved_bytes,
                            cublas_workspaces=DEFAULT_CUBLAS_WORKSPACES if own else 0,
                            cublas_workspace_bytes=self.gpu.cublas_workspace_bytes,
-                           nccl_buffer_bytes=nccl_buffer_bytes, context_bytes=self.gpu.context_bytes)
+                           nccl_buffer_bytes=nccl_buffer_bytes, context_bytes=self.gpu.context_bytes,
+                           userbuffer_bytes=buffer_bytes() if own else 0)
 
 
 def _nccl_buffer_bytes(session: Any) -> int:

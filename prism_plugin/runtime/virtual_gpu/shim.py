@@ -337,6 +337,14 @@ class CudaShim:
         # pinned host memory is a host property (page-locked for faster copies): the tensor itself, unpinned; a
         # DataLoader with pin_memory=True (Megatron's) then runs as on a GPU host
         p.setattr(torch.Tensor, "pin_memory", lambda t, device=None: t)
+        # NCCL is there, as on a GPU host: the prism backend serves a program's "nccl" groups (and TE's userbuffers
+        # bootstrap asks before it creates one); the CPU wheel has no NCCL of its own to answer
+        import torch.distributed as dist
+
+        backend_available = dist.is_backend_available
+        p.setattr(dist, "is_nccl_available", lambda: True)
+        p.setattr(dist, "is_backend_available",
+                  lambda backend: backend.lower() == "nccl" or backend_available(backend))
         self._count_backward_passes()
         snapshot.install(self)  # torch.cuda.memory's history and snapshot API (memory_viz's input)
         CudaShim._ACTIVE = self

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from prism_plugin.cost.kernels import KernelClass
-from prism_plugin.runtime.virtual_gpu.te import ops, quantize
+from prism_plugin.runtime.virtual_gpu.te import ops, quantize, userbuffers
+from prism_plugin.runtime.virtual_gpu.te.dtypes import TORCH_DTYPE, DType
 
 __all__ = ["CUBLASLT_VERSION", "CUDNN_VERSION", "build_module"]
 
@@ -35,29 +36,6 @@ CUDNN_VERSION = 91400
 CUBLASLT_VERSION = 120900
 """cuBLASLt 12.9 (CUDA 12.9), encoded as cuBLASLt encodes it: a policy answer."""
 
-
-class DType(enum.IntEnum):
-    """transformer_engine::DType (common/include/transformer_engine/transformer_engine.h)."""
-
-    kByte = 0
-    kInt16 = 1
-    kInt32 = 2
-    kInt64 = 3
-    kFloat32 = 4
-    kFloat16 = 5
-    kBFloat16 = 6
-    kFloat8E4M3 = 7
-    kFloat8E5M2 = 8
-    kFloat8E8M0 = 9
-    kFloat4E2M1 = 10
-
-
-TORCH_DTYPE = {
-    DType.kByte: torch.uint8, DType.kInt16: torch.int16, DType.kInt32: torch.int32, DType.kInt64: torch.int64,
-    DType.kFloat32: torch.float32, DType.kFloat16: torch.float16, DType.kBFloat16: torch.bfloat16,
-    DType.kFloat8E4M3: torch.float8_e4m3fn, DType.kFloat8E5M2: torch.float8_e5m2, DType.kFloat8E8M0: torch.uint8,
-    DType.kFloat4E2M1: torch.uint8,
-}
 
 _ENUMS: dict[str, Sequence[str]] = {
     "NVTE_Bias_Type": ("NVTE_NO_BIAS", "NVTE_PRE_SCALE_BIAS", "NVTE_POST_SCALE_BIAS", "NVTE_ALIBI"),
@@ -104,15 +82,6 @@ def _unsupported(name: str, why: str) -> Callable[..., Any]:
 
     refuse.__name__ = name
     return refuse
-
-
-class _Refused:
-    """A TE extension class that virtual GPUs do not emulate: constructing it raises."""
-
-    why = "TE userbuffers (TP-communication overlap) move data outside torch.distributed; not emulated yet"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(f"transformer_engine_torch.{type(self).__name__} on a virtual GPU: {self.why}")
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------
@@ -163,13 +132,10 @@ def generic_gemm(A: Any, transa: bool, B: Any, transb: bool, D: Any, quantizer: 
                  beta: float | None = None) -> list[Any]:
     """TE's ``gemm`` (extensions/gemm.cpp): D = op(B) x op(A)^T in TE's column-major terms, with the bias / GeLU
     epilogues; returns ``[D, bias_grad, pre_gelu_out, extra_output]``."""
-    if comm_overlap is not None:
-        raise NotImplementedError("transformer_engine_torch.generic_gemm with comm_overlap (userbuffers, "
-                                  "--tp-comm-overlap) on a virtual GPU: not emulated yet")
     a, a_shape = quantize.operand(A, rowwise=transa)
     b, b_shape = quantize.operand(B, rowwise=not transb)
     shape = gemm_output_shape(a_shape, transa, b_shape, transb)
-    m, n = math.prod(shape[:-1]), shape[-1]
+    n = shape[-1]
     k = int(a_shape[-1]) if transa else math.prod(a_shape[:-1])
     low_precision = quantize.is_quantized(A) or quantize.is_quantized(B)
     dtype = _torch_dtype(out_dtype) if out_dtype is not None else (torch.bfloat16 if low_precision else a.dtype)
@@ -194,11 +160,23 @@ def generic_gemm(A: Any, transa: bool, B: Any, transb: bool, D: Any, quantizer: 
     elif gelu and gelu_in is not None:
         pre_gelu = gelu_in
     read_bias = bias if bias is not None and not grad else None
-    if a.numel() and b.numel():
+
+    def run_gemm(a_part: torch.Tensor, b_part: torch.Tensor, out_part: torch.Tensor) -> None:
+        part_shape = gemm_output_shape(a_shape, transa, tuple(b_part.shape), transb)
+        rows = math.prod(part_shape[:-1])
         if accumulate:
-            ops.gemm(True)(a, b, m, n, k, read_bias, written[0], epilogue=epilogue)
+            ops.gemm(True)(a_part, b_part, rows, n, k, read_bias, out_part, epilogue=epilogue)
         else:
-            ops.gemm(False)(a, b, m, n, k, read_bias, out=written[0], epilogue=epilogue)
+            ops.gemm(False)(a_part, b_part, rows, n, k, read_bias, out=out_part, epilogue=epilogue)
+
+    if comm_overlap is not None:
+        if transb and not bulk_overlap:
+            raise NotImplementedError("transformer_engine_torch.generic_gemm on a virtual GPU: split userbuffers "
+                                      "overlap of a transposed B operand is not emulated")
+        userbuffers.overlapped_gemm(comm_overlap, comm_type, bulk_overlap, run_gemm, a, b, written[0],
+                                    extra_output)
+    elif a.numel() and b.numel():
+        run_gemm(a, b, written[0])
     elif written[0].numel() and not accumulate:
         ops.pointwise("zero")([], outputs=[written[0]])
     if quantizer is not None and D is None and not fused_cast:  # the unfused cast of TE's GEMM output
@@ -512,6 +490,11 @@ def fused_amax_and_scale_update_after_reduction(amax_reduction_buffer: torch.Ten
     ops.pointwise("fused_amax_and_scale_update")([amax_reduction_buffer, *tensors], outputs=tensors)
 
 
+def _supports_multicast(device_id: int = -1) -> bool:
+    """CUDA multicast (NVLink SHARP) is on Hopper and later: the virtual GPU's compute capability decides."""
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
 # -- the module -------------------------------------------------------------------------------------------------------
 
 _MODULE_ENUMS: dict[str, type[enum.IntEnum]] = {
@@ -543,7 +526,7 @@ def build_module(module: Any) -> None:
         "fused_rope_backward": fused_rope_backward, "compute_amax": compute_amax,
         "fused_amax_and_scale_update_after_reduction": fused_amax_and_scale_update_after_reduction,
         "get_cudnn_version": lambda: CUDNN_VERSION, "get_cublasLt_version": lambda: CUBLASLT_VERSION,
-        "get_num_cublas_streams": lambda: 4, "device_supports_multicast": lambda device_id=-1: False,
+        "get_num_cublas_streams": lambda: 4, "device_supports_multicast": _supports_multicast,
         "get_stream_priority_range": lambda device_id=-1: (0, -5), "ubuf_built_with_mpi": lambda: False,
         "multi_tensor_scale": _multi_tensor("multi_tensor_scale", KernelClass.OPTIMIZER, lambda lists: [1]),
         "multi_tensor_scale_tensor": _multi_tensor("multi_tensor_scale_tensor", KernelClass.OPTIMIZER,
@@ -576,8 +559,9 @@ def build_module(module: Any) -> None:
     for why, refused in _REFUSED.items():
         for name in refused:
             names[name] = _unsupported(name, why)
-    for name in ("CommOverlapCore", "CommOverlapBase", "CommOverlapP2PBase", "CommOverlap", "CommOverlapP2P",
-                 "CommOverlapHelper"):
-        names[name] = type(name, (_Refused,), {})
+    for name in ("CommOverlapCore", "CommOverlapBase", "CommOverlapP2PBase"):
+        names[name] = userbuffers._UserbufferCore
+    names.update(CommOverlap=userbuffers.CommOverlap, CommOverlapP2P=userbuffers.CommOverlapP2P,
+                 CommOverlapHelper=userbuffers.CommOverlapHelper)
     for name, value in names.items():
         setattr(module, name, value)

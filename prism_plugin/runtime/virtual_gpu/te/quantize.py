@@ -20,6 +20,7 @@ the GEMM at the FP8 peak), and its logical shape.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 
 from prism_plugin.cost.kernels import KernelClass
 from prism_plugin.runtime.virtual_gpu.te import ops
+from prism_plugin.runtime.virtual_gpu.te.dtypes import TORCH_DTYPE, DType
 
 __all__ = ["is_quantized", "operand", "quantize", "quantized_buffers"]
 
@@ -89,8 +91,8 @@ def _create(quantizer: Any, shape: Sequence[int], fake_dtype: torch.dtype, devic
     kind = type(quantizer).__name__
     if kind not in ("Float8Quantizer", "Float8CurrentScalingQuantizer"):
         return quantizer.make_empty(list(shape), dtype=fake_dtype, device=device)
-    from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
-    from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
+    te_module = sys.modules[type(quantizer).__module__]  # TE's float8_tensor module: the classes its C++ builds
+    Float8Tensor, Float8TensorStorage = te_module.Float8Tensor, te_module.Float8TensorStorage  # noqa: N806
 
     non_tn = _non_tn_supported()
     with_data = quantizer.rowwise_usage or non_tn
@@ -159,8 +161,6 @@ def fused_output(kernel: str, inputs: list[torch.Tensor], shape: Sequence[int], 
 
 def dequantize(input: Any, otype: Any) -> torch.Tensor:
     """``transformer_engine_torch.dequantize``: the high-precision tensor (dtype `otype`)."""
-    from prism_plugin.runtime.virtual_gpu.te.extension import TORCH_DTYPE, DType
-
     buffer, shape = operand(input, rowwise=True)
     out = torch.empty(list(shape), dtype=TORCH_DTYPE[DType(int(otype))], device=buffer.device)
     ops.pointwise("dequantize")([buffer], outputs=[out])

@@ -1,0 +1,61 @@
+"""``--tp-comm-overlap`` on a virtual H100: TE's userbuffers, ring-exchange chunks overlapped with GEMM chunks.
+
+The same Megatron job (TE spec, TP2 with sequence parallelism, 2 layers at Llama-3-8B width, seq 4096) runs as rank
+1 of 64 with and without the flag. With it, TE's userbuffers take over the TP all-gathers before the QKV and FC1
+GEMMs (forward) and the reduce-scatters after the projection and FC2 GEMMs (forward): each becomes ``tp - 1`` ring
+steps (a send and a receive on the TP group) beside GEMM chunks, and the GEMMs' FLOPs are unchanged (the chunks
+add up to the GEMM). Each of the 12 userbuffers TE creates holds ``seq x hidden`` bf16 elements outside the
+caching allocator, counted in the device total.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "prism_plugin" / "programs" / "pretrain_gpt.py"
+TP, LAYERS, ITERATIONS, SEQ, H = 2, 2, 2, 4096, 4096
+JOB = ["--tensor-model-parallel-size", str(TP), "--sequence-parallel", "--num-layers", str(LAYERS), "--hidden-size",
+       str(H), "--ffn-hidden-size", "14336", "--num-attention-heads", "32", "--group-query-attention",
+       "--num-query-groups", "8", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+       "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+       "--untie-embeddings-and-output-weights", "--micro-batch-size", "1", "--global-batch-size", "32",
+       "--train-iters", str(ITERATIONS), "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+       "--vocab-size", "128256", "--bf16", "--use-distributed-optimizer", "--log-interval", "1", "--eval-iters", "0",
+       "--eval-interval", "1000"]
+
+
+def _run(out: Path, *extra: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "prism_plugin.megatron", str(SCRIPT), *JOB, *extra,
+                           "--prism-world-size", "64", "--prism-real-ranks", "1", "--prism-profile", "dgx-h100",
+                           "--prism-device", "virtual-gpu", "--prism-output", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return json.loads((out / "rank1.summary.json").read_text())
+
+
+def test_tp_comm_overlap_runs_te_userbuffers_as_ring_steps_beside_gemm_chunks(tmp_path: Path) -> None:
+    plain, overlap = _run(tmp_path / "plain"), _run(tmp_path / "overlap", "--tp-comm-overlap")
+    ops, ops_plain = overlap["op_counts"], plain["op_counts"]
+    ring_gemms = 4  # per layer and iteration: QKV and FC1 (all-gather), projection and FC2 (reduce-scatter), forward
+    backward_ag = 2  # projection and FC2 dgrad read all-gathered gradients through userbuffers too
+    steps = ITERATIONS * LAYERS * (ring_gemms + backward_ag) * (TP - 1)
+    assert ops["send"] == ops["recv"] == steps == 24 and "send" not in ops_plain
+    assert ops_plain["all_gather"] - ops["all_gather"] == ITERATIONS * LAYERS * 4
+    assert ops_plain["reduce_scatter"] - ops["reduce_scatter"] == ITERATIONS * LAYERS * 2
+    gemm = {t["op"]: t for t in overlap["virtual_gpu"]["kernels"]["top"]}["prism_te.gemm.default"]
+    gemm_plain = {t["op"]: t for t in plain["virtual_gpu"]["kernels"]["top"]}["prism_te.gemm.default"]
+    assert gemm["flops"] == gemm_plain["flops"] and gemm["count"] > gemm_plain["count"]
+    device = next(d for d in overlap["virtual_gpu"]["devices"] if d["peak_allocated_bytes"])
+    assert device["device_total"]["userbuffer_bytes"] == 12 * SEQ * H * 2
+    plain_device = next(d for d in plain["virtual_gpu"]["devices"] if d["peak_allocated_bytes"])
+    assert "userbuffer_bytes" not in plain_device["device_total"]
