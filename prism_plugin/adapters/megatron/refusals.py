@@ -5,7 +5,8 @@ argv with Megatron's own parser; the native patch checks the parsed namespace). 
 names the feature, why no torch backend can see it, and the flag to change.
 
 Always refused (no torch.distributed backend sees this traffic):
-- ``--tp-comm-overlap``: TransformerEngine userbuffers move TP data over CUDA IPC / NVSHMEM.
+- ``--tp-comm-overlap`` (except on virtual GPUs with TransformerEngine, whose userbuffers are emulated there:
+  `prism_plugin.runtime.virtual_gpu.te.userbuffers`): TE userbuffers move TP data over CUDA IPC / NVSHMEM.
 - ``--moe-token-dispatcher-type flex`` / ``--moe-enable-deepep``: DeepEP / HybridEP / NCCL-EP
   kernels talk over NVSHMEM / their own communicators.
 - ``--use-nccl-ub``: NCCL user-buffer registration (window memory) on NCCL communicators.
@@ -35,11 +36,14 @@ arguments before Megatron builds anything, prints one line each and lists them i
   kernel, so nothing is switched.
 - RoPE fusion (default on) with ``--position-embedding-type rope``: TransformerEngine's fused RoPE
   (``ValueError: apply_rope_fusion is not available``); as ``--no-rope-fusion``.
-Device mode virtual-gpu (`virtual_gpu_refusals`): the GPU is fake tensors, so CUDA extensions cannot
-run there either: TransformerEngine, CUDA graphs and the GPU-only opt-ins above are refused as in CPU
-mode (``--save`` / ``--load`` run: nothing is written and no tensor value read, `checkpoint`; refused are
-the checkpoint kinds that path does not model, `checkpoint_refusals`).
-Of the defaults CPU mode switches off, only RoPE fusion is switched off there (`cpu_switch_offs`);
+Device mode virtual-gpu (`virtual_gpu_refusals`): the GPU is fake tensors. TransformerEngine runs there (its
+own Python layer over fake kernels: `prism_plugin.runtime.virtual_gpu.te`; refused only when TE's Python package
+is not installed, naming the set-up command), and with it ``--moe-grouped-gemm`` (TEGroupedLinear); refused are
+``--attention-backend flash`` with TE (the flash-attn package), CUDA graphs and the other GPU-only opt-ins above
+(``--save`` / ``--load`` run: nothing is written and no tensor value read, `checkpoint`; refused are the
+checkpoint kinds that path does not model, `checkpoint_refusals`).
+Of the defaults CPU mode switches off, only RoPE fusion with the local spec is switched off there
+(`cpu_switch_offs`; with TE, TE's fused RoPE is a fake kernel);
 gradient-accumulation fusion and masked-softmax fusion stay on (apex's ``fused_weight_gradient_mlp_cuda``
 and the softmax extensions are fake kernels there, one kernel each: `fused_kernels`), and so does the
 persistent layer norm (the local spec's torch norm accepts ``persist_layer_norm``: cpu_shim patch 10).

@@ -13,10 +13,12 @@ The device library must load before torch is imported, so the process that runs 
 - under torchrun, each process re-executes itself once (``os.execv``, same pid, so torchrun's agent still
   watches it) with the variable set; nothing of Megatron has run before.
 
-Refused up front in this mode (`refusals.virtual_gpu_refusals`): TransformerEngine (pass ``--transformer-impl
-local``), CUDA graphs, GPU-only opt-in kernels, checkpoint kinds the virtual-GPU checkpoint path does not model
-(``--save`` / ``--load`` themselves run: `checkpoint`). Switched off (as in CPU mode, one line
-each): RoPE fusion. Megatron's other fusion defaults stay on, one kernel each (`fused_kernels`).
+TransformerEngine (Megatron's default ``--transformer-impl``) runs its own layer over fake kernels
+(`prism_plugin.runtime.virtual_gpu.te`, installed by the device library's preload before Megatron is imported).
+Refused up front in this mode (`refusals.virtual_gpu_refusals`): CUDA graphs, GPU-only opt-in kernels TE does not
+provide, checkpoint kinds the virtual-GPU checkpoint path does not model (``--save`` / ``--load`` themselves run:
+`checkpoint`). Switched off (as in CPU mode, one line each): RoPE fusion with the local spec. Megatron's other
+fusion defaults stay on, one kernel each (`fused_kernels`).
 
 Data-dependent reads Megatron's logging options make have stated answers (`log_values`: ``--log-num-zeros-in-grad``
 reads 0); a read with no answer names ``--prism-device real``.
