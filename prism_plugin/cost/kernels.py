@@ -469,6 +469,10 @@ class TableModel:
         best = min(near, key=lambda e: _distance(e.cost, cost))
         return best.duration_s * self.fallback.duration_s(cost) / self.fallback.duration_s(best.cost)
 
+    def has_op(self, op: str, dtype: str) -> bool:
+        """Whether the table holds entries of `op` at `dtype` (a fusion region's kernel: only if recorded fused)."""
+        return (op, dtype) in self._by_op
+
     def hits(self) -> dict[str, int]:
         """Kernels answered by an exact entry, per op."""
         return dict(sorted(self._hits.items()))

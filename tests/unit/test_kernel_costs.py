@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.cost.kernels import KernelClass, RooflineModel, TableModel
+from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel, TableModel
 from prism_plugin.cost.profiles import load_profile
 from prism_plugin.runtime.virtual_gpu.kernels import KernelTimer, kernel_cost
 
@@ -170,6 +170,32 @@ def test_timer_tallies_a_training_step(fake, tmp_path) -> None:
     assert table_summary.model == "table" and table_summary.total_s == pytest.approx(summary.total_s, rel=1e-12)
     assert sum(table_summary.misses.values()) == table_summary.kernels and "aten.addmm.default" in table_summary.misses
     assert any(line.startswith("  table misses") for line in table_summary.lines())
+
+
+def test_a_fusion_region_is_one_tallied_kernel_and_a_table_without_it_sums_its_ops(tmp_path) -> None:
+    roof = RooflineModel(gpu_spec("h100-sxm"), load_profile("dgx-h100").kernels)
+    parts = (KernelCost(op="aten.mm.default", kernel_class=KernelClass.GEMM, flops=2 * 64 * 32 * 16,
+                        bytes=(64 * 16 + 16 * 32 + 64 * 32) * 2, dtype="bfloat16", shape=(64, 32, 16)),
+             KernelCost(op="aten.add_.Tensor", kernel_class=KernelClass.ELEMENTWISE, flops=0,
+                        bytes=3 * 64 * 32 * 4, dtype="float32", shape=(64, 32)))
+    region = KernelCost(op="fused::wgrad", kernel_class=KernelClass.GEMM, flops=parts[0].flops,
+                        bytes=(64 * 16 + 16 * 32) * 2 + 2 * 64 * 32 * 4, dtype="bfloat16", shape=(64, 32, 16))
+    timer = KernelTimer(roof)
+    assert timer.region_duration_s(region, parts) == roof.duration_s(region)  # the roofline times the one kernel
+    summary = timer.summary()
+    assert [(t.op, t.count, t.flops, t.bytes) for t in summary.fused] == [("fused::wgrad", 1, region.flops,
+                                                                          region.bytes)]
+    assert summary.kernels == 1 and summary.as_dict()["fused"][0]["class"] == "gemm"
+    # a table recorded where the region ran op by op has rows of its ops, none of the fused kernel: their sum
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": "prism-kernel-table", "version": 1, "entries": [
+        {"op": p.op, "kernel_class": p.kernel_class.value, "shape": list(p.shape), "dtype": p.dtype, "device": "cpu",
+         "flops": p.flops, "bytes": p.bytes, "duration_us": us} for p, us in zip(parts, (3.0, 5.0), strict=True)]}))
+    table = TableModel.from_json(path, roof)
+    table_timer = KernelTimer(table)
+    assert table_timer.region_duration_s(region, parts) == pytest.approx(8e-6, rel=1e-12)
+    assert table.hits() == {"aten.add_.Tensor": 1, "aten.mm.default": 1} and table.misses() == {}
+    assert [(t.op, t.count) for t in table_timer.summary().fused] == [("fused::wgrad", 1)]
 
 
 def test_doctests() -> None:

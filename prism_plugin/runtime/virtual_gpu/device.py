@@ -349,10 +349,10 @@ class VirtualGpu:
         """The fusion regions of these GPUs (`fusion`): one kernel each, intermediates never allocated."""
 
     def start_time(self, kernel_time: KernelTime, launch_overhead_s: float, *, program_time: bool = False,
-                   region_time: Callable[[KernelCost], float] | None = None) -> VirtualTime:
+                   region_time: Callable[[KernelCost, tuple[KernelCost, ...]], float] | None = None) -> VirtualTime:
         """Give these GPUs virtual time: `kernel_time(func, args, kwargs, out)` is an op's modelled seconds (None:
-        not a kernel, e.g. a view), each launch costs the host `launch_overhead_s`; `region_time(cost)` a fusion
-        region's one kernel (None: the sum of its ops' `kernel_time`).
+        not a kernel, e.g. a view), each launch costs the host `launch_overhead_s`; `region_time(cost, parts)` a fusion
+        region's one kernel from its cost and its ops' (None: the sum of its ops' `kernel_time`).
 
         `program_time`: ``time.time``, ``time.perf_counter`` and ``time.monotonic`` (and their ``_ns`` forms)
         return the emulated host time from then on (``time.time`` from the wall time at this call), so the
@@ -405,7 +405,7 @@ class VirtualGpu:
         if self.clock is None or end.device is None or (end.cost is None and not end.ops_s):
             return
         if end.cost is not None and self.fusion.region_time is not None:
-            duration = self.fusion.region_time(end.cost)
+            duration = self.fusion.region_time(end.cost, end.parts)
         else:
             duration = end.ops_s
         self.clock.kernel(self.shim.current_stream(end.device).key, duration, end.name)

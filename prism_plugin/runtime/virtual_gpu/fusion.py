@@ -22,7 +22,9 @@ While a region runs in the thread that opened it, on this process's virtual GPU 
 - regions opened inside a region (nested ``@jit_fuser`` calls) fold into the outermost one.
 
 Without a region cost model (`FusionRegions.region_time` None: a virtual GPU whose kernel model is a plain
-function) the region's kernel lasts the sum of its ops' modelled durations.
+function) the region's kernel lasts the sum of its ops' modelled durations; a ``table`` kernel model without
+entries of the fused kernel (a table recorded where the region ran op by op, as on a CPU) sums its ops' entries
+(`kernels.KernelTimer.region_duration_s`).
 
 Limitations: under autograd the region's ops are recorded as eager ops: the tensors autograd saves are eager
 autograd's (a compiler's partitioner may save fewer and recompute), and the backward runs as those ops' kernels
@@ -75,6 +77,8 @@ class RegionEnd:
     """The region's one kernel (None: no op of it launches a kernel)."""
     ops_s: float
     """The sum of its ops' modelled durations (the fallback without a region cost model)."""
+    parts: tuple[KernelCost, ...] = ()
+    """Its ops' kernel costs, in order (what a kernel table recorded unfused holds)."""
 
 
 @dataclass(slots=True)
@@ -95,6 +99,7 @@ class _Region:
     class_bytes: dict[KernelClass, int] = field(default_factory=dict)
     lead: KernelCost | None = None
     ops_s: float = 0.0
+    parts: list[KernelCost] = field(default_factory=list)
 
 
 def _view_bytes(t: torch.Tensor) -> int:
@@ -116,8 +121,9 @@ class FusionRegions:
 
     def __init__(self, on_end: Callable[[RegionEnd], None]) -> None:
         self.on_end = on_end
-        self.region_time: Callable[[KernelCost], float] | None = None
-        """A region's modelled seconds from its cost (the kernel timer's `region_duration_s`; it tallies it)."""
+        self.region_time: Callable[[KernelCost, tuple[KernelCost, ...]], float] | None = None
+        """A region's modelled seconds from its cost and its ops' (the kernel timer's `region_duration_s`, which
+        tallies it)."""
         self.regions = 0
         """Outermost regions ended so far."""
         self._region: _Region | None = None
@@ -148,7 +154,8 @@ class FusionRegions:
         self.regions += 1
         self.on_end(RegionEnd(name=_PREFIX + region.name, device=region.device,
                               survivors=tuple((k, n, d) for k, (n, d) in region.pending.items()),
-                              released=tuple(region.released), cost=_region_cost(region), ops_s=region.ops_s))
+                              released=tuple(region.released), cost=_region_cost(region), ops_s=region.ops_s,
+                              parts=tuple(region.parts)))
 
     @contextmanager
     def region(self, name: str, kernel_class: KernelClass | None = None) -> Iterator[None]:
@@ -200,6 +207,7 @@ class FusionRegions:
             return
         if region.device is None:
             region.device = device
+        region.parts.append(cost)
         region.flops += cost.flops
         kind = KernelClass.ELEMENTWISE if cost.kernel_class is KernelClass.MEMCPY else cost.kernel_class
         region.class_flops[kind] = region.class_flops.get(kind, 0) + cost.flops

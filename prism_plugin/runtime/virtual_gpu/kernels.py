@@ -502,11 +502,23 @@ class KernelTimer:
         cost = kernel_cost(func, args, kwargs, out, device_types=self.device_types)
         if cost is None:
             return None
-        return self.region_duration_s(cost)
-
-    def region_duration_s(self, cost: KernelCost) -> float:
-        """The modelled seconds of one kernel of `cost` (an op's, or a fusion region's), tallied under its op."""
         seconds = self.model.duration_s(cost)
+        self._tally(cost, seconds)
+        return seconds
+
+    def region_duration_s(self, cost: KernelCost, parts: tuple[KernelCost, ...] = ()) -> float:
+        """The modelled seconds of a fusion region's one kernel `cost`, tallied under its op (``fused::<name>``).
+        A ``table`` model without entries of that kernel (recorded where the region ran unfused, e.g. on a CPU)
+        times it as the sum of its ops' costs `parts`, each looked up (and counted) as an op's would be."""
+        table = self.model if isinstance(self.model, TableModel) else None
+        if parts and table is not None and not table.has_op(cost.op, cost.dtype):
+            seconds = sum(table.duration_s(part) for part in parts)
+        else:
+            seconds = self.model.duration_s(cost)
+        self._tally(cost, seconds)
+        return seconds
+
+    def _tally(self, cost: KernelCost, seconds: float) -> None:
         tally = self._tallies.get(cost.op)
         if tally is None:
             tally = self._tallies[cost.op] = OpTally(cost.op, cost.kernel_class)
@@ -514,7 +526,6 @@ class KernelTimer:
         tally.total_s += seconds
         tally.flops += cost.flops
         tally.bytes += cost.bytes
-        return seconds
 
     def summary(self, top: int = 15) -> KernelSummary:
         tallies = sorted(self._tallies.values(), key=lambda t: (-t.total_s, t.op))
