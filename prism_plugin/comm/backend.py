@@ -46,9 +46,13 @@ def _no_grad(fn: Any) -> Any:
         prev = is_enabled()
         set_grad(False)
         try:
-            return fn(*args, **kwargs)
+            work = fn(*args, **kwargs)
         finally:
             set_grad(prev)
+        coalescing = args[0]._coalescing  # the group: ops inside an NCCL-style coalescing block are remembered
+        if coalescing is not None:
+            coalescing.append(work)
+        return work
 
     run.__name__, run.__doc__, run.__wrapped__ = fn.__name__, fn.__doc__, fn  # type: ignore[attr-defined]
     return run
@@ -108,6 +112,8 @@ class PrismProcessGroup(dist.ProcessGroup):
         self.backend_name = BACKEND_NAME
         """The emulated backend's name until torch has recorded this group's own (`getBackendName`)."""
         self._recorded: str | None = None
+        self._coalescing: list[TimedWork] | None = None
+        """The works issued since `_start_coalescing`, or None outside a coalescing block."""
 
     # -- identity (a Python PG has no C++ backend that would hold these) -----------------------
     def getBackendName(self) -> str:
@@ -279,9 +285,13 @@ class PrismProcessGroup(dist.ProcessGroup):
         )
 
     def _start_coalescing(self, device: Any) -> None:
-        raise NotImplementedError(
-            "prism: NCCL-style coalescing (_coalescing_manager with a device) is not emulated; "
-            "call _coalescing_manager without device= (the fast-path coalesced ops are supported)"
-        )
+        """NCCL-style coalescing (``_coalescing_manager(group, device)``): the ops inside run as they are issued
+        (one after another on this group, as NCCL's grouped calls complete together at the last one's end)."""
+        if self._coalescing is not None:
+            raise RuntimeError("prism: coalescing blocks on one group do not nest (NCCL refuses them too)")
+        self._coalescing = []
 
-    _end_coalescing = _start_coalescing
+    def _end_coalescing(self, device: Any) -> TimedWork | None:
+        """The block's work: the last op issued in it (ops on a group complete in issue order), None if empty."""
+        works, self._coalescing = self._coalescing or [], None
+        return works[-1] if works else None

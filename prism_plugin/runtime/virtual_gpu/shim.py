@@ -167,6 +167,10 @@ class _Properties:
                 "virtual=True)")
 
 
+CUDA_VERSION = "12.9"
+"""What ``torch.version.cuda`` answers on virtual GPUs (a policy answer: the CUDA 12.9 toolkit)."""
+
+
 class CudaShim:
     """``torch.cuda`` of `num_devices` virtual GPUs of model `gpu`; `allocators[i]` models device i's memory."""
 
@@ -337,6 +341,9 @@ class CudaShim:
         # pinned host memory is a host property (page-locked for faster copies): the tensor itself, unpinned; a
         # DataLoader with pin_memory=True (Megatron's) then runs as on a GPU host
         p.setattr(torch.Tensor, "pin_memory", lambda t, device=None: t)
+        # the CUDA runtime a GPU host's torch reports (the CPU wheel says None; TE checks it for FP8 block scaling):
+        # CUDA 12.9, the toolkit whose cuBLASLt and cuDNN the TE fakes report (a policy answer)
+        p.setattr(torch.version, "cuda", CUDA_VERSION)
         # NCCL is there, as on a GPU host: the prism backend serves a program's "nccl" groups (and TE's userbuffers
         # bootstrap asks before it creates one); the CPU wheel has no NCCL of its own to answer
         import torch.distributed as dist

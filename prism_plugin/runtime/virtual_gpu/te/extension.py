@@ -162,7 +162,8 @@ def generic_gemm(A: Any, transa: bool, B: Any, transb: bool, D: Any, quantizer: 
     read_bias = bias if bias is not None and not grad else None
 
     def run_gemm(a_part: torch.Tensor, b_part: torch.Tensor, out_part: torch.Tensor) -> None:
-        part_shape = gemm_output_shape(a_shape, transa, tuple(b_part.shape), transb)
+        # a userbuffers chunk is a row block of a B read as stored (its buffer's shape is its logical shape)
+        part_shape = shape if b_part is b else gemm_output_shape(a_shape, transa, tuple(b_part.shape), transb)
         rows = math.prod(part_shape[:-1])
         if accumulate:
             ops.gemm(True)(a_part, b_part, rows, n, k, read_bias, out_part, epilogue=epilogue)
@@ -518,7 +519,8 @@ def build_module(module: Any) -> None:
         "DType": DType, "FP8TensorMeta": FP8TensorMeta, **_MODULE_ENUMS,
         "generic_gemm": generic_gemm, "te_general_grouped_gemm": te_general_grouped_gemm,
         "quantize": quantize.quantize, "dequantize": quantize.dequantize,
-        "fp8_transpose": quantize.fp8_transpose, "bgrad_quantize": bgrad_quantize, "split_quantize": split_quantize,
+        "fp8_transpose": quantize.fp8_transpose,
+        "swap_first_dims": quantize.swap_first_dims, "bgrad_quantize": bgrad_quantize, "split_quantize": split_quantize,
         "layernorm_fwd": layernorm_fwd, "rmsnorm_fwd": rmsnorm_fwd,
         "layernorm_bwd": layernorm_bwd, "rmsnorm_bwd": rmsnorm_bwd, "rmsnorm_bwd_add": rmsnorm_bwd_add,
         "get_fused_attn_backend": get_fused_attn_backend, "fused_attn_fwd": fused_attn_fwd,

@@ -175,5 +175,16 @@ def fp8_transpose(input: torch.Tensor, dtype: Any, out: torch.Tensor | None = No
     return out
 
 
+def swap_first_dims(tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``transformer_engine_torch.swap_first_dims``: `tensor` with its first two dimensions swapped (block-scaled
+    data gathered column-wise)."""
+    if out is None:
+        shape = list(tensor.shape)
+        shape[0], shape[1] = shape[1], shape[0]
+        out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    ops.pointwise("swap_first_dims")([tensor], outputs=[out])
+    return out
+
+
 def rows(shape: Sequence[int]) -> int:
     return math.prod(int(d) for d in shape[:-1]) if len(shape) else 1
