@@ -64,6 +64,11 @@ def _kernels(summary: dict[str, Any]) -> dict[str, int]:
     return {t["op"]: t["count"] for t in summary["virtual_gpu"]["kernels"]["top"]}
 
 
+def _fused(summary: dict[str, Any]) -> dict[str, int]:
+    """Kernels per fusion region (``fused::<name>``)."""
+    return {t["op"]: t["count"] for t in summary["virtual_gpu"]["kernels"]["fused"]}
+
+
 def _step_times(summary: dict[str, Any]) -> list[float]:
     return summary["virtual_gpu"]["virtual_time"]["step_times_s"]
 
@@ -89,14 +94,18 @@ def test_recompute_lowers_the_peak_none_over_selective_over_full(recompute_none:
     peak = {name: _device(s)["peak_allocated_bytes"]
             for name, s in (("none", recompute_none), ("selective", recompute_selective), ("full", recompute_full))}
     assert peak["none"] > peak["selective"] > peak["full"], peak
-    assert peak == {"none": 3_708_263_424, "selective": 3_036_115_968, "full": 2_649_943_552}
-    # selective drops, per layer, the [b, np, s, s] core-attention tensors kept for backward (softmax output 128 MiB,
-    # dropout mask 64 MiB, dropped-out probabilities 128 MiB with np = 32 / TP8 = 4 heads): at least 2 x 320 MiB
-    # (measured: 672,147,456 B; the rest, 1 MiB + 10 KiB, is not itemised)
+    assert peak == {"none": 3_795_285_504, "selective": 3_121_061_376, "full": 2_835_552_256}
+    # selective drops, per layer, the [b, np, s, s] core-attention tensors kept for backward (the fused softmax's
+    # bf16 output 128 MiB, dropout mask 64 MiB, dropped-out probabilities 128 MiB with np = 32 / TP8 = 4 heads): at
+    # least 2 x 320 MiB (measured: 674,224,128 B; the rest, 3,135,488 B, is not itemised)
     assert peak["none"] - peak["selective"] >= 2 * 320 * 2**20
-    # after training all three hold the same model and optimizer states
+    # after training all three hold the same model and optimizer states, and the weight-gradient stand-ins Megatron
+    # takes from TransformerEngine's get_dummy_wgrad with gradient-accumulation fusion (one bf16 buffer per weight
+    # shape, kept: QKV 768 x 4096, projection 4096 x 512, fc1 3584 x 4096, fc2 4096 x 1792, output 16128 x 4096)
+    dummy_wgrads = 2 * (768 * 4096 + 4096 * 512 + 3584 * 4096 + 4096 * 1792 + 16128 * 4096)
+    assert dummy_wgrads == 186_646_528
     assert {_device(s)["allocated_bytes"] for s in (recompute_none, recompute_selective, recompute_full)} == {
-        1_536_318_464}
+        1_722_965_504}  # 1,536,318,464 B of states + the stand-ins + 512 B
     assert all(_device(s)["fits"] for s in (recompute_none, recompute_selective, recompute_full))
 
 
@@ -104,24 +113,30 @@ def test_full_recompute_reruns_the_forward_and_selective_the_core_attention(reco
                                                                            recompute_selective: dict[str, Any],
                                                                            recompute_full: dict[str, Any]) -> None:
     none, selective, full = (_kernels(s) for s in (recompute_none, recompute_selective, recompute_full))
+    # the weight gradients are fused GEMMs accumulated into main_grad (gradient-accumulation fusion): 4 linears x 2
+    # layers + the output layer = 9 per iteration; the other GEMMs are mm's
+    assert {_fused(s)["fused::wgrad_gemm_accum_fp32"] for s in (recompute_none, recompute_selective,
+                                                              recompute_full)} == {9 * 2}
     # full: each layer's forward runs again in backward: 4 GEMMs (QKV, attention output, fc1, fc2) x 2 layers x 2
     # iterations more; the output layer is not recomputed
-    assert none["aten.mm.default"] == 54 and full["aten.mm.default"] == 54 + 4 * 2 * 2
-    # selective: only the core attention (the scores' baddbmm and softmax: 2 layers x 2 iterations, as the local
-    # spec runs them in test_attention_standin.py) runs again; the GEMMs of the linear layers do not
-    assert selective["aten.mm.default"] == 54
-    assert selective["aten.baddbmm.default"] == selective["aten._softmax.default"] == 2 * 2 * 2
-    assert full["aten.baddbmm.default"] == full["aten._softmax.default"] == 2 * 2 * 2
+    assert none["aten.mm.default"] == 36 and full["aten.mm.default"] == 36 + 4 * 2 * 2
+    # selective: only the core attention (the scores' baddbmm and the fused masked softmax: 2 layers x 2 iterations,
+    # as the local spec runs them in test_attention_standin.py) runs again; the GEMMs of the linear layers do not
+    softmax = "fused::scaled_upper_triang_masked_softmax_cuda.forward"
+    assert selective["aten.mm.default"] == 36
+    assert _fused(recompute_none)[softmax] == 2 * 2
+    assert selective["aten.baddbmm.default"] == _fused(recompute_selective)[softmax] == 2 * 2 * 2
+    assert full["aten.baddbmm.default"] == _fused(recompute_full)[softmax] == 2 * 2 * 2
     kernels = {k: s["virtual_gpu"]["virtual_time"]["kernels"]
                for k, s in (("none", recompute_none), ("selective", recompute_selective), ("full", recompute_full))}
-    assert kernels == {"none": 991, "selective": 1027, "full": 1231}
+    assert kernels == {"none": 811, "selective": 843, "full": 1035}
     # the recomputed forward's row-parallel layers all-reduce over TP again: 2 per layer x 2 layers x 2 iterations
     assert recompute_full["op_counts"]["all_reduce"] == recompute_none["op_counts"]["all_reduce"] + 2 * 2 * 2
     assert recompute_selective["op_counts"] == recompute_none["op_counts"]
     # recomputation costs virtual time (modelled, deterministic)
     steps = {k: _step_times(s) for k, s in (("none", recompute_none), ("selective", recompute_selective),
                                            ("full", recompute_full))}
-    assert steps == {"none": [0.044199393], "selective": [0.045200912], "full": [0.047976437]}
+    assert steps == {"none": [0.041141386], "selective": [0.04194258], "full": [0.044579645]}
 
 
 def _dp_collectives(trace_dir: Path) -> list[list[tuple[str, int]]]:
@@ -157,8 +172,8 @@ def test_overlapped_dp_buckets_train_on_the_dp_group_and_shorten_the_step(tmp_pa
     assert overlap["op_counts"]["all_gather"] == plain["op_counts"]["all_gather"] + 3 * 2 == 14
     assert overlap["op_bytes"] == plain["op_bytes"]
     # virtual time (modelled, deterministic): the buckets' communication hides behind backward and forward
-    assert _step_times(plain) == [0.044199393, 0.043994783]
-    assert _step_times(overlap) == [0.036197166, 0.031544335]
+    assert _step_times(plain) == [0.041141386, 0.040989831]
+    assert _step_times(overlap) == [0.033074488, 0.030814679]
     assert all(o <= p for o, p in zip(_step_times(overlap), _step_times(plain), strict=True))
-    assert _device(plain)["peak_allocated_bytes"] == 3_708_263_424
-    assert _device(overlap)["peak_allocated_bytes"] == 3_709_877_248 and _device(overlap)["fits"]
+    assert _device(plain)["peak_allocated_bytes"] == 3_795_285_504
+    assert _device(overlap)["peak_allocated_bytes"] == 3_795_383_808 and _device(overlap)["fits"]
