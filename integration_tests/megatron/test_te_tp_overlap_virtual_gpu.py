@@ -59,3 +59,26 @@ def test_tp_comm_overlap_runs_te_userbuffers_as_ring_steps_beside_gemm_chunks(tm
     assert device["device_total"]["userbuffer_bytes"] == 12 * SEQ * H * 2
     plain_device = next(d for d in plain["virtual_gpu"]["devices"] if d["peak_allocated_bytes"])
     assert "userbuffer_bytes" not in plain_device["device_total"]
+
+
+SMALL = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-layers", "2", "--hidden-size", "1024",
+         "--ffn-hidden-size", "4096", "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups",
+         "4", "--seq-length", "2048", "--max-position-embeddings", "2048", "--position-embedding-type", "rope",
+         "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--micro-batch-size", "1",
+         "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-4", "--mock-data", "--tokenizer-type",
+         "NullTokenizer", "--vocab-size", "32000", "--bf16", "--use-distributed-optimizer", "--log-interval", "1",
+         "--eval-iters", "0", "--eval-interval", "1000", "--fp8-format", "hybrid"]
+
+
+def test_a_te_fp8_job_runs_in_hybrid_mode_against_its_graph(tmp_path: Path) -> None:
+    """``prism emulate --hybrid``: rank 1 runs as a real process against the graph built from rank 0's profiling
+    run; TE's kernels replay in step with the graph (the same step to the microsecond)."""
+    proc = subprocess.run([sys.executable, "-m", "prism_plugin.cli.main", "emulate", "--world-size", "8", "--profile",
+                           "dgx-h100", "--warmup", "0", "--hybrid", "1", "--out", str(tmp_path / "emulate"), "--json",
+                           "--", str(SCRIPT), *SMALL], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    (hybrid,) = report["hybrid"]
+    assert hybrid["rank"] == 1 and hybrid["graph"]["ops_not_in_graph"] == 0
+    assert hybrid["step_ms"] == hybrid["replay_step_ms"] and round(hybrid["step_ms"], 3) == report["step_ms"]
