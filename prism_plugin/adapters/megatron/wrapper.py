@@ -216,6 +216,18 @@ def _check_job(config: EmulationConfig, script_args: list[str], cpu_mode: bool) 
     return ns
 
 
+def _with_absent_data_replaced(script_argv: list[str]) -> list[str]:
+    """The script's arguments with data and tokenizer files absent on this host replaced by Megatron's mock data and
+    a null tokenizer of the job's vocabulary (`absent_data`); one line says so (from the first process)."""
+    from prism_plugin.adapters.megatron.absent_data import substitute
+    from prism_plugin.adapters.megatron.refusals import parse_megatron_argv
+
+    replaced = substitute(script_argv[1:], parse_megatron_argv(script_argv[1:]))
+    if replaced.note is not None and os.environ.get("RANK", "0") == "0":
+        print(replaced.note, file=sys.stderr, flush=True)
+    return [script_argv[0], *replaced.argv]
+
+
 def _check_layout(config: EmulationConfig, ns: Any) -> None:
     """N must fit the job's tp/pp/cp/ep layout; an execution graph must load and match N."""
     from prism_plugin.topology import MegatronLayout
@@ -356,6 +368,7 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
         from prism_plugin.adapters.megatron.fused_kernels import install_for_process
 
         install_for_process()
+    script_argv = _with_absent_data_replaced(script_argv)
     _check_job(config, script_argv[1:], cpu_mode)
     process_index = int(os.environ.get("RANK", "0"))
     k = int(os.environ.get("WORLD_SIZE", "1"))
