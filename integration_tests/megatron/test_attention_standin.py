@@ -72,9 +72,10 @@ def _device(summary: dict[str, Any]) -> dict[str, Any]:
 def test_local_spec_attention_is_the_programs_own(local: dict[str, Any]) -> None:
     assert "attention" not in local["megatron"]
     ops = _ops(local)  # 2 layers x 2 iterations: the scores' baddbmm and softmax, forward and backward
+    # (torch's softmax: Megatron's fused masked-softmax kernel takes at most 4096 keys, and seq is 8192)
     assert ops["aten.baddbmm.default"] == 4 and ops["aten._softmax.default"] == 4
     assert ops["aten._softmax_backward_data.default"] == 4
-    assert local["virtual_gpu"]["virtual_time"]["step_times_s"] == [0.131705401]
+    assert local["virtual_gpu"]["virtual_time"]["step_times_s"] == [0.121996079]
 
 
 def test_flash_standin_replaces_each_layers_attention_with_one_fused_kernel(flash: dict[str, Any]) -> None:
@@ -88,7 +89,7 @@ def test_flash_standin_replaces_each_layers_attention_with_one_fused_kernel(flas
     assert ops["aten._scaled_dot_product_flash_attention_backward.default"] == 4
     assert not {"aten.baddbmm.default", "aten._softmax.default", "aten.bmm.default"} & set(ops)
     assert flash["virtual_gpu"]["kernels"]["by_class_s"]["attention"] == 0.0077799888
-    assert flash["virtual_gpu"]["virtual_time"]["step_times_s"] == [0.091901511]
+    assert flash["virtual_gpu"]["virtual_time"]["step_times_s"] == [0.082192189]
 
 
 def test_the_standins_saving_is_the_unfused_attentions_time(local: dict[str, Any], flash: dict[str, Any]) -> None:
@@ -110,7 +111,7 @@ def test_flash_standin_holds_no_s_by_s_tensor(local: dict[str, Any], flash: dict
     s_by_s = 2 * (scores + scores // 2 + scores) + scores
     assert s_by_s == 12 * GiB
     assert _device(local)["peak_allocated_bytes"] - _device(flash)["peak_allocated_bytes"] == s_by_s + 15 * MiB - 2048
-    assert _device(flash)["peak_allocated_bytes"] == 12_802_937_856
+    assert _device(flash)["peak_allocated_bytes"] == 13_345_052_160
 
 
 def test_context_parallel_2_all_gathers_kv_and_reduce_scatters_their_grads(tmp_path: Path) -> None:
@@ -134,9 +135,9 @@ def test_context_parallel_2_all_gathers_kv_and_reduce_scatters_their_grads(tmp_p
     assert kv_bytes == 8 * MiB
     # per micro-batch and layer: K, V gathered in forward and again in backward; dK, dV reduce-scattered
     assert on_cp == {("all_gather", kv_bytes): 2 * 2 * 4, ("reduce_scatter", kv_bytes): 2 * 2 * 2}
-    assert summary["virtual_gpu"]["virtual_time"]["step_times_s"] == [0.096961397]
+    assert summary["virtual_gpu"]["virtual_time"]["step_times_s"] == [0.085548674]
     device = _device(summary)
-    assert device["peak_allocated_bytes"] == 9_783_194_624 and device["fits"]
+    assert device["peak_allocated_bytes"] == 10_425_972_224 and device["fits"]
 
 
 def test_context_parallel_without_the_standin_is_refused_naming_the_flag(tmp_path: Path) -> None:
@@ -166,5 +167,5 @@ def test_prism_emulate_predicts_the_cp_job_with_the_standin_from_the_environment
     assert report["layout"] == "tp=2,pp=1,cp=2,ep=1,dp=2" and report["classes_of_ranks"] == 1
     (rank_class,) = report["classes"]
     assert rank_class["ranks_like_it"] == 8 and rank_class["fits"]
-    assert rank_class["peak_allocated_bytes"] == 9_783_194_624  # as rank 1 through the drop-in: same work, CP rank 0
-    assert report["step_ms"] == 95.479 and rank_class["exposed_comm_ms"] == 11.319
+    assert rank_class["peak_allocated_bytes"] == 10_425_972_224  # as rank 1 through the drop-in: same work, CP rank 0
+    assert report["step_ms"] == 84.576 and rank_class["exposed_comm_ms"] == 11.319
