@@ -19,7 +19,11 @@ What each figure is (also written at the top of every row file):
   ``torch.cuda.memory_stats()["allocated_bytes.all.peak"]`` there on the last rank (the only rank with a
   TensorBoard writer); the peak is never reset, so the value at step k is the peak over iterations 1..k.
   ``peak_allocated_bytes_by_step`` keeps the logged steps up to that one and ``peak_allocated_bytes_last`` the
-  value at the last logged step (a checkpoint save or resume can add to it later in the run).
+  value at the last logged step (a checkpoint save or resume can add to it later in the run). With ``--fp16``
+  the step is instead the first one whose value rises past step 2's (step 17 or 18 in these cases): dynamic loss
+  scaling starts at 2^32 and skips the optimizer step while the gradients overflow, so the optimizer state is
+  allocated only at the first step it applies, while prism's value policy finds no overflow and steps at
+  iteration 1.
 - ``measured.iteration_time_s``: the statistic Megatron's own check compares (``python_test_utils/common.py``,
   ``pipeline``): the median of ``iteration-time`` over the steady window, steps 5..20 when the golden values
   end at step 25 or earlier, else steps 30..45. ``iteration-time`` is the elapsed time of the logging
@@ -104,19 +108,24 @@ def _recipe(repo: Path, branch: str, model: str) -> tuple[int, set[str]]:
 
 
 def convert_args(model_args: dict[str, str], *, train_iters: int = TRAIN_ITERS,
-                 default_vocab_size: int = DEFAULT_VOCAB_SIZE) -> tuple[dict[str, str | bool], list[str]]:
+                 default_vocab_size: int = DEFAULT_VOCAB_SIZE) -> tuple[dict[str, str | bool | list[str]], list[str]]:
     """The case's MODEL_ARGS (every value a string, as `yaml.BaseLoader` reads them) as drop-in arguments.
 
-    Returns the arguments (flag -> value, ``True`` for a switch, as the CI's ``_run_training.sh`` passes a
-    ``true`` value) and the list of changes, one line each.
+    Returns the arguments (flag -> value, as the CI's ``_run_training.sh`` passes them: ``True`` for a switch
+    (a ``true`` value), a list of words for a value in brackets) and the list of changes, one line each.
     """
-    args: dict[str, str | bool] = {}
+    args: dict[str, str | bool | list[str]] = {}
     replaced: list[str] = []
     for flag, value in model_args.items():
         if flag in _REMOVED:
             replaced.append(f"{flag} {value}: removed ({_REMOVED[flag]})")
             continue
-        args[flag] = True if value == "true" else value
+        if value == "true":
+            args[flag] = True
+        elif value.startswith("[") and value.endswith("]"):  # the CI strips the brackets and passes the words
+            args[flag] = value[1:-1].split()
+        else:
+            args[flag] = value
     vocab = model_args.get("--vocab-size", str(default_vocab_size))
     if "--vocab-size" not in model_args:
         replaced.append(f"--vocab-size {vocab}: added (NullTokenizer of the cases' GPT-2 BPE vocabulary)")
@@ -136,10 +145,14 @@ def _numeric(values: dict[str, Any]) -> dict[int, float]:
     return {int(k): float(v) for k, v in values.items() if not isinstance(v, str)}
 
 
-def measured_figures(golden: dict[str, Any], *, train_iters: int = TRAIN_ITERS) -> dict[str, Any]:
+def measured_figures(golden: dict[str, Any], *, train_iters: int = TRAIN_ITERS,
+                     fp16: bool = False) -> dict[str, Any]:
     """The two figures of one golden-values file (see the module docstring for the statistics)."""
     mem = _numeric(golden["mem-max-allocated-bytes"]["values"])
     step = min(s for s in mem if s >= train_iters)
+    if fp16:  # the first step whose peak rises past step 2's: the first optimizer step dynamic loss scaling applies
+        risen = [s for s in sorted(mem) if s > 2 and mem[s] > mem.get(2, mem[min(mem)])]
+        step = risen[0] if risen else step
     times = _numeric(golden["iteration-time"]["values"])
     last = max(int(k) for k in golden["iteration-time"]["values"])
     window = range(5, 21) if last <= 25 else range(30, 46)
@@ -156,10 +169,11 @@ def measured_figures(golden: dict[str, Any], *, train_iters: int = TRAIN_ITERS) 
     }
 
 
+_FP16_NOTE = " (fp16: the first applied optimizer step)"
 _HEADER = """\
 # Megatron-LM functional test {case} on DGX H100: a validation row (role validate: nothing is fitted on it).
 # Written by `python -m validation.megatron_functional.collect` from {repo} branch {branch} ({commit}).
-# measured.peak_allocated_bytes: the golden values' mem-max-allocated-bytes at step {step}, logged by the last rank
+# measured.peak_allocated_bytes: the golden values' mem-max-allocated-bytes at step {step}{why}, logged by the last rank
 #   (torch.cuda.memory_stats()["allocated_bytes.all.peak"], a running peak: the value at step k covers steps 1..k).
 # measured.iteration_time_s: {statistic}, as Megatron's check compares it.
 # args: the case's MODEL_ARGS with the changes in `replaced`; env: its ENV_VARS; world_size: its H100 recipe's
@@ -188,7 +202,7 @@ def _row(repo: Path, branch: str, commit: str, model: str, case: str, world_size
         "world_size": world_size,
         "rank": world_size - 1,
         "train_iters": TRAIN_ITERS,
-        "measured": measured_figures(golden),
+        "measured": measured_figures(golden, fp16=config["MODEL_ARGS"].get("--fp16") == "true"),
         "env": dict(config.get("ENV_VARS") or {}),
         "args": args,
         "replaced": replaced,
@@ -210,6 +224,7 @@ def collect(repo: Path, branch: str = DEFAULT_BRANCH, out_dir: Path = CASES_DIR)
                 continue
             header = _HEADER.format(case=case, repo=SOURCE_REPO, branch=branch, commit=commit,
                                     step=row["measured"]["peak_allocated_bytes_step"],
+                                    why=_FP16_NOTE if row["args"].get("--fp16") else "",
                                     statistic=row["measured"]["iteration_time_statistic"])
             body = yaml.safe_dump(row, sort_keys=False, width=120, default_flow_style=False)
             (out_dir / f"{case}.yaml").write_text(header + body)

@@ -1,0 +1,342 @@
+"""Run Megatron-LM's H100 functional-test cases on a virtual H100 and compare with NVIDIA's golden values.
+
+    python -m validation.megatron_functional.run [--cases NAME|GLOB ...] [--out DIR] [--timeout S]
+        [--table-only] [--write-results recipes/RESULTS.md] [--prism-root CHECKOUT]
+
+Each case (``cases/<case>.yaml``, written by `collect`) runs its own arguments through the Megatron drop-in
+(``python -m prism_plugin.megatron prism_plugin/programs/pretrain_gpt.py <args> --prism-world-size W
+--prism-real-ranks W-1 --prism-profile dgx-h100 --prism-device virtual-gpu``), one real process playing the
+last rank (the rank that logged the golden figures), with the case's ``ENV_VARS`` and ``--train-iters 3``
+(`collect.TRAIN_ITERS`: iteration 1 allocates the optimizer state; the later ones are steady). The drop-in is
+the one of ``--prism-root`` (default: this repository; an exported tree of a commit keeps a long run away from
+edits in progress).
+
+Predicted figures, both modelled, read from ``<out>/<case>/rank<R>.summary.json``:
+
+- peak allocated bytes: ``virtual_gpu.devices[*].peak_allocated_bytes`` of the device the rank uses (the
+  running peak over the 3 iterations, as the golden value at step 3 is over its first 3), and that figure plus
+  torch's cuBLAS workspaces (`CaseResult.predicted_cublas_workspace_bytes`);
+- iteration time: the last entry of ``virtual_gpu.virtual_time.step_times_s`` (the emulated time between the
+  last two iteration marks; emulated time is deterministic, so one steady iteration is the figure; the golden
+  value is a median over steady steps).
+
+A case that does not run records why: the first error line of its log (a refused feature, a TransformerEngine
+kernel the fake extension lacks, ...). Results accumulate in ``<out>/<case>.result.json``; the table (markdown,
+then one line of JSON) is built from every result in ``<out>`` (measured figures read again from the rows) and
+printed on stdout, and written to ``<out>/table.md`` and ``<out>/results.json``; ``--write-results`` also
+replaces its section of the results document. Nothing here is fitted on the golden values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from validation.megatron_functional.collect import CASES_DIR
+
+__all__ = ["CaseResult", "CaseStatus", "load_cases", "command", "run_case", "table_markdown", "main"]
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAM = "prism_plugin/programs/pretrain_gpt.py"
+PROFILE = "dgx-h100"
+DEFAULT_OUT = Path("/tmp/prism_megatron_functional")
+_ERROR_LINE = re.compile(r"^(prism: (invalid input|prism cannot emulate).*|[\w.]*(Error|Exception|Refusal)\b.*)$")
+
+
+class CaseStatus(StrEnum):
+    OK = "ok"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CaseResult:
+    """One case: the golden figures (measured by NVIDIA) and prism's (modelled), or why it did not run."""
+
+    case: str
+    status: CaseStatus
+    """`CaseStatus.FAILED` comes with `reason`."""
+    measured_peak_allocated_bytes: int
+    measured_iteration_time_s: float
+    predicted_peak_allocated_bytes: int | None = None
+    """The allocator model's ``allocated_bytes.all.peak``: the program's tensors (TransformerEngine's own cuBLAS
+    workspace included: TE allocates it as a tensor)."""
+    predicted_cublas_workspace_bytes: int | None = None
+    """torch's cuBLAS workspaces as prism models them (``device_total.cublas_workspace_bytes``: one per handle and
+    stream, forward and autograd threads). prism counts them in the device total only; on a GPU torch allocates
+    them through the caching allocator (``getNewWorkspace`` in CublasHandlePool.cpp), so they are in the golden
+    ``allocated_bytes.all.peak`` once the output layer's GEMMs have run (iteration 1)."""
+    predicted_iteration_time_s: float | None = None
+    megatron_max_allocated_mb: float | None = None
+    """Megatron's own ``max allocated`` log line of the last iteration (MB), from the allocator model."""
+    reason: str | None = None
+    wall_s: float = 0.0
+
+    @property
+    def memory_error_pct(self) -> float | None:
+        if self.predicted_peak_allocated_bytes is None:
+            return None
+        return 100.0 * (self.predicted_peak_allocated_bytes / self.measured_peak_allocated_bytes - 1.0)
+
+    @property
+    def predicted_with_workspaces_bytes(self) -> int | None:
+        if self.predicted_peak_allocated_bytes is None or self.predicted_cublas_workspace_bytes is None:
+            return None
+        return self.predicted_peak_allocated_bytes + self.predicted_cublas_workspace_bytes
+
+    @property
+    def memory_with_workspaces_error_pct(self) -> float | None:
+        total = self.predicted_with_workspaces_bytes
+        return None if total is None else 100.0 * (total / self.measured_peak_allocated_bytes - 1.0)
+
+    @property
+    def time_error_pct(self) -> float | None:
+        if self.predicted_iteration_time_s is None:
+            return None
+        return 100.0 * (self.predicted_iteration_time_s / self.measured_iteration_time_s - 1.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "memory_error_pct": self.memory_error_pct,
+                "predicted_with_workspaces_bytes": self.predicted_with_workspaces_bytes,
+                "memory_with_workspaces_error_pct": self.memory_with_workspaces_error_pct,
+                "time_error_pct": self.time_error_pct}
+
+
+def load_cases(patterns: list[str] | None = None, cases_dir: Path = CASES_DIR) -> list[dict[str, Any]]:
+    """The rows whose case name matches any of ``patterns`` (exact names or shell globs); all when None."""
+    rows = [yaml.safe_load(p.read_text()) for p in sorted(cases_dir.glob("*.yaml"))]
+    if not patterns:
+        return rows
+    chosen = [r for r in rows if any(fnmatch.fnmatchcase(r["case"], p) for p in patterns)]
+    unknown = [p for p in patterns if not any(fnmatch.fnmatchcase(r["case"], p) for r in rows)]
+    if unknown:
+        raise ValueError(f"no case matches {unknown}; the cases are the file names in {cases_dir}")
+    return chosen
+
+
+def command(row: dict[str, Any], out_dir: Path) -> list[str]:
+    """The drop-in command line of one row, run as its last rank."""
+    argv = [sys.executable, "-m", "prism_plugin.megatron", PROGRAM]
+    for flag, value in row["args"].items():
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv + ["--prism-world-size", str(row["world_size"]), "--prism-real-ranks", str(row["rank"]),
+                   "--prism-profile", PROFILE, "--prism-device", "virtual-gpu", "--prism-output", str(out_dir)]
+
+
+def first_error_line(log: str) -> str:
+    """The first line of ``log`` that names an error (the root exception of a traceback, prism's refusal with
+    its listed flags joined), else the last non-empty line."""
+    lines = [ln.rstrip() for ln in log.splitlines() if ln.strip()]
+    for i, line in enumerate(lines):
+        if _ERROR_LINE.match(line.strip()):
+            items = []
+            for follow in lines[i + 1:]:
+                if not follow.startswith("  - "):
+                    break
+                items.append(follow[4:].strip())
+            return "; ".join([line.strip(), *items])[:600]
+    return lines[-1].strip()[:600] if lines else "no output"
+
+
+def _megatron_max_allocated_mb(log: str) -> float | None:
+    found = re.findall(r"max allocated: ([0-9.]+)", log)
+    return float(found[-1]) if found else None
+
+
+def run_case(row: dict[str, Any], out: Path, *, timeout_s: float, prism_root: Path = ROOT) -> CaseResult:
+    """Run one row through the drop-in of the prism checkout at ``prism_root``; the result is also written to
+    ``<out>/<case>.result.json``."""
+    case_dir = out / row["case"]
+    case_dir.mkdir(parents=True, exist_ok=True)
+    summary_path = case_dir / f"rank{row['rank']}.summary.json"
+    summary_path.unlink(missing_ok=True)
+    env = {**os.environ, **{k: str(v) for k, v in (row.get("env") or {}).items()},
+           "PYTHONPATH": os.pathsep.join([str(prism_root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    measured = row["measured"]
+    base = {"case": row["case"], "measured_peak_allocated_bytes": int(measured["peak_allocated_bytes"]),
+            "measured_iteration_time_s": float(measured["iteration_time_s"])}
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(command(row, case_dir), cwd=prism_root, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+        log, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        log = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
+        code = None
+    wall = round(time.monotonic() - start, 1)
+    (out / f"{row['case']}.log").write_text(log)
+    if code is None:
+        result = CaseResult(**base, status=CaseStatus.FAILED, reason=f"timed out after {timeout_s:.0f} s", wall_s=wall)
+    elif code != 0 or not summary_path.is_file():
+        result = CaseResult(**base, status=CaseStatus.FAILED, reason=first_error_line(log), wall_s=wall)
+    else:
+        result = _from_summary(base, json.loads(summary_path.read_text()), log, wall)
+    (out / f"{row['case']}.result.json").write_text(json.dumps(result.to_json(), indent=1))
+    return result
+
+
+def _from_summary(base: dict[str, Any], summary: dict[str, Any], log: str, wall: float) -> CaseResult:
+    vg = summary["virtual_gpu"]
+    device = max(vg["devices"], key=lambda d: d["peak_allocated_bytes"])  # the one this rank used
+    peak = int(device["peak_allocated_bytes"])
+    workspaces = int(device["device_total"]["cublas_workspace_bytes"])
+    steps = vg["virtual_time"]["step_times_s"]
+    if not steps:
+        return CaseResult(**base, status=CaseStatus.FAILED, reason="no complete emulated iteration in the summary",
+                          predicted_peak_allocated_bytes=peak, predicted_cublas_workspace_bytes=workspaces,
+                          wall_s=wall)
+    return CaseResult(**base, status=CaseStatus.OK, predicted_peak_allocated_bytes=peak,
+                      predicted_cublas_workspace_bytes=workspaces, predicted_iteration_time_s=float(steps[-1]),
+                      megatron_max_allocated_mb=_megatron_max_allocated_mb(log), wall_s=wall)
+
+
+def _commit(prism_root: Path) -> str:
+    """The commit the cases ran under: ``PRISM_COMMIT`` in the checkout (an exported tree), else git's HEAD."""
+    marker = prism_root / "PRISM_COMMIT"
+    if marker.is_file():
+        return marker.read_text().strip()[:12]
+    proc = subprocess.run(["git", "-C", str(prism_root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True)
+    return proc.stdout.strip() or "unknown"
+
+
+def _load_results(out: Path) -> list[CaseResult]:
+    """The results in ``out``, their measured figures read again from the case rows (the rows are the source)."""
+    fields = set(CaseResult.__dataclass_fields__)
+    rows = {r["case"]: r for r in load_cases()}
+    results = []
+    for path in sorted(out.glob("*.result.json")):
+        data = {k: v for k, v in json.loads(path.read_text()).items() if k in fields}
+        row = rows.get(data["case"])
+        if row is not None:
+            data["measured_peak_allocated_bytes"] = int(row["measured"]["peak_allocated_bytes"])
+            data["measured_iteration_time_s"] = float(row["measured"]["iteration_time_s"])
+        data["status"] = CaseStatus(data["status"])
+        results.append(CaseResult(**data))
+    return results
+
+
+def _mib(n: int | None) -> str:
+    return "" if n is None else f"{n / 2**20:,.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x:+.2f}%"
+
+
+def table_markdown(results: list[CaseResult]) -> str:
+    """Measured (NVIDIA, DGX H100) vs predicted (prism, modelled) per case; the cases that did not run after."""
+    ran = [r for r in results if r.status is CaseStatus.OK]
+    failed = [r for r in results if r.status is not CaseStatus.OK]
+    lines = ["| case | peak allocated, measured (MiB) | predicted (MiB) | error | predicted + cuBLAS workspaces "
+             "(MiB) | error | iteration time, measured (s) | predicted (s) | error |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in ran:
+        lines.append(f"| {r.case} | {_mib(r.measured_peak_allocated_bytes)} | "
+                     f"{_mib(r.predicted_peak_allocated_bytes)} | {_pct(r.memory_error_pct)} | "
+                     f"{_mib(r.predicted_with_workspaces_bytes)} | {_pct(r.memory_with_workspaces_error_pct)} | "
+                     f"{r.measured_iteration_time_s:.4f} | {r.predicted_iteration_time_s:.4f} | "
+                     f"{_pct(r.time_error_pct)} |")
+    if ran:
+        lines.append(f"\n{len(ran)} of {len(results)} cases ran. " + _mean_max("Peak allocated", [
+            r.memory_error_pct for r in ran]) + " " + _mean_max("With the cuBLAS workspaces", [
+            r.memory_with_workspaces_error_pct for r in ran]) + " " + _mean_max("Iteration time", [
+            r.time_error_pct for r in ran]))
+    if failed:
+        lines += ["", "| case that did not run | first error line |", "|---|---|"]
+        lines += [f"| {r.case} | {(r.reason or '').replace('|', '/')} |" for r in failed]
+    return "\n".join(lines)
+
+
+def _mean_max(name: str, errors: list[float | None]) -> str:
+    values = [abs(e) for e in errors if e is not None]
+    if not values:
+        return ""
+    return (f"{name}: mean |error| {sum(values) / len(values):.2f}%, max {max(values):.2f}%, "
+            f"within 1%: {sum(v <= 1.0 for v in values)} of {len(values)}.")
+
+
+RESULTS_HEADING = "## Megatron-LM functional tests (DGX H100, core_r0.19.0)"
+
+
+def results_section(results: list[CaseResult], prism_commit: str) -> str:
+    """The section of recipes/RESULTS.md: what the figures are, then the table."""
+    return "\n".join([
+        RESULTS_HEADING, "",
+        "Megatron-LM's own functional tests, branch core_r0.19.0: the golden values NVIDIA measured on a DGX H100 "
+        "(8 GPUs; `mem-max-allocated-bytes` and `iteration-time` of the last rank, which logs them) against prism's "
+        "**modelled** figures for the same rank on a virtual H100 (dgx-h100 profile, roofline kernel model, nothing "
+        "fitted: every row is a validate row). Rows, sources and arguments: `validation/megatron_functional/cases/`; "
+        "regenerate with `python -m validation.megatron_functional.run --write-results recipes/RESULTS.md`. "
+        f"prism at {prism_commit}; each case runs `--train-iters 3` as rank 7 of 8.", "",
+        "- measured peak allocated: the golden value at step 3 (the running peak over iterations 1-3); predicted: "
+        "the allocator model's `allocated_bytes.all.peak` over the 3 iterations; *+ cuBLAS workspaces* adds torch's "
+        "two cuBLAS workspaces (forward and autograd threads, 32 MiB each under the cases' "
+        "`CUBLAS_WORKSPACE_CONFIG=:4096:8`), which prism counts only in the device total while torch allocates them "
+        "through the caching allocator, so a GPU's `allocated` holds them;",
+        "- measured iteration time: the median over Megatron's steady window (steps 30-45, or 5-20 for runs of 25 "
+        "steps or fewer); predicted: the emulated time of the last complete iteration.", "",
+        table_markdown(results), ""])
+
+
+def write_results(path: Path, section: str) -> None:
+    """Replace the section under `RESULTS_HEADING` in ``path`` (up to the next ``## `` heading), or append it."""
+    text = path.read_text()
+    start = text.find(RESULTS_HEADING)
+    if start < 0:
+        path.write_text(text.rstrip("\n") + "\n\n" + section)
+        return
+    end = text.find("\n## ", start + len(RESULTS_HEADING))
+    path.write_text(text[:start] + section + ("" if end < 0 else text[end:]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", help="case names or shell globs (default: every case)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per case (default 1200)")
+    parser.add_argument("--table-only", action="store_true", help="print the table of the results in --out")
+    parser.add_argument("--write-results", type=Path, metavar="RESULTS_MD",
+                        help="also replace the section of this results document (recipes/RESULTS.md)")
+    parser.add_argument("--prism-root", type=Path, default=ROOT,
+                        help="the prism checkout whose drop-in runs the cases (default: this repository)")
+    ns = parser.parse_args(argv)
+    ns.out.mkdir(parents=True, exist_ok=True)
+    if not ns.table_only:
+        for row in load_cases(ns.cases):
+            result = run_case(row, ns.out, timeout_s=ns.timeout, prism_root=ns.prism_root.resolve())
+            print(f"{result.case}: {result.status} ({result.wall_s:.0f} s) memory {_pct(result.memory_error_pct)} "
+                  f"time {_pct(result.time_error_pct)} {result.reason or ''}", file=sys.stderr, flush=True)
+    results = _load_results(ns.out)
+    if ns.cases:
+        names = {r["case"] for r in load_cases(ns.cases)}
+        results = [r for r in results if r.case in names]
+    markdown = table_markdown(results)
+    (ns.out / "table.md").write_text(markdown + "\n")
+    payload = [r.to_json() for r in results]
+    (ns.out / "results.json").write_text(json.dumps(payload, indent=1))
+    print(markdown)
+    print(json.dumps(payload))
+    if ns.write_results is not None:
+        write_results(ns.write_results, results_section(results, _commit(ns.prism_root)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
