@@ -285,11 +285,12 @@ def results_section(results: list[CaseResult], prism_commit: str) -> str:
         "fitted: every row is a validate row). Rows, sources and arguments: `validation/megatron_functional/cases/`; "
         "regenerate with `python -m validation.megatron_functional.run --write-results recipes/RESULTS.md`. "
         f"prism at {prism_commit}; each case runs `--train-iters 3` as rank 7 of 8.", "",
-        "- measured peak allocated: the golden value at step 3 (the running peak over iterations 1-3); predicted: "
-        "the allocator model's `allocated_bytes.all.peak` over the 3 iterations; *+ cuBLAS workspaces* adds torch's "
-        "two cuBLAS workspaces (forward and autograd threads, 32 MiB each under the cases' "
-        "`CUBLAS_WORKSPACE_CONFIG=:4096:8`), which prism counts only in the device total while torch allocates them "
-        "through the caching allocator, so a GPU's `allocated` holds them;",
+        "- measured peak allocated: the golden value at step 3 (the running peak over iterations 1-3; fp16 cases: "
+        "at the first optimizer step dynamic loss scaling applies, step 17 or 18); predicted: the allocator model's "
+        "`allocated_bytes.all.peak` over the 3 iterations; *+ cuBLAS workspaces* adds torch's two cuBLAS "
+        "workspaces (forward and autograd threads, 32 MiB each: `CUBLAS_WORKSPACE_CONFIG=:4096:8`, also torch's "
+        "Hopper default), which prism counts only in the device total while torch allocates them through the "
+        "caching allocator, so a GPU's `allocated` holds them;",
         "- measured iteration time: the median over Megatron's steady window (steps 30-45, or 5-20 for runs of 25 "
         "steps or fewer); predicted: the emulated time of the last complete iteration.", "",
         table_markdown(results), ""])
