@@ -9,6 +9,7 @@ model's bytes to the byte.
 
 from __future__ import annotations
 
+import pytest
 from children import program, run_child
 
 from prism_plugin.cost.gpu import gpu_spec
@@ -74,9 +75,10 @@ def test_bias_gelu_region_is_one_elementwise_kernel_with_no_intermediates(librar
     out = run(f"""
         y = torch.randn({N}, {N}, device="cuda", dtype=torch.bfloat16)
         b = torch.randn({N}, device="cuda", dtype=torch.bfloat16)
+        before_s = timer.summary().total_s  # the two randn fills
         z, out["eager"] = measure(bias_gelu, b, y)
         del z
-        eager_kernels = timer.summary(top=50).kernels
+        eager_kernels, out["eager_kernel_s"] = timer.summary(top=50).kernels, timer.summary().total_s - before_s
         z, out["fused"] = measure(fused(bias_gelu), b, y)
         summary = timer.summary(top=50)
         out["kernels"] = summary.kernels - eager_kernels
@@ -97,7 +99,9 @@ def test_bias_gelu_region_is_one_elementwise_kernel_with_no_intermediates(librar
                              "total_s": round(_roofline_s(cost), 12), "flops": 0, "bytes": nbytes}]
     # the stream was idle and the region launched nothing before its end: its kernel starts at the host's time
     assert out["fused"]["end_s"] == out["fused"]["start_s"] + _roofline_s(cost)
-    eager_s = out["eager"]["end_s"] - out["eager"]["start_s"]  # 10 kernels, each reading and writing 32-64 MiB
+    # eager: 10 kernels back to back (each longer than a launch), so the stream ends after the sum of their durations
+    eager_s = out["eager"]["end_s"] - out["eager"]["start_s"]
+    assert eager_s == pytest.approx(out["eager_kernel_s"], rel=1e-12)
     assert out["fused"]["end_s"] - out["fused"]["start_s"] < eager_s / 5
 
 
