@@ -8,8 +8,9 @@ bound and skip rules, its helpers).
   record ... -m prism_plugin.megatron pretrain_gpt.py <args> --prism-world-size 2 --prism-real-ranks 0,1`` with
   each process's ``RANK`` set, so the wrapper runs the job in the recorder's process, shim installed. The
   virtual-GPU run is the same job as that rank alone of 2, ``--prism-device virtual-gpu`` (no shim, fake cuda
-  tensors), ``PRISM_KERNEL_MODEL=table``: its op set differs from the CPU shim's in a few keys (the table misses
-  and interpolations are asserted and reported).
+  tensors), ``PRISM_KERNEL_MODEL=table``, ``PRISM_TE=off`` (the CPU run's host has no TransformerEngine, so the
+  virtual GPU emulates a host without it: the same program): its op set differs from the CPU shim's in a few
+  keys (the table misses and interpolations are asserted and reported).
 - ``deepspeed-zero1`` (ZeRO-1, an MLP of 4 x Linear(256, 256), DP2 on 2 gloo processes, optimizer steps of 2
   micro-batches; run for 40 steps, 4 warm-up, where the recipe runs 10): checked, both ranks. The real run is
   plain DeepSpeed (its CPU accelerator), recorded as plain torch; the virtual-GPU run is the same program with
@@ -161,7 +162,7 @@ def emulated(tmp: Path, job: list[str], rank: int, table: Path, launch_us: float
          str(rank), "--prism-profile", str(path), "--prism-device", "virtual-gpu", "--prism-gpu", "h100-sxm",
          "--prism-output", str(out)],
         cwd=tmp, env=_env(CUDA_LAUNCH_BLOCKING="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PRISM_KERNEL_MODEL="table",
-                          PRISM_KERNEL_TABLE=str(table)),
+                          PRISM_KERNEL_TABLE=str(table), PRISM_TE="off"),  # the CPU run's host: no TE
         capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads((out / f"rank{rank}.summary.json").read_text())

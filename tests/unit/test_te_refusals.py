@@ -39,3 +39,10 @@ def test_without_te_installed_the_refusal_names_the_set_up(monkeypatch: pytest.M
     monkeypatch.setenv("PRISM_TE_PATH", str(tmp_path))
     (message,) = virtual_gpu_refusals(TE_JOB)
     assert "scripts/setup_env.sh" in message and str(tmp_path) in message and "--transformer-impl local" in message
+
+
+def test_prism_te_off_emulates_a_host_without_te(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PRISM_TE", "off")
+    assert not te.available() and te.install() is False
+    (message,) = virtual_gpu_refusals(TE_JOB)
+    assert "PRISM_TE=off" in message

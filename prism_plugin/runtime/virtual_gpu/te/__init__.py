@@ -15,6 +15,10 @@ virtual-GPU process (`install`), before the program imports Megatron.
 
 On a host where TE is really installed with its extension (a GPU machine), real ranks run real TE; `install` is
 for virtual GPUs only and replaces the extension in that process.
+
+``PRISM_TE=off`` in a virtual-GPU process's environment emulates a GPU host without TransformerEngine (Megatron
+then takes its non-TE paths: the local spec's norms, torch's Adam, its own l2 norm), as a CPU run of the same job
+does: for comparing a virtual-GPU run with a CPU recording of the same program. ``on`` (the default) installs TE.
 """
 
 from __future__ import annotations
@@ -155,7 +159,9 @@ _INSTALLED = False
 
 def available() -> bool:
     """Whether `install` would find TE's pure-Python package of release `TE_VERSION` (in `te_path`, or importable);
-    changes nothing (the launcher asks before any rank starts)."""
+    changes nothing (the launcher asks before any rank starts). False under ``PRISM_TE=off``."""
+    if os.environ.get("PRISM_TE", "on").strip().lower() == "off":
+        return False
     if (te_path() / f"transformer_engine-{TE_VERSION}.dist-info").is_dir():
         return True
     from importlib.metadata import PackageNotFoundError, version
@@ -167,7 +173,9 @@ def available() -> bool:
 
 
 def missing_message() -> str:
-    """What to do when TE is not `available` (the set-up command)."""
+    """What to do when TE is not `available` (the set-up command, or the switch that turned it off)."""
+    if os.environ.get("PRISM_TE", "on").strip().lower() == "off":
+        return "PRISM_TE=off emulates a GPU host without TransformerEngine; unset it to run TE"
     folder = te_path()
     return (f"TransformerEngine {TE_VERSION}'s PyTorch layer is not installed where virtual GPUs look for it "
             f"({folder}); run `bash scripts/setup_env.sh` (or `pip install --no-deps --target {folder} "
@@ -188,6 +196,12 @@ def install(*, required: bool = False) -> bool:
     global _INSTALLED
     if _INSTALLED:
         return True
+    switch = os.environ.get("PRISM_TE", "on").strip().lower()
+    if switch not in ("on", "off"):
+        raise TeNotInstalled(f"PRISM_TE={switch!r}: use on (TransformerEngine on virtual GPUs, the default) or off "
+                             "(a GPU host without TransformerEngine)")
+    if switch == "off":
+        return False
     if "transformer_engine" in sys.modules or "transformer_engine_torch" in sys.modules:
         raise RuntimeError("TransformerEngine was imported before the virtual GPU started; start it first")
     folder = te_path()
