@@ -9,7 +9,19 @@ import sys
 import textwrap
 from collections.abc import Mapping
 
-__all__ = ["program", "run_child"]
+__all__ = ["EPILOGUE", "program", "run_child"]
+
+
+EPILOGUE = """
+except BaseException as exc:
+    import traceback; traceback.print_exc()
+    out["error"] = f"{type(exc).__name__}: {exc}"
+    code = 1
+print("RESULT " + json.dumps(out))
+cuda_runtime.exit_now(code)
+"""
+"""The end of a child whose prelude opened ``try:`` with ``out = {}`` and ``code = 0``: the error (traceback on
+stderr) or the figures as the ``RESULT`` line, then the virtual-GPU process's exit (`cuda_runtime.exit_now`)."""
 
 
 def program(prelude: str, body: str, epilogue: str) -> str:

@@ -10,7 +10,7 @@ model's bytes to the byte.
 from __future__ import annotations
 
 import pytest
-from children import program, run_child
+from children import EPILOGUE, program, run_child
 
 from prism_plugin.cost.gpu import gpu_spec
 from prism_plugin.cost.kernel_models import kernel_model
@@ -52,14 +52,6 @@ try:
                          "peak": torch.cuda.max_memory_allocated() - base,
                          "mallocs": torch.cuda.memory_stats()["allocation.all.allocated"] - allocs,
                          "start_s": start, "end_s": clock.ends[stream]}}
-"""
-EPILOGUE = """
-except BaseException as exc:
-    import traceback; traceback.print_exc()
-    out["error"] = f"{type(exc).__name__}: {exc}"
-    code = 1
-print("RESULT " + json.dumps(out))
-cuda_runtime.exit_now(code)
 """
 
 

@@ -9,7 +9,7 @@ operands read plus its output written; FP8 operands are 1 byte an element and ti
 from __future__ import annotations
 
 import pytest
-from children import program, run_child
+from children import EPILOGUE, program, run_child
 
 MiB = 1 << 20
 
@@ -41,14 +41,6 @@ try:
     clock = vg.start_time(model, 2.0**-17)
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
-"""
-EPILOGUE = """
-except BaseException as exc:
-    import traceback; traceback.print_exc()
-    out["error"] = f"{type(exc).__name__}: {exc}"
-    code = 1
-print("RESULT " + json.dumps(out))
-cuda_runtime.exit_now(code)
 """
 
 LINEAR = """
