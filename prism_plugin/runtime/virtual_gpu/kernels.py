@@ -129,6 +129,8 @@ class _OpInfo:
     """Arguments the op writes in place (``Tensor(a!)``)."""
     write_only: frozenset[str]
     """Mutated arguments it does not read: ``out=`` arguments, the self of copy_/fill_/zero_/RNG fills."""
+    custom: CustomKernel | None = None
+    """How a registered custom operator is costed (`register_kernel`); None for ATen's."""
 
 
 _INFO: dict[Any, _OpInfo] = {}
@@ -174,7 +176,7 @@ def _op_info(func: Any) -> _OpInfo:
     kernel_class = custom.kernel_class if custom is not None else _classify(name)
     info = _OpInfo(op=str(func), name=name, kernel_class=None if no_kernel else kernel_class,
                    flop_formula=formula, positional=tuple(a.name for a in arguments),
-                   mutated=mutated, write_only=write_only)
+                   mutated=mutated, write_only=write_only, custom=custom)
     _INFO[func] = info
     return info
 
@@ -294,7 +296,7 @@ def kernel_cost(func: Any, args: tuple, kwargs: dict | None, out: Any,
     if not device_write:
         return None
     kernel_class = info.kernel_class
-    custom = _CUSTOM.get(func._schema.name)
+    custom = info.custom
     if custom is not None:
         flops = custom.flops(named) if custom.flops is not None else 0
     else:

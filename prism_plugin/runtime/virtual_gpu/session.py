@@ -25,7 +25,7 @@ from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import GpuSpec, gpu_spec
 from prism_plugin.cost.profiles import HardwareProfile, load_profile
 from prism_plugin.runtime.preflight import DEFAULT_PROFILE, RUN_FLAGS, spell
-from prism_plugin.runtime.virtual_gpu import cuda_runtime, snapshot, te
+from prism_plugin.runtime.virtual_gpu import cuda_runtime, snapshot
 from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
 from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
 
@@ -105,7 +105,6 @@ def start_virtual_gpu(config: EmulationConfig, process_index: int) -> VirtualGpu
     profile = load_profile(config.profile)
     vgpu = VirtualGpu(resolve_gpu(config, profile), num_devices=num_devices, device=device, allocator=allocator,
                       raise_oom=oom == "raise").start()
-    te.install()  # TransformerEngine's own layer over fake kernels, where its Python package is installed
     vgpu.snapshot_path = snapshot.from_env(vgpu.allocators, rank=config.world.real_ranks[process_index])
     if options.enabled:
         start_virtual_time(vgpu, profile, options)

@@ -157,10 +157,15 @@ def _load_framework_extension(framework: str) -> None:
 _INSTALLED = False
 
 
+def _switch() -> str:
+    """``PRISM_TE`` as given (``on`` when unset), lower-cased."""
+    return os.environ.get("PRISM_TE", "on").strip().lower()
+
+
 def available() -> bool:
     """Whether `install` would find TE's pure-Python package of release `TE_VERSION` (in `te_path`, or importable);
     changes nothing (the launcher asks before any rank starts). False under ``PRISM_TE=off``."""
-    if os.environ.get("PRISM_TE", "on").strip().lower() == "off":
+    if _switch() == "off":
         return False
     if (te_path() / f"transformer_engine-{TE_VERSION}.dist-info").is_dir():
         return True
@@ -174,7 +179,7 @@ def available() -> bool:
 
 def missing_message() -> str:
     """What to do when TE is not `available` (the set-up command, or the switch that turned it off)."""
-    if os.environ.get("PRISM_TE", "on").strip().lower() == "off":
+    if _switch() == "off":
         return "PRISM_TE=off emulates a GPU host without TransformerEngine; unset it to run TE"
     folder = te_path()
     return (f"TransformerEngine {TE_VERSION}'s PyTorch layer is not installed where virtual GPUs look for it "
@@ -196,7 +201,7 @@ def install(*, required: bool = False) -> bool:
     global _INSTALLED
     if _INSTALLED:
         return True
-    switch = os.environ.get("PRISM_TE", "on").strip().lower()
+    switch = _switch()
     if switch not in ("on", "off"):
         raise TeNotInstalled(f"PRISM_TE={switch!r}: use on (TransformerEngine on virtual GPUs, the default) or off "
                              "(a GPU host without TransformerEngine)")

@@ -19,7 +19,6 @@ the GEMM at the FP8 peak), and its logical shape.
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -185,6 +184,3 @@ def swap_first_dims(tensor: torch.Tensor, *, out: torch.Tensor | None = None) ->
     ops.pointwise("swap_first_dims")([tensor], outputs=[out])
     return out
 
-
-def rows(shape: Sequence[int]) -> int:
-    return math.prod(int(d) for d in shape[:-1]) if len(shape) else 1

@@ -176,9 +176,9 @@ def overlapped_gemm(ub: _UserbufferCore, comm_type: Any, bulk: bool, run_gemm: A
             ops.pointwise("userbuffers_copy")([b], outputs=[extra_output])
         return
     # reduce-scatter: each chunk's partial (rows owned by one TP rank) is sent on as soon as it is computed
-    rows = [b.narrow(0, i * (b.shape[0] // chunks), b.shape[0] // chunks) for i in range(chunks)]
-    partial_rows = ub.chunk_rows if b.shape[0] // chunks == ub.chunk_rows else b.shape[0] // chunks
-    partials = [out.narrow(0, i * partial_rows, partial_rows) for i in range(chunks)]
+    step = b.shape[0] // chunks  # D has B's rows: chunk i of both is the partial owned by TP rank i
+    rows = [b.narrow(0, i * step, step) for i in range(chunks)]
+    partials = [out.narrow(0, i * step, step) for i in range(chunks)]
     sent: list[list[Any]] = []
     for step in range(chunks):
         index = (ub.tp_id + step + 1) % chunks
