@@ -198,12 +198,13 @@ def split_prism_flags(argv: list[str]) -> tuple[list[str], PrismFlags]:
     return rest, PrismFlags(values=values, switches=frozenset(switches))
 
 
-def _check_job(config: EmulationConfig, script_args: list[str], cpu_mode: bool) -> Any:
-    """Megatron's view of the job's arguments, checked against N and the refusals (no process group yet)."""
+def _check_job(config: EmulationConfig, script_args: list[str], cpu_mode: bool, ns: Any = None) -> Any:
+    """Megatron's view of the job's arguments (`ns`, parsed here when None), checked against N and the refusals
+    (no process group yet)."""
     from prism_plugin.adapters.megatron.attention import attention_mode, check_job
     from prism_plugin.adapters.megatron.refusals import check_args, parse_megatron_argv
 
-    ns = parse_megatron_argv(script_args)
+    ns = parse_megatron_argv(script_args) if ns is None else ns
     check_args(ns, cpu_mode=cpu_mode, virtual_gpu=config.device is DeviceMode.VIRTUAL_GPU)
     check_job(ns, attention_mode(), virtual_gpu=config.device is DeviceMode.VIRTUAL_GPU)
     _check_layout(config, ns)
@@ -216,16 +217,20 @@ def _check_job(config: EmulationConfig, script_args: list[str], cpu_mode: bool) 
     return ns
 
 
-def _with_absent_data_replaced(script_argv: list[str]) -> list[str]:
+def _with_absent_data_replaced(script_argv: list[str]) -> tuple[list[str], Any]:
     """The script's arguments with data and tokenizer files absent on this host replaced by Megatron's mock data and
-    a null tokenizer of the job's vocabulary (`absent_data`); one line says so (from the first process)."""
+    a null tokenizer of the job's vocabulary (`absent_data`), and Megatron's parse of them when nothing was
+    replaced (None: parse the new ones); one line says what was replaced (from the first process)."""
     from prism_plugin.adapters.megatron.absent_data import substitute
     from prism_plugin.adapters.megatron.refusals import parse_megatron_argv
 
-    replaced = substitute(script_argv[1:], parse_megatron_argv(script_argv[1:]))
-    if replaced.note is not None and os.environ.get("RANK", "0") == "0":
+    ns = parse_megatron_argv(script_argv[1:])
+    replaced = substitute(script_argv[1:], ns)
+    if replaced.note is None:
+        return script_argv, ns
+    if os.environ.get("RANK", "0") == "0":
         print(replaced.note, file=sys.stderr, flush=True)
-    return [script_argv[0], *replaced.argv]
+    return [script_argv[0], *replaced.argv], None
 
 
 def _check_layout(config: EmulationConfig, ns: Any) -> None:
@@ -368,8 +373,8 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
         from prism_plugin.adapters.megatron.fused_kernels import install_for_process
 
         install_for_process()
-    script_argv = _with_absent_data_replaced(script_argv)
-    _check_job(config, script_argv[1:], cpu_mode)
+    script_argv, ns = _with_absent_data_replaced(script_argv)
+    _check_job(config, script_argv[1:], cpu_mode, ns)
     process_index = int(os.environ.get("RANK", "0"))
     k = int(os.environ.get("WORLD_SIZE", "1"))
     if k != config.world.num_real:
