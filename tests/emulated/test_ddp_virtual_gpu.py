@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from children import program, run_child
+from children import EPILOGUE, program, run_child
 from test_virtual_time_multi import MS, cost_s, ps, run_pair
 
 from prism_plugin.config.kinds import OpKind
@@ -37,14 +37,6 @@ try:
     P.activate(EmulationConfig(world=VirtualWorld(world_size=64, real_ranks=(3,), gpus_per_node=8),
                                profile="dgx-h100", device="virtual-gpu"), backend="nccl")
     index = 3
-"""
-EPILOGUE = """
-except BaseException as exc:
-    import traceback; traceback.print_exc()
-    out["error"] = f"{type(exc).__name__}: {exc}"
-    code = 1
-print("RESULT " + json.dumps(out))
-cuda_runtime.exit_now(code)
 """
 
 DDP = """

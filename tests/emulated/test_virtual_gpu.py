@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from children import program, run_child
+from children import EPILOGUE, program, run_child
 
 from prism_plugin.cost.allocator_config import round_size
 
@@ -28,13 +28,6 @@ from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
 out = {}
 code = 0
 try:
-"""
-EPILOGUE = """
-except BaseException as exc:
-    out["error"] = f"{type(exc).__name__}: {exc}"
-    code = 1
-print("RESULT " + json.dumps(out))
-cuda_runtime.exit_now(code)
 """
 
 

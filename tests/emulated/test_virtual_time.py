@@ -10,7 +10,7 @@ cost model's change with N) is what is tested, not a kernel model.
 from __future__ import annotations
 
 import pytest
-from children import program, run_child
+from children import EPILOGUE, program, run_child
 
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost import CostModel, load_profile
@@ -37,14 +37,6 @@ code = 0
 try:
     vg = VirtualGpu(gpu_spec("h100-sxm"), num_devices=8).start()
     clock = vg.start_time(model, LAUNCH)
-"""
-EPILOGUE = """
-except BaseException as exc:
-    import traceback; traceback.print_exc()
-    out["error"] = f"{type(exc).__name__}: {exc}"
-    code = 1
-print("RESULT " + json.dumps(out))
-cuda_runtime.exit_now(code)
 """
 
 
