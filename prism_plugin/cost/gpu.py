@@ -2,7 +2,7 @@
 
 A `GpuSpec` is the device a virtual-GPU rank believes it runs on: its name, memory, compute capability and
 SM count (what `torch.cuda.get_device_properties` answers), and the device memory outside the caching
-allocator (CUDA context) and inside it before the first kernel (cuBLAS workspaces), and the two roofline
+allocator (CUDA context) and the size of torch's cuBLAS workspaces (which the allocator serves), and the two roofline
 figures the virtual-time kernel model (`prism_plugin.cost.kernels`) divides by: dense peak FLOP/s per dtype and
 HBM bandwidth. Figures are datasheet and torch-default values, named per field; a profile may override them.
 Non-goal: achieved kernel speed (the kernel model's efficiencies, in the profile's ``kernels:`` section).
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from prism_plugin.config.errors import ConfigError, positive_int
 
-__all__ = ["DEFAULT_CUBLAS_WORKSPACES", "GPUS", "GPU_ALIASES", "PEAK_DTYPES", "DeviceTotal", "GpuSpec",
+__all__ = ["GPUS", "GPU_ALIASES", "PEAK_DTYPES", "DeviceTotal", "GpuSpec",
            "cublas_workspace_bytes", "gpu_name", "gpu_spec"]
 
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
@@ -50,27 +50,13 @@ def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = Non
     return sum(int(size) * KiB * int(count) for size, count in pairs)
 
 
-DEFAULT_CUBLAS_WORKSPACES = 2
-"""cuBLAS workspaces a training process holds per GPU: a policy default. torch keeps one per (cuBLAS handle,
-stream) that ran a GEMM (``setWorkspaceForHandle``), allocated through the caching allocator and never freed;
-handles are per thread, so a training step has two: the forward's, on the program's thread, and the backward's,
-on the autograd engine's worker thread of that device, both on the current stream (Megatron's and DeepSpeed's
-side streams carry collectives and copies, no GEMMs). cuBLASLt's own workspace (``CUBLASLT_WORKSPACE_SIZE``,
-1 MiB per handle and stream, only on the fused bias-GEMM path) is not counted."""
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceTotal:
-    """What a job needs of one GPU, itemised: the allocator's peak reserved bytes, the cuBLAS workspaces, the NCCL
-    communicator buffers and the CUDA context. The workspaces are requested at the first GEMM of each handle and
-    stream, 32 MiB each on sm90 and sm100 (a request the allocator rounds to itself and serves from a segment of
-    its own: it adds exactly its bytes to the reserved peak); NCCL buffers and the context are outside the
-    allocator."""
+    """What a job needs of one GPU, itemised: the allocator's peak reserved bytes (torch's cuBLAS workspaces among
+    them: the allocator serves them, `cublas_workspace_bytes`), the NCCL communicator buffers, TransformerEngine's
+    userbuffers and the CUDA context, which are outside the allocator."""
 
     peak_reserved_bytes: int
-    cublas_workspaces: int
-    cublas_workspace_bytes: int
-    """Per workspace (`cublas_workspace_bytes`)."""
     nccl_buffer_bytes: int
     """`prism_plugin.cost.comm_memory.NcclBufferModel` over the groups the rank used."""
     context_bytes: int
@@ -79,13 +65,11 @@ class DeviceTotal:
 
     @property
     def total_bytes(self) -> int:
-        return (self.peak_reserved_bytes + self.cublas_workspaces * self.cublas_workspace_bytes
-                + self.nccl_buffer_bytes + self.context_bytes + self.userbuffer_bytes)
+        return self.peak_reserved_bytes + self.nccl_buffer_bytes + self.context_bytes + self.userbuffer_bytes
 
     def as_dict(self) -> dict[str, int]:
-        return {"peak_reserved_bytes": self.peak_reserved_bytes, "cublas_workspaces": self.cublas_workspaces,
-                "cublas_workspace_bytes": self.cublas_workspaces * self.cublas_workspace_bytes,
-                "nccl_buffer_bytes": self.nccl_buffer_bytes, "context_bytes": self.context_bytes,
+        return {"peak_reserved_bytes": self.peak_reserved_bytes, "nccl_buffer_bytes": self.nccl_buffer_bytes,
+                "context_bytes": self.context_bytes,
                 **({"userbuffer_bytes": self.userbuffer_bytes} if self.userbuffer_bytes else {}),
                 "total_bytes": self.total_bytes}
 

@@ -66,16 +66,18 @@ def test_a_training_step_runs_on_fake_cuda_with_exact_allocated_bytes(library: N
     param_bytes = sum(round_size(b) for b in params)  # 16 MiB + 16 KiB + 16 MiB + 4 KiB
     # reserved: one 16 MiB segment per weight (>= 10 MiB: its own size), one 2 MiB small segment for both biases
     assert out["after_params"] == [param_bytes, 2 * 16 * MiB + 2 * MiB]
-    # after the step: parameters + AdamW's exp_avg and exp_avg_sq (cuda, like the params) + x + the 0-dim loss;
-    # gradients are gone (zero_grad sets them to None); AdamW's step counters stay on the CPU
-    assert out["after_step"] == 3 * param_bytes + round_size(64 * 1024 * 4) + round_size(4)
+    # after the step: parameters + AdamW's exp_avg and exp_avg_sq (cuda, like the params) + x + the 0-dim loss
+    # + torch's two cuBLAS workspaces (32 MiB on sm90, held from the first GEMM of the forward's handle and of the
+    # autograd thread's); gradients are gone (zero_grad sets them to None); AdamW's step counters stay on the CPU
+    assert out["after_step"] == 3 * param_bytes + round_size(64 * 1024 * 4) + round_size(4) + 2 * 32 * MiB
     assert out["stats_key"] == out["after_step"]
     assert out["peak"] > out["after_step"]
     assert out["losses"] == [1.0, 1.0] and out["finite"] is True  # the value policy's finite answers
     device0 = out["summary"]["devices"][0]
     assert device0["peak_allocated_bytes"] == out["peak"]
-    # + 2 cuBLAS workspaces of 32 MiB (sm90: forward and autograd threads) + the context; no session: no NCCL
-    assert device0["device_total_bytes"] == device0["peak_reserved_bytes"] + 2 * 32 * MiB + 512 * MiB
+    assert device0["cublas_workspaces"] == 2 and device0["cublas_workspace_bytes"] == 2 * 32 * MiB
+    # + the context; no session: no NCCL buffers
+    assert device0["device_total_bytes"] == device0["peak_reserved_bytes"] + 512 * MiB
     assert device0["fits"] is True and out["summary"]["devices"][1]["peak_allocated_bytes"] == 0
     sites = {(s["value"], s["count"]) for s in out["summary"]["values"]["by_site"]}
     assert ("1.0", 2) in sites and ("True", 1) in sites  # loss.item() twice, the isfinite check once

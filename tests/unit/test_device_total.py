@@ -1,4 +1,4 @@
-"""The device total a virtual-GPU job needs: peak reserved + cuBLAS workspaces + NCCL buffers + CUDA context.
+"""The device total a virtual-GPU job needs: peak reserved (cuBLAS workspaces among it) + NCCL buffers + CUDA context.
 
 Exact figures: every term is a byte count the test derives from its source (torch's CublasHandlePool.cpp
 defaults, NCCL's buffer sizes in `NcclBufferModel`, the allocator model's segments, the GPU model's context).
@@ -12,7 +12,7 @@ import pytest
 
 from prism_plugin.cost.allocator import CachingAllocatorModel
 from prism_plugin.cost.comm_memory import CommUse, NcclBufferModel
-from prism_plugin.cost.gpu import DEFAULT_CUBLAS_WORKSPACES, DeviceTotal, cublas_workspace_bytes, gpu_spec
+from prism_plugin.cost.gpu import DeviceTotal, cublas_workspace_bytes, gpu_spec
 from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -76,30 +76,29 @@ def test_summary_itemises_the_device_total_and_fits_against_gpu_memory(monkeypat
     assert nccl == 787_480_576
     summary = vgpu.summary(session)
     own = summary["devices"][3]
-    assert own["device_total"] == {"peak_reserved_bytes": 10 * GiB, "cublas_workspaces": 2,
-                                   "cublas_workspace_bytes": 2 * 33_554_432, "nccl_buffer_bytes": nccl,
+    assert own["device_total"] == {"peak_reserved_bytes": 10 * GiB, "nccl_buffer_bytes": nccl,
                                    "context_bytes": 512 * MiB, "total_bytes": own["device_total_bytes"]}
-    assert own["device_total_bytes"] == 10 * GiB + 67_108_864 + 787_480_576 + 536_870_912 == 12_128_878_592
-    assert own["fits"] is True and DEFAULT_CUBLAS_WORKSPACES == 2
+    assert own["device_total_bytes"] == 10 * GiB + 787_480_576 + 536_870_912 == 12_061_769_728
+    assert own["fits"] is True and own["cublas_workspaces"] == 0  # no GEMM ran: no workspace
     other = summary["devices"][0]  # a device the process never used: its context only
-    assert other["device_total"]["cublas_workspaces"] == 0 and other["device_total"]["nccl_buffer_bytes"] == 0
+    assert other["device_total"]["nccl_buffer_bytes"] == 0
     assert other["device_total_bytes"] == 512 * MiB and other["fits"] is True
-    assert "cublas_workspaces" in summary["device_total_note"] and "context_bytes" in summary["device_total_note"]
+    assert "cuBLAS" in summary["device_total_note"] and "context_bytes" in summary["device_total_note"]
     # no session (none active either): no communicator, 0 B of NCCL buffers
-    assert vgpu.summary()["devices"][3]["device_total_bytes"] == 12_128_878_592 - nccl
+    assert vgpu.summary()["devices"][3]["device_total_bytes"] == 12_061_769_728 - nccl
 
 
 def test_a_peak_the_allocator_serves_can_still_not_fit_the_gpu() -> None:
-    # the allocator's capacity is the GPU's memory less the context; the workspaces and NCCL buffers come on top,
-    # so a reserved peak just under the capacity (81,026 MiB of 81,047 MiB) is no OOM but does not fit
+    # the allocator's capacity is the GPU's memory less the context; the NCCL buffers come on top, so a reserved
+    # peak just under the capacity (81,026 MiB of 81,047 MiB) is no OOM but does not fit
     h100 = gpu_spec("h100-sxm")
     vgpu = VirtualGpu(h100, num_devices=1)
     capacity = h100.total_memory_bytes - h100.context_bytes
     vgpu.allocators[0].malloc(capacity - 21 * MiB)
     device = vgpu.summary(_Session([CommUse(size=8, num_nodes=1, collective=True, p2p_peers=0)]))["devices"][0]
     assert device["ooms"] == [] and device["peak_reserved_bytes"] == capacity - 21 * MiB
-    assert device["device_total_bytes"] == h100.total_memory_bytes - 21 * MiB + 64 * MiB + 154_140_672
+    assert device["device_total_bytes"] == h100.total_memory_bytes - 21 * MiB + 154_140_672
     assert device["fits"] is False
-    without = DeviceTotal(peak_reserved_bytes=capacity - 21 * MiB, cublas_workspaces=0, cublas_workspace_bytes=0,
-                          nccl_buffer_bytes=0, context_bytes=h100.context_bytes)
+    without = DeviceTotal(peak_reserved_bytes=capacity - 21 * MiB, nccl_buffer_bytes=0,
+                          context_bytes=h100.context_bytes)
     assert without.total_bytes <= h100.total_memory_bytes  # what the old figure (reserved + context) said: fits

@@ -14,8 +14,8 @@ edits in progress).
 Predicted figures, both modelled, read from ``<out>/<case>/rank<R>.summary.json``:
 
 - peak allocated bytes: ``virtual_gpu.devices[*].peak_allocated_bytes`` of the device the rank uses (the
-  running peak over the 3 iterations, as the golden value at step 3 is over its first 3), and that figure plus
-  torch's cuBLAS workspaces (`CaseResult.predicted_cublas_workspace_bytes`);
+  running peak over the 3 iterations, as the golden value at step 3 is over its first 3; torch's cuBLAS
+  workspaces among them, as on a GPU: `CaseResult.predicted_cublas_workspace_bytes`);
 - iteration time: the last entry of ``virtual_gpu.virtual_time.step_times_s`` (the emulated time between the
   last two iteration marks; emulated time is deterministic, so one steady iteration is the figure; the golden
   value is a median over steady steps).
@@ -71,12 +71,11 @@ class CaseResult:
     measured_iteration_time_s: float
     predicted_peak_allocated_bytes: int | None = None
     """The allocator model's ``allocated_bytes.all.peak``: the program's tensors (TransformerEngine's own cuBLAS
-    workspace included: TE allocates it as a tensor)."""
+    workspace included: TE allocates it as a tensor) and torch's cuBLAS workspaces."""
     predicted_cublas_workspace_bytes: int | None = None
-    """torch's cuBLAS workspaces as prism models them (``device_total.cublas_workspace_bytes``: one per handle and
-    stream, forward and autograd threads). prism counts them in the device total only; on a GPU torch allocates
-    them through the caching allocator (``getNewWorkspace`` in CublasHandlePool.cpp), so they are in the golden
-    ``allocated_bytes.all.peak`` once the output layer's GEMMs have run (iteration 1)."""
+    """torch's cuBLAS workspaces within that peak (the device's ``cublas_workspace_bytes``: one per handle and stream
+    that ran a torch GEMM, forward and autograd threads), allocated through the caching allocator as torch does
+    (``setWorkspaceForHandle`` in CublasHandlePool.cpp)."""
     predicted_iteration_time_s: float | None = None
     megatron_max_allocated_mb: float | None = None
     """Megatron's own ``max allocated`` log line of the last iteration (MB), from the allocator model."""
@@ -90,27 +89,13 @@ class CaseResult:
         return 100.0 * (self.predicted_peak_allocated_bytes / self.measured_peak_allocated_bytes - 1.0)
 
     @property
-    def predicted_with_workspaces_bytes(self) -> int | None:
-        if self.predicted_peak_allocated_bytes is None or self.predicted_cublas_workspace_bytes is None:
-            return None
-        return self.predicted_peak_allocated_bytes + self.predicted_cublas_workspace_bytes
-
-    @property
-    def memory_with_workspaces_error_pct(self) -> float | None:
-        total = self.predicted_with_workspaces_bytes
-        return None if total is None else 100.0 * (total / self.measured_peak_allocated_bytes - 1.0)
-
-    @property
     def time_error_pct(self) -> float | None:
         if self.predicted_iteration_time_s is None:
             return None
         return 100.0 * (self.predicted_iteration_time_s / self.measured_iteration_time_s - 1.0)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "memory_error_pct": self.memory_error_pct,
-                "predicted_with_workspaces_bytes": self.predicted_with_workspaces_bytes,
-                "memory_with_workspaces_error_pct": self.memory_with_workspaces_error_pct,
-                "time_error_pct": self.time_error_pct}
+        return {**asdict(self), "memory_error_pct": self.memory_error_pct, "time_error_pct": self.time_error_pct}
 
 
 def load_cases(patterns: list[str] | None = None, cases_dir: Path = CASES_DIR) -> list[dict[str, Any]]:
@@ -195,7 +180,7 @@ def _from_summary(base: dict[str, Any], summary: dict[str, Any], log: str, wall:
     vg = summary["virtual_gpu"]
     device = max(vg["devices"], key=lambda d: d["peak_allocated_bytes"])  # the one this rank used
     peak = int(device["peak_allocated_bytes"])
-    workspaces = int(device["device_total"]["cublas_workspace_bytes"])
+    workspaces = int(device["cublas_workspace_bytes"])
     steps = vg["virtual_time"]["step_times_s"]
     if not steps:
         return CaseResult(**base, status=CaseStatus.FAILED, reason="no complete emulated iteration in the summary",
@@ -244,19 +229,17 @@ def table_markdown(results: list[CaseResult]) -> str:
     """Measured (NVIDIA, DGX H100) vs predicted (prism, modelled) per case; the cases that did not run after."""
     ran = [r for r in results if r.status is CaseStatus.OK]
     failed = [r for r in results if r.status is not CaseStatus.OK]
-    lines = ["| case | peak allocated, measured (MiB) | predicted (MiB) | error | predicted + cuBLAS workspaces "
-             "(MiB) | error | iteration time, measured (s) | predicted (s) | error |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| case | peak allocated, measured (MiB) | predicted (MiB) | of which cuBLAS workspaces (MiB) | error | "
+             "iteration time, measured (s) | predicted (s) | error |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in ran:
         lines.append(f"| {r.case} | {_mib(r.measured_peak_allocated_bytes)} | "
-                     f"{_mib(r.predicted_peak_allocated_bytes)} | {_pct(r.memory_error_pct)} | "
-                     f"{_mib(r.predicted_with_workspaces_bytes)} | {_pct(r.memory_with_workspaces_error_pct)} | "
-                     f"{r.measured_iteration_time_s:.4f} | {r.predicted_iteration_time_s:.4f} | "
-                     f"{_pct(r.time_error_pct)} |")
+                     f"{_mib(r.predicted_peak_allocated_bytes)} | {_mib(r.predicted_cublas_workspace_bytes)} | "
+                     f"{_pct(r.memory_error_pct)} | {r.measured_iteration_time_s:.4f} | "
+                     f"{r.predicted_iteration_time_s:.4f} | {_pct(r.time_error_pct)} |")
     if ran:
         lines.append(f"\n{len(ran)} of {len(results)} cases ran. " + _mean_max("Peak allocated", [
-            r.memory_error_pct for r in ran]) + " " + _mean_max("With the cuBLAS workspaces", [
-            r.memory_with_workspaces_error_pct for r in ran]) + " " + _mean_max("Iteration time", [
+            r.memory_error_pct for r in ran]) + " " + _mean_max("Iteration time", [
             r.time_error_pct for r in ran]))
     if failed:
         lines += ["", "| case that did not run | first error line |", "|---|---|"]
@@ -287,10 +270,9 @@ def results_section(results: list[CaseResult], prism_commit: str) -> str:
         f"prism at {prism_commit}; each case runs `--train-iters 3` as rank 7 of 8.", "",
         "- measured peak allocated: the golden value at step 3 (the running peak over iterations 1-3; fp16 cases: "
         "at the first optimizer step dynamic loss scaling applies, step 17 or 18); predicted: the allocator model's "
-        "`allocated_bytes.all.peak` over the 3 iterations; *+ cuBLAS workspaces* adds torch's two cuBLAS "
-        "workspaces (forward and autograd threads, 32 MiB each: `CUBLAS_WORKSPACE_CONFIG=:4096:8`, also torch's "
-        "Hopper default), which prism counts only in the device total while torch allocates them through the "
-        "caching allocator, so a GPU's `allocated` holds them;",
+        "`allocated_bytes.all.peak` over the 3 iterations, torch's cuBLAS workspaces among them as on a GPU (one "
+        "per cuBLAS handle and stream that ran a torch GEMM: forward and autograd threads, 32 MiB each under "
+        "`CUBLAS_WORKSPACE_CONFIG=:4096:8`, also torch's Hopper default);",
         "- measured iteration time: the median over Megatron's steady window (steps 30-45, or 5-20 for runs of 25 "
         "steps or fewer); predicted: the emulated time of the last complete iteration.", "",
         table_markdown(results), ""])

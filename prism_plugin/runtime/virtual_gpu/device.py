@@ -32,12 +32,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from prism_plugin.cost.allocator import Block, CachingAllocatorModel, DeviceOutOfMemory
 from prism_plugin.cost.allocator_config import AllocatorConfig
-from prism_plugin.cost.gpu import DEFAULT_CUBLAS_WORKSPACES, DeviceTotal, GpuSpec
+from prism_plugin.cost.gpu import DeviceTotal, GpuSpec
 from prism_plugin.cost.kernels import KernelCost
 from prism_plugin.runtime.leaves import leaves
 from prism_plugin.runtime.memory import StorageTracker
 from prism_plugin.runtime.virtual_gpu import cuda_runtime, fusion, snapshot
 from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
+from prism_plugin.runtime.virtual_gpu.kernels import uses_cublas
 from prism_plugin.runtime.virtual_gpu.shim import CudaShim
 from prism_plugin.runtime.virtual_gpu.values import ValuePolicy
 
@@ -216,12 +217,31 @@ def _host_only(flat: list[Any]) -> bool:
 
 
 class _AllocatorTracker(StorageTracker):
-    """Each new cuda storage is a malloc of the device's allocator model, its death a free."""
+    """Each new cuda storage is a malloc of the device's allocator model, its death a free; and torch's cuBLAS
+    workspaces (`cublas_workspace`)."""
 
     def __init__(self, gpu: VirtualGpu) -> None:
         super().__init__(devices=("cuda",))
         self.gpu = gpu
         self._blocks: dict[int, Block] = {}
+        self.workspaces: dict[tuple[int, int, bool], Block] = {}
+        """torch's cuBLAS workspaces by (device, stream, backward): held for the life of the process."""
+        self._workspace_bytes = gpu.gpu.cublas_workspace_bytes
+
+    def cublas_workspace(self, index: int) -> None:
+        """A cuBLAS GEMM just ran on device `index`: its handle's workspace on the current stream, if it has none.
+
+        torch keeps one workspace per (cuBLAS handle, stream) (``setWorkspaceForHandle`` in CublasHandlePool.cpp;
+        cuBLASLt shares it), allocated through the caching allocator after the GEMM's output and never freed.
+        Handles are per thread: the program's thread, and in backward the autograd engine's worker thread of the
+        device (here: a GEMM inside ``backward`` runs on the backward handle, recomputed forwards included)."""
+        stream = self.gpu.shim.current_stream(index).stream_id
+        key = (index, stream, torch._C._current_graph_task_id() != -1)
+        if key not in self.workspaces:
+            try:
+                self.workspaces[key] = self.gpu.shim.allocators[index].malloc(self._workspace_bytes, stream)
+            except DeviceOutOfMemory as exc:
+                raise torch.OutOfMemoryError(str(exc)) from None
 
     def _allocated(self, key: int, nbytes: int, tensor: torch.Tensor) -> None:
         index = tensor.device.index or 0
@@ -281,8 +301,11 @@ class _AllocatorTracker(StorageTracker):
         flat_out = leaves(out)
         self._track_outputs(flat_out, flat_args + flat_kwargs)
         self.gpu.values.observe(func, args, kwargs, out)
+        index = _first_cuda(flat_out, flat_args)
+        if index is not None and uses_cublas(func):
+            self.cublas_workspace(index)
         if self.gpu.clock is not None:
-            self.gpu.time_kernel(func, args, kwargs, out, to_host, index=_first_cuda(flat_out, flat_args))
+            self.gpu.time_kernel(func, args, kwargs, out, to_host, index=index)
         return out
 
 
@@ -474,8 +497,10 @@ class VirtualGpu:
             peak_reserved = model.stat("reserved_bytes", "all", "peak")
             total = self.device_total(peak_reserved, nccl if model.device == own else 0,
                                       own=model.device == own)
+            workspaces = [b for (index, _, _), b in self.tracker.workspaces.items() if index == model.device]
             devices.append({
                 "device": model.device, "allocated_bytes": model.stat("allocated_bytes"),
+                "cublas_workspaces": len(workspaces), "cublas_workspace_bytes": sum(b.size for b in workspaces),
                 "peak_allocated_bytes": model.stat("allocated_bytes", "all", "peak"),
                 "peak_requested_bytes": model.stat("requested_bytes", "all", "peak"),
                 "reserved_bytes": model.stat("reserved_bytes"), "peak_reserved_bytes": peak_reserved,
@@ -486,13 +511,11 @@ class VirtualGpu:
             })
         return {"device_mode": "virtual-gpu", "gpu": self.gpu.name,
                 "gpu_memory_bytes": self.gpu.total_memory_bytes, "context_bytes": self.gpu.context_bytes,
-                "device_total_note": "device_total_bytes = peak reserved (the program's tensors through the "
-                f"caching-allocator model) + {DEFAULT_CUBLAS_WORKSPACES} cuBLAS workspaces of "
-                f"{self.gpu.cublas_workspace_bytes} B (torch's CUBLAS_WORKSPACE_CONFIG default, one per handle and "
-                "stream: forward and autograd threads) + NCCL communicator buffers (cost/comm_memory.py, modelled, "
-                "on the device this process uses) + TransformerEngine's userbuffers (TP-communication overlap, "
-                "registered outside the allocator) + the CUDA context; policy defaults: context_bytes, "
-                "cublas_workspaces",
+                "device_total_note": "device_total_bytes = peak reserved (the program's tensors and torch's cuBLAS "
+                f"workspaces, {self.gpu.cublas_workspace_bytes} B per handle and stream that ran a GEMM, through the "
+                "caching-allocator model) + NCCL communicator buffers (cost/comm_memory.py, modelled, on the device "
+                "this process uses) + TransformerEngine's userbuffers (TP-communication overlap, registered outside "
+                "the allocator) + the CUDA context; policy default: context_bytes",
                 "step_time": "not modelled (virtual GPU without virtual time: compute takes no time)"
                 if self.clock is None else "modelled (virtual time: kernel model and emulated CUDA streams)",
                 **({"virtual_time": self.clock.summary()} if self.clock is not None else {}),
@@ -500,13 +523,11 @@ class VirtualGpu:
                 "devices": devices, "values": self.values.summary()}
 
     def device_total(self, peak_reserved_bytes: int, nccl_buffer_bytes: int = 0, *, own: bool = True) -> DeviceTotal:
-        """The device total of one of these GPUs (`prism_plugin.cost.gpu.DeviceTotal`): the workspaces and NCCL
-        buffers only on the device this process uses (`own`), the context on each."""
+        """The device total of one of these GPUs (`prism_plugin.cost.gpu.DeviceTotal`): the NCCL buffers and
+        userbuffers only on the device this process uses (`own`), the context on each."""
         from prism_plugin.runtime.virtual_gpu.te.userbuffers import buffer_bytes
 
         return DeviceTotal(peak_reserved_bytes=peak_reserved_bytes,
-                           cublas_workspaces=DEFAULT_CUBLAS_WORKSPACES if own else 0,
-                           cublas_workspace_bytes=self.gpu.cublas_workspace_bytes,
                            nccl_buffer_bytes=nccl_buffer_bytes, context_bytes=self.gpu.context_bytes,
                            userbuffer_bytes=buffer_bytes() if own else 0)
 

@@ -43,7 +43,7 @@ from torch.utils.flop_counter import flop_registry
 from prism_plugin.cost.kernels import KernelClass, KernelCost, KernelModel, TableModel
 
 __all__ = ["CustomKernel", "KernelSummary", "KernelTimer", "OpTally", "kernel_cost", "register_kernel",
-           "tensor_accesses"]
+           "tensor_accesses", "uses_cublas"]
 
 _aten = torch.ops.aten
 _GEMM = frozenset({
@@ -51,6 +51,12 @@ _GEMM = frozenset({
     "_int_mm", "convolution", "_convolution", "convolution_backward", "cudnn_convolution",
     "convolution_overrideable", "_slow_conv2d_forward",
 })
+_CUBLAS = frozenset({
+    "mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "addbmm", "addbmm_", "mv", "addmv", "addmv_", "dot",
+    "vdot", "_scaled_mm", "_int_mm", "_addmm_activation",
+})
+"""ATen ops whose CUDA kernels run through torch's cuBLAS / cuBLASLt handle (``at::cuda::blas``): the first on a
+handle and stream allocates that pair's workspace (`prism_plugin.cost.gpu.cublas_workspace_bytes`)."""
 _ATTENTION = frozenset({
     "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
     "_efficient_attention_backward", "scaled_dot_product_attention",
@@ -131,6 +137,8 @@ class _OpInfo:
     """Mutated arguments it does not read: ``out=`` arguments, the self of copy_/fill_/zero_/RNG fills."""
     custom: CustomKernel | None = None
     """How a registered custom operator is costed (`register_kernel`); None for ATen's."""
+    cublas: bool = False
+    """An ATen op run by torch's cuBLAS handle (`_CUBLAS`)."""
 
 
 _INFO: dict[Any, _OpInfo] = {}
@@ -176,9 +184,15 @@ def _op_info(func: Any) -> _OpInfo:
     kernel_class = custom.kernel_class if custom is not None else _classify(name)
     info = _OpInfo(op=str(func), name=name, kernel_class=None if no_kernel else kernel_class,
                    flop_formula=formula, positional=tuple(a.name for a in arguments),
-                   mutated=mutated, write_only=write_only, custom=custom)
+                   mutated=mutated, write_only=write_only, custom=custom,
+                   cublas=namespace == "aten" and name in _CUBLAS)
     _INFO[func] = info
     return info
+
+
+def uses_cublas(func: Any) -> bool:
+    """Whether `func` (an ATen overload) runs through torch's cuBLAS handle, and so needs its workspace."""
+    return isinstance(func, torch._ops.OpOverload) and _op_info(func).cublas
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
 import types
@@ -64,9 +65,13 @@ class _FakeExtension(types.ModuleType):
 
 
 class _TeFinder(importlib.abc.MetaPathFinder):
-    """Runs a fix-up after each TE module in `_AFTER_IMPORT` loads (its import otherwise unchanged)."""
+    """Runs a fix-up after each TE module in `_AFTER_IMPORT` loads (its import otherwise unchanged), and loads the
+    stand-ins of `_STANDINS` instead of TE's module of that name."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        build = _STANDINS.get(fullname)
+        if build is not None:
+            return importlib.util.spec_from_loader(fullname, _StandinLoader(build))
         after = _AFTER_IMPORT.get(fullname)
         if after is None:
             return None
@@ -80,6 +85,56 @@ class _TeFinder(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_then_fix  # type: ignore[method-assign]
         return spec
+
+
+class _StandinLoader(importlib.abc.Loader):
+    def __init__(self, build: Any) -> None:
+        self.build = build
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.build(module)
+
+
+_ONNX_NAMES = ("torch_onnx_gemm_inf_op", "onnx_quantize_fp8_op", "onnx_dequantize_fp8_op", "onnx_quantize_mxfp8_op",
+               "onnx_dequantize_mxfp8_op", "onnx_layernorm", "onnx_attention_mask_func", "onnx_gemm")
+"""What ``transformer_engine.pytorch.export`` imports of ``onnx_extensions`` (TE 2.14), besides the table."""
+
+
+class _NoOnnxTable(dict):
+    """``te_translation_table`` of the stand-in: any use refuses."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(_NO_ONNX)
+
+    __getitem__ = __iter__ = __len__ = __contains__ = keys = items = values = get = copy = _refuse  # type: ignore[assignment]
+
+
+_NO_ONNX = ("prism virtual GPUs train TransformerEngine's modules but do not export them to ONNX "
+            "(TE's onnx_extensions needs onnxscript, which virtual-GPU processes do not load)")
+
+
+def _onnx_extensions(module: types.ModuleType) -> None:
+    """``transformer_engine.pytorch.onnx_extensions``: TE's ONNX-export ops (onnxscript functions, used only inside
+    ``te.onnx_export(enabled=True)``). TE imports it unconditionally; onnxscript and its dependencies are 1.7 s of
+    a 4.8 s TE import on a 2-core host (measured, ``-X importtime``), so virtual GPUs load this stand-in: each name
+    refuses when called, naming why."""
+
+    def refuse(name: str) -> Any:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"{name}: {_NO_ONNX}")
+
+        refused.__name__ = name
+        return refused
+
+    for name in _ONNX_NAMES:
+        setattr(module, name, refuse(name))
+    module.te_translation_table = _NoOnnxTable()  # type: ignore[attr-defined]
+
+
+_STANDINS = {"transformer_engine.pytorch.onnx_extensions": _onnx_extensions}
 
 
 def _common(module: types.ModuleType, exec_module: Any) -> None:
@@ -184,7 +239,7 @@ def missing_message() -> str:
     folder = te_path()
     return (f"TransformerEngine {TE_VERSION}'s PyTorch layer is not installed where virtual GPUs look for it "
             f"({folder}); run `bash scripts/setup_env.sh` (or `pip install --no-deps --target {folder} "
-            f"transformer-engine=={TE_VERSION} onnxscript onnx onnx-ir ml_dtypes`), or set {_ENV} to such a folder")
+            f"transformer-engine=={TE_VERSION}`), or set {_ENV} to such a folder")
 
 
 def installed() -> bool:
