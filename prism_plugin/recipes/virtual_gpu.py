@@ -21,7 +21,7 @@ all of whose emulations are like that has ``real: none``. Example::
         profile: dgx-h100
         device: virtual-gpu
         compare_with: none
-        expect: {peak_allocated_bytes: 34475570688, fits: true}
+        expect: {peak_allocated_bytes: 34542679552, fits: true}
 
 With ``fits: false`` the job crosses the GPU's memory: ``oom: report`` (``PRISM_VIRTUAL_GPU_OOM=report``)
 counts each crossing allocation and runs on, so the recipe reports how much the job needs; with the default
