@@ -192,12 +192,12 @@ def mend_imported(patches: Patches, compile_fn: Any = None) -> int:
                 patches.setattr(module, attr, fusion.compile)
                 count += 1
             elif _compiled(value) is not None:
-                patches.setattr(module, attr, fusion.fused(_compiled(value)))
+                patches.setattr(module, attr, fusion.fused(_compiled(value), compiled=True))
                 count += 1
             elif isinstance(value, type) and value.__module__ == name:
                 for member, function in list(vars(value).items()):
                     if _compiled(function) is not None:
-                        patches.setattr(value, member, fusion.fused(_compiled(function)))
+                        patches.setattr(value, member, fusion.fused(_compiled(function), compiled=True))
                         count += 1
     layers = sys.modules.get("megatron.core.tensor_parallel.layers")
     if layers is not None and not getattr(layers, "_grad_accum_fusion_available", True):

@@ -235,13 +235,9 @@ class _AllocatorTracker(StorageTracker):
         cuBLASLt shares it), allocated through the caching allocator after the GEMM's output and never freed.
         Handles are per thread: the program's thread, and in backward the autograd engine's worker thread of the
         device (here: a GEMM inside ``backward`` runs on the backward handle, recomputed forwards included)."""
-        stream = self.gpu.shim.current_stream(index).stream_id
-        key = (index, stream, torch._C._current_graph_task_id() != -1)
+        key = (index, self.gpu.shim.current_stream(index).stream_id, torch._C._current_graph_task_id() != -1)
         if key not in self.workspaces:
-            try:
-                self.workspaces[key] = self.gpu.shim.allocators[index].malloc(self._workspace_bytes, stream)
-            except DeviceOutOfMemory as exc:
-                raise torch.OutOfMemoryError(str(exc)) from None
+            self.workspaces[key] = self.transient(self._workspace_bytes, index)
 
     def _allocated(self, key: int, nbytes: int, tensor: torch.Tensor) -> None:
         index = tensor.device.index or 0
@@ -250,12 +246,18 @@ class _AllocatorTracker(StorageTracker):
 
     def malloc(self, key: int, nbytes: int, index: int) -> None:
         """Storage `key` of `nbytes` is allocated on device `index`, on its current stream."""
-        shim = self.gpu.shim
-        stream = shim.current_stream(index).stream_id
         try:
-            self._blocks[key] = shim.allocators[index].malloc(nbytes, stream)
-        except DeviceOutOfMemory as exc:
+            self._blocks[key] = self.transient(nbytes, index)
+        except torch.OutOfMemoryError:
             self._live.pop(key, None)
+            raise
+
+    def transient(self, nbytes: int, index: int) -> Block:
+        """`nbytes` allocated on device `index`, on its current stream, for no storage (the caller frees it)."""
+        shim = self.gpu.shim
+        try:
+            return shim.allocators[index].malloc(nbytes, shim.current_stream(index).stream_id)
+        except DeviceOutOfMemory as exc:
             raise torch.OutOfMemoryError(str(exc)) from None
 
     def _released(self, key: int) -> None:
@@ -419,10 +421,13 @@ class VirtualGpu:
             self.clock.sync_stream(stream)
 
     def _region_ended(self, end: fusion.RegionEnd) -> None:
-        """A fusion region's end: its survivors allocated in creation order, then the inputs it outlived freed, then
-        its one kernel on the current stream of its device."""
+        """A fusion region's end: its transient buffers allocated, then its survivors in creation order, then the
+        transients and the inputs it outlived freed, then its one kernel on the current stream of its device."""
+        transients = [self.tracker.transient(nbytes, index) for nbytes, index in end.transients]
         for key, nbytes, index in end.survivors:
             self.tracker.malloc(key, nbytes, index)
+        for block in transients:
+            self.tracker.free(block)
         for block in end.released:
             self.tracker.free(block)
         if self.clock is None or end.device is None or (end.cost is None and not end.ops_s):

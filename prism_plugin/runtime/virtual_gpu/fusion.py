@@ -18,7 +18,13 @@ While a region runs in the thread that opened it, on this process's virtual GPU 
 - **memory**: a storage created and freed inside the region (an intermediate) is never allocated in the
   caching-allocator model; the survivors (outputs, and tensors autograd saved for backward) are allocated at its
   end, in creation order, on the current stream; a pre-existing storage freed inside the region is freed after
-  them (a kernel holds its inputs until it ends). The peak is then the fused kernel's;
+  them (a kernel holds its inputs until it ends). The peak is then the fused kernel's. A compiled region
+  (``torch.compile``, Megatron's ``@jit_fuser``) that scatters in place into a tensor it was given (``index_put_``,
+  ``scatter_``, ``index_add_``, ...) also holds, while it runs, a buffer of that tensor's storage size: inductor
+  compiles the functionalized graph, which writes the scatter's result into a new buffer and copies it back into
+  the input (Megatron's fused cross-entropy backward, ``grad_2d[arange, target] -= update`` into its saved
+  softmax, holds one more fp32 [tokens, vocab/TP] buffer on a GPU: measured in the golden values, see
+  recipes/RESULTS.md); a CUDA extension's kernel scatters in place;
 - regions opened inside a region (nested ``@jit_fuser`` calls) fold into the outermost one.
 
 Without a region cost model (`FusionRegions.region_time` None: a virtual GPU whose kernel model is a plain
@@ -79,6 +85,9 @@ class RegionEnd:
     """The sum of its ops' modelled durations (the fallback without a region cost model)."""
     parts: tuple[KernelCost, ...] = ()
     """Its ops' kernel costs, in order (what a kernel table recorded unfused holds)."""
+    transients: tuple[tuple[int, int], ...] = ()
+    """``(bytes, device)`` of the buffers the compiled region holds while it runs (functional copies of the inputs it
+    scatters into): allocated before the survivors, freed after them."""
 
 
 @dataclass(slots=True)
@@ -86,6 +95,7 @@ class _Region:
     name: str
     kernel_class: KernelClass | None
     thread: int
+    compiled: bool = False
     device: int | None = None
     created: set[int] = field(default_factory=set)
     pending: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -100,6 +110,12 @@ class _Region:
     lead: KernelCost | None = None
     ops_s: float = 0.0
     parts: list[KernelCost] = field(default_factory=list)
+    transients: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+_SCATTERS = frozenset({"index_put_", "_index_put_impl_", "scatter_", "scatter_add_", "scatter_reduce_", "index_add_",
+                       "index_copy_", "index_reduce_", "masked_scatter_"})
+"""In-place scatters: in a compiled region, into a tensor the region was given, one functional copy of it."""
 
 
 def _view_bytes(t: torch.Tensor) -> int:
@@ -130,12 +146,13 @@ class FusionRegions:
         self._depth = 0
 
     # -- opening and closing ---------------------------------------------------------------------------------
-    def begin(self, name: str, kernel_class: KernelClass | None = None) -> bool:
+    def begin(self, name: str, kernel_class: KernelClass | None = None, *, compiled: bool = False) -> bool:
         """Open region `name` in this thread (nested: folds into the open one); False when another thread's
-        region is open (this one then runs unfused; do not `end` it)."""
+        region is open (this one then runs unfused; do not `end` it). `compiled`: a compiler's region (see the
+        module docstring), not a CUDA extension's kernel."""
         me = threading.get_ident()
         if self._region is None:
-            self._region = _Region(name, kernel_class, me)
+            self._region = _Region(name, kernel_class, me, compiled)
             self._depth = 1
             return True
         if self._region.thread != me:
@@ -155,7 +172,7 @@ class FusionRegions:
         self.on_end(RegionEnd(name=_PREFIX + region.name, device=region.device,
                               survivors=tuple((k, n, d) for k, (n, d) in region.pending.items()),
                               released=tuple(region.released), cost=_region_cost(region), ops_s=region.ops_s,
-                              parts=tuple(region.parts)))
+                              parts=tuple(region.parts), transients=tuple(region.transients.values())))
 
     @contextmanager
     def region(self, name: str, kernel_class: KernelClass | None = None) -> Iterator[None]:
@@ -215,6 +232,7 @@ class FusionRegions:
         if region.lead is None or (cost.flops, cost.bytes) > (region.lead.flops, region.lead.bytes):
             region.lead = cost
         reads, writes = tensor_accesses(func, args, kwargs)
+        scatter = region.compiled and func._overloadpacket.__name__ in _SCATTERS
         for tensors, seen in ((reads, region.read), (writes, region.written)):
             for t in tensors:
                 if t.device.type != "cuda":
@@ -224,6 +242,8 @@ class FusionRegions:
                     continue
                 key, nbytes = storage
                 region.storage_bytes[key] = nbytes
+                if scatter and seen is region.written:
+                    region.transients.setdefault(key, (nbytes, t.device.index or 0))
                 geometry = (int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.element_size())
                 seen.setdefault(key, {})[geometry] = _view_bytes(t)
 
@@ -255,15 +275,16 @@ def _label(fn: Any) -> str:
     return str(getattr(fn, "__name__", None) or type(fn).__name__)
 
 
-def fused(fn: F, name: str | None = None, *, kernel_class: KernelClass | None = None) -> F:
+def fused(fn: F, name: str | None = None, *, kernel_class: KernelClass | None = None, compiled: bool = False) -> F:
     """`fn` as a fusion region named `name` (default: its ``__name__``) whenever a virtual GPU runs in this process;
-    elsewhere `fn` itself runs. `kernel_class`: the region kernel's class (default: the dominant one)."""
+    elsewhere `fn` itself runs. `kernel_class`: the region kernel's class (default: the dominant one); `compiled`:
+    ``torch.compile``'s region (its scatters into inputs hold a functional copy), not a CUDA extension's kernel."""
     label = name or _label(fn)
 
     @functools.wraps(fn)
     def region(*args: Any, **kwargs: Any) -> Any:
         regions = active()
-        if regions is None or not regions.begin(label, kernel_class):
+        if regions is None or not regions.begin(label, kernel_class, compiled=compiled):
             return fn(*args, **kwargs)
         try:
             return fn(*args, **kwargs)
@@ -281,7 +302,7 @@ class FusedModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()
         self._orig_mod = module
-        self._region = fused(module.__call__, type(module).__name__)
+        self._region = fused(module.__call__, type(module).__name__, compiled=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._region(*args, **kwargs)
@@ -305,7 +326,7 @@ def compile(model: Any = None, *, disable: bool = False, **options: Any) -> Any:
         return model
     if isinstance(model, torch.nn.Module):
         return FusedModule(model)
-    return fused(model)
+    return fused(model, compiled=True)
 
 
 # -- the active regions ------------------------------------------------------------------------------------------
