@@ -71,7 +71,8 @@ def test_a_cuda_data_parallel_script_runs_as_rank_5_of_8192_on_a_virtual_h100(tm
     assert vgpu["virtual_time"]["comm_ops"] == 6 and vgpu["kernels"]["model"] == "roofline"
     assert len(vgpu["virtual_time"]["step_times_s"]) == 1  # two optimizer steps mark one whole iteration
     device0 = vgpu["devices"][0]
-    assert len(vgpu["devices"]) == 8 and device0["allocated_bytes"] == 0  # all freed when the script ended
+    # all freed when the script ended but torch's two cuBLAS workspaces (held for the process's life)
+    assert len(vgpu["devices"]) == 8 and device0["allocated_bytes"] == device0["cublas_workspace_bytes"] == 64 * 2**20
     # the peak holds at least the parameters, their gradients, both moments and the gathered tensor
     assert device0["peak_allocated_bytes"] >= 4 * params + round_size(4096 * 4096 * 2)
     # the device total: peak reserved (the cuBLAS workspaces among it) + the NCCL buffers of the one group used (the

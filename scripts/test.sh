@@ -4,5 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 .venv/bin/ruff check prism_plugin tests integration_tests benchmarks validation
-# unit tests (pure and single-process), then the multi-process integration tests
-.venv/bin/python -m pytest -q -p no:cacheprovider -W ignore::FutureWarning tests integration_tests "$@"
+# unit tests (pure and single-process), then the multi-process integration tests; the real-size jobs marked
+# `heavy` (minutes each) only with --heavy as the first argument
+select=(-m "not heavy")
+if [[ "${1:-}" == "--heavy" ]]; then
+  shift
+  select=()
+fi
+.venv/bin/python -m pytest -q -p no:cacheprovider -W ignore::FutureWarning "${select[@]}" tests integration_tests "$@"

@@ -76,7 +76,8 @@ def test_zero2_billion_parameter_mlp_as_rank_5_of_1024_on_a_virtual_h100(tmp_pat
     for step in (0, 1):
         assert lines[f"LOSS {step}"] == ["1.0"]  # the value policy's finite loss
         held = int(lines[f"MEM step{step}"][0])
-        assert held == model_states + round_size(2 * SEQ * HIDDEN) + round_size(4) + round_size(4)
+        # + the step's input, the loss, its norm, and torch's two cuBLAS workspaces (forward and autograd threads)
+        assert held == model_states + round_size(2 * SEQ * HIDDEN) + round_size(4) + round_size(4) + 2 * 32 * 2**20
     _, estimate = estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=8, num_nodes=DP // 8, cpu_offload=False)
     assert estimate == 2 * p + int(18 * p / DP)
     # the estimate less its 6 bytes/element of gradient partitions (freed between steps here) is the model states

@@ -19,7 +19,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# heavy: 32 layers at Llama-3-8B size, minutes per process (the drop-in about 83 s and `prism emulate` more on a 2-core
+# host); the same TE + FP8 paths run at 2 layers in CI (test_te_tp_overlap_virtual_gpu's hybrid FP8 job,
+# tests/emulated/test_te_virtual_gpu.py)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "prism_plugin" / "programs" / "pretrain_gpt.py"

@@ -67,7 +67,9 @@ SMALL = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-laye
          "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--micro-batch-size", "1",
          "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-4", "--mock-data", "--tokenizer-type",
          "NullTokenizer", "--vocab-size", "32000", "--bf16", "--use-distributed-optimizer", "--log-interval", "1",
-         "--eval-iters", "0", "--eval-interval", "1000", "--fp8-format", "hybrid"]
+         "--eval-iters", "0", "--eval-interval", "1000", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
+         "--fp8-amax-compute-algo", "max", "--fp8-param-gather"]
+"""A small job with the FP8 flags of the Llama-3-8B done-when job (test_te_fp8_virtual_gpu, marked heavy)."""
 
 
 def test_a_te_fp8_job_runs_in_hybrid_mode_against_its_graph(tmp_path: Path) -> None:

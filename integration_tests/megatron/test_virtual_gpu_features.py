@@ -105,7 +105,7 @@ def test_recompute_lowers_the_peak_none_over_selective_over_full(recompute_none:
     dummy_wgrads = 2 * (768 * 4096 + 4096 * 512 + 3584 * 4096 + 4096 * 1792 + 16128 * 4096)
     assert dummy_wgrads == 186_646_528
     assert {_device(s)["allocated_bytes"] for s in (recompute_none, recompute_selective, recompute_full)} == {
-        1_722_965_504}  # 1,536,318,464 B of states + the stand-ins + 512 B
+        1_790_074_368}  # 1,536,318,464 B of states + the stand-ins + 512 B + torch's two 32 MiB cuBLAS workspaces
     assert all(_device(s)["fits"] for s in (recompute_none, recompute_selective, recompute_full))
 
 
@@ -176,4 +176,4 @@ def test_overlapped_dp_buckets_train_on_the_dp_group_and_shorten_the_step(tmp_pa
     assert _step_times(overlap) == [0.033074488, 0.030814679]
     assert all(o <= p for o, p in zip(_step_times(overlap), _step_times(plain), strict=True))
     assert _device(plain)["peak_allocated_bytes"] == 3_862_394_368
-    assert _device(overlap)["peak_allocated_bytes"] == 3_862_492_672 and _device(overlap)["fits"]
+    assert _device(overlap)["peak_allocated_bytes"] == 3_862_435_328 and _device(overlap)["fits"]
