@@ -105,6 +105,8 @@ def test_fused_adam_is_refused_before_the_reexec(tmp_path: Path) -> None:
     assert '"torch_adam": true' in proc.stderr and "FusedAdam" in proc.stderr
 
 
+@pytest.mark.heavy  # a 1B-parameter ZeRO-3 model built under zero.Init (about 2 min on a 2-core host); ZeRO-3's
+# memory on a virtual GPU stays in CI in test_memory_validation_deepspeed's exact model-state test
 def test_zero3_with_zero_init_as_rank_5_of_1024_on_a_virtual_h100(tmp_path: Path) -> None:
     """ZeRO-3, the model built under ``deepspeed.zero.Init``: every parameter partitioned into ceil(numel / dp)
     elements, S in all. After initialize the device holds at least the bf16 parameter partitions (2 S bytes),

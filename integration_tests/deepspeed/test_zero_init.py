@@ -63,6 +63,7 @@ def _assert_emulated_rank5(result: dict, output: Path) -> None:
     assert summary["op_counts"].get("all_gather_into_tensor", 0) + summary["op_counts"].get("all_gather", 0) > 0
 
 
+@pytest.mark.heavy  # the upstream control (about 70 s on a 2-core host); the two prism runs below stay in CI
 def test_plain_deepspeed_fails_when_dynamo_is_first_imported_inside_zero_init(tmp_path: Path) -> None:
     config = _config(tmp_path / "plain.json", prism=False, output=tmp_path / "unused")
     proc = _run(["--config", str(config), "--gloo", str(tmp_path / "store")], _env(LOCAL_RANK="0"), tmp_path)
