@@ -83,7 +83,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complete
     tmp = tmp_path_factory.mktemp("saved")
     proc = _run(tmp / "out", "--train-iters", "2", "--save", str(tmp / "ckpt"), "--save-interval", "1", "--load",
                 str(tmp / "no-such-checkpoint"), "--log-num-zeros-in-grad", "--log-params-norm", "--log-throughput",
-                "--log-timers-to-tensorboard", "--log-memory-to-tensorboard", "--tensorboard-dir", str(tmp / "tb"))
+                "--log-timers-to-tensorboard", "--log-memory-to-tensorboard", "--tensorboard-dir", str(tmp / "tb"),
+                "--check-weight-hash-across-dp-replicas-interval", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return proc, tmp
 
@@ -144,6 +145,12 @@ def test_logging_flags_of_megatrons_functional_tests_run(saved: Any) -> None:
     assert [s["function"] for s in values["stated"]] == ["megatron/core/optimizer/clip_grads.py:count_zeros_fp32"]
     norms = [b for b in values["by_site"] if "(calc_params_l2_norm)" in b["site"]]
     assert [b["count"] for b in norms] == [2] and norms[0]["value"] == "1.0"
+    # --check-weight-hash-across-dp-replicas-interval 1: the replicas' hashes match (mirrored): Megatron checks once
+    # before the first iteration, then after each iteration
+    hashes = [b for b in values["by_site"] if b["site"].endswith("check_param_hashes_across_dp_replicas")]
+    assert [(b["value"], b["count"]) for b in hashes] == [(
+        "True (--check-weight-hash-across-dp-replicas-interval: every virtual replica mirrors this rank's "
+        "parameters)", 3)]
     if importlib.util.find_spec("tensorboard") is None:  # Megatron warns and writes nothing; prism says why
         assert "the tensorboard package is not installed on this host" in proc.stderr
         assert "Traceback" not in proc.stderr and not (tmp / "tb").exists()

@@ -12,6 +12,12 @@ GPU does not have:
 
 Both are counted per call site in the summary's ``values`` (``stated`` lists the answer and its reason).
 
+``--check-weight-hash-across-dp-replicas-interval N``: ``megatron/core/utils.py``'s
+``check_param_hashes_across_dp_replicas`` hashes each parameter's bytes on the host (``.numpy()``) and compares the
+hashes over the data-parallel group. A virtual GPU's parameters have no bytes; under the backend's data policy
+every virtual replica mirrors this rank's values, so the stated answer (`WEIGHT_HASH`) is True, the replicas
+match; counted in ``values.by_site`` like the other answers (`answer_weight_hash_check`).
+
 ``--tensorboard-dir`` / ``--log-timers-to-tensorboard`` / ``--log-memory-to-tensorboard``: Megatron writes
 TensorBoard events through ``torch.utils.tensorboard``, which needs the ``tensorboard`` package. Without it
 Megatron warns and writes nothing; `tensorboard_note` says so in one line naming the fix
@@ -25,7 +31,7 @@ from typing import Any
 
 from prism_plugin.runtime.virtual_gpu.values import SiteAnswer, ValuePolicy
 
-__all__ = ["COUNT_ZEROS", "state_answers", "tensorboard_note"]
+__all__ = ["COUNT_ZEROS", "WEIGHT_HASH", "answer_weight_hash_check", "state_answers", "tensorboard_note"]
 
 COUNT_ZEROS = SiteAnswer(
     path_suffix="megatron/core/optimizer/clip_grads.py", function="count_zeros_fp32", value=0,
@@ -34,9 +40,33 @@ COUNT_ZEROS = SiteAnswer(
 """The stated answer of ``count_zeros_fp32``'s read."""
 
 
+WEIGHT_HASH = ("megatron/core/utils.py:check_param_hashes_across_dp_replicas",
+               "True (--check-weight-hash-across-dp-replicas-interval: every virtual replica mirrors this rank's "
+               "parameters)")
+"""The call site and stated answer of the weight-hash check, as ``values.by_site`` lists them."""
+
+
 def state_answers(values: ValuePolicy) -> None:
     """State this module's answers on `values` (the virtual GPU's value policy)."""
     values.state(COUNT_ZEROS)
+
+
+def answer_weight_hash_check(values: ValuePolicy) -> None:
+    """Make ``check_param_hashes_across_dp_replicas`` answer `WEIGHT_HASH` (counted on `values`) in this process:
+    on ``megatron.core.utils`` (imported here, before the training loop imports the name) and on
+    ``megatron.training.training`` if it already holds the name."""
+    import sys
+
+    import megatron.core.utils as utils
+
+    def check_param_hashes_across_dp_replicas(model: Any, cross_check: bool = False) -> bool:
+        values.answers[WEIGHT_HASH] += 1
+        return True
+
+    utils.check_param_hashes_across_dp_replicas = check_param_hashes_across_dp_replicas
+    training = sys.modules.get("megatron.training.training")
+    if training is not None and hasattr(training, "check_param_hashes_across_dp_replicas"):
+        training.check_param_hashes_across_dp_replicas = check_param_hashes_across_dp_replicas
 
 
 def tensorboard_note(args: Any) -> str | None:

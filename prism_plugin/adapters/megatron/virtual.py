@@ -78,6 +78,7 @@ def run_script(config: EmulationConfig, script_argv: list[str], process_index: i
     vgpu = start_virtual_gpu(config, process_index)
     vgpu.values.real_device_hint = spell(FLAG_NAMES, "device", "real")
     log_values.state_answers(vgpu.values)
+    log_values.answer_weight_hash_check(vgpu.values)
     code: int = 0
     try:
         emulated = start_run(config, process_index, k, cpu_mode=False, cuda_peak=False, virtual_gpu=True,
