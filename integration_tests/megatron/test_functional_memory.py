@@ -16,6 +16,9 @@ What is asserted, per case:
   -4.87% off: 64 MiB, the whole gap;
 - the workspaces themselves: two of exactly 32 MiB.
 
+`test_every_case_that_runs_is_within_the_goal` (heavy: about 15 minutes) holds every other case that runs to
+issue 18's goal, 1%; the cases that miss it today are strict expected failures with their measured errors.
+
 The iteration time is not asserted here: the modelled step is 66-89% short of these small, launch-bound runs
 (see recipes/RESULTS.md).
 """
@@ -50,3 +53,68 @@ def test_peak_allocated_matches_golden(case: str, tmp_path: Path) -> None:
         f"{case}: predicted {result.predicted_peak_allocated_bytes} B (cuBLAS workspaces "
         f"{result.predicted_cublas_workspace_bytes} B among them) vs golden {result.measured_peak_allocated_bytes} B: "
         f"{error:+.3f}% (bound {BOUND_PCT}%)")
+
+
+GOAL_PCT = 1.0
+"""Issue 18's goal: peak allocated within 1% on every case that runs."""
+EVERY_OTHER_CASE = (
+    "gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset",
+    "gpt3_mcore_te_tp1_pp1_dist_optimizer_no_mmap_bin_files",
+    "gpt3_mcore_te_tp1_pp1_resume_torch_dist_uniform_full_recompute",
+    "gpt3_mcore_te_tp1_pp2_resume_torch_dist_rope_embeddings",
+    "gpt3_mcore_te_tp1_pp2_resume_torch_dist_rope_embeddings_interleaved_no_fusion",
+    "gpt3_mcore_te_tp1_pp4_resume_torch_dist_disable_bias_linear",
+    "gpt3_mcore_te_tp1_pp4_resume_torch_dist_swiglu",
+    "gpt3_mcore_te_tp1_pp4_resume_torch_dist_untie_embeddings_and_outputs",
+    "gpt3_mcore_te_tp1_pp4_vp1",
+    "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_decoupled_lr",
+    "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_dist_calculate_per_token_loss",
+    "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_dist_dist_optimizer_overlap_grad_reduce",
+    "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_dist_dist_optimizer_overlap_grad_reduce_untied",
+    "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_dist_tunable_overlap",
+    "gpt3_mcore_te_tp1_pp4_vp1_tunable_overlap",
+    "gpt3_mcore_te_tp1_pp4_vp1_uneven_pipeline",
+    "gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split",
+    "gpt3_mcore_te_tp2_pp2_cross_entropy_loss_fusion",
+    "gpt3_mcore_te_tp2_pp2_mla",
+    "gpt3_mcore_te_tp2_pp2_resume_torch_dist_cross_entropy_loss_fusion",
+    "gpt3_mcore_te_tp2_pp2_resume_torch_dist_ddp_average_in_collective",
+    "gpt3_mcore_te_tp2_pp2_resume_torch_dist_defer_embedding_wgrad_compute",
+    "gpt3_mcore_te_tp2_pp2_resume_torch_dist_no_create_attention_mask_in_dataloader",
+    "gpt3_mcore_te_tp2_pp2_resume_torch_dist_reshard_1x4xNone",
+    "gpt3_mcore_te_tp4_pp1_dist_optimizer_overlap_grad_reduce_param_gather",
+    "gpt3_mcore_te_tp4_pp1_resume_torch_dist_dist_optimizer_overlap_grad_reduce",
+    "gpt3_mcore_te_tp4_pp1_resume_torch_dist_dist_optimizer_overlap_grad_reduce_param_gather",
+    "gpt3_mcore_te_tp4_pp1_resume_torch_dist_qk_layernorm_test_mode",
+    "gpt3_mcore_te_tp4_pp2_resume_torch_dist_reshard_8x1xNone",
+    "gpt3_mcore_tp1_pp1_resume_torch_dist_dist_optimizer_overlap_grad_reduce_param_gather",
+    "gpt3_mcore_tp1_pp2",
+    "gpt3_mcore_tp1_pp4",
+    "gpt3_mcore_tp4_pp1_resume_torch",
+    "gpt3_mcore_tp4_pp1_resume_torch_dist",
+    "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer",
+)
+"""The other cases that run on a virtual H100 (38 of 78 at 50f9da057bc0; the rest are refused up front or stop in a
+path listed in recipes/RESULTS.md): about 25 s each on a 2-core host, so heavy."""
+MISSED = {
+    "gpt3_mcore_te_tp2_pp2_resume_torch_dist_defer_embedding_wgrad_compute":
+        "+45.37% at 50f9da057bc0: the deferred output-layer grad_outputs stay allocated after the drain consumed them "
+        "(recipes/RESULTS.md)",
+    "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer":
+        "-1.08% at 50f9da057bc0: not diagnosed",
+}
+"""Cases where the goal is missed today, with the measured error; strict: one that comes within the goal fails here
+until it is taken off this list."""
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=pytest.mark.xfail(strict=True, reason=MISSED[case])) if case in MISSED else case
+    for case in EVERY_OTHER_CASE])
+def test_every_case_that_runs_is_within_the_goal(case: str, tmp_path: Path) -> None:
+    result = run_case(load_cases([case])[0], tmp_path, timeout_s=600)
+    assert result.status is CaseStatus.OK, f"{case} did not run: {result.reason}"
+    error = result.memory_error_pct
+    assert error is not None and abs(error) <= GOAL_PCT, (
+        f"{case}: predicted {result.predicted_peak_allocated_bytes} B vs golden "
+        f"{result.measured_peak_allocated_bytes} B: {error:+.3f}% (goal {GOAL_PCT}%)")
