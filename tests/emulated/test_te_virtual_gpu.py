@@ -155,6 +155,24 @@ tex.{name}()
     assert out["error"].startswith(f"NotImplementedError: transformer_engine_torch.{name} on a virtual GPU")
 
 
+def test_fp8_weights_scales_are_one_multi_tensor_kernel_in_place(library: None) -> None:
+    # what TE's tensor/utils.py launches for FP8 primary weights under current scaling (--fp8-param-gather):
+    # scale and scale_inv from each amax, written in place into the given fp32 tensors
+    out = run("""
+import transformer_engine_torch as tex
+amaxes, scales, inverses = ([torch.empty(1, device="cuda") for _ in range(4)] for _ in range(3))
+noop = torch.zeros(1, dtype=torch.int32, device="cuda")
+before = torch.cuda.memory_allocated()
+out["result"] = tex.multi_tensor_compute_scale_and_scale_inv(2048 * 32, noop, [amaxes, scales, inverses], 448.0,
+                                                             False, 0.0)
+out["allocated"] = torch.cuda.memory_allocated() - before
+out["kernels"] = take()
+""")
+    assert out["result"] is None and out["allocated"] == 0  # in place: nothing allocated, nothing returned
+    # one kernel: reads the 12 tensors, writes the 8 scales and inverses (4 B each)
+    assert out["kernels"] == [["multi_tensor_compute_scale_and_scale_inv", "elementwise", "float32", 0, 20 * 4, [1]]]
+
+
 def test_grouped_linear_runs_one_gemm_per_group_with_rows(library: None) -> None:
     out = run("""
 grouped = te.GroupedLinear(3, 1024, 4096, bias=False, params_dtype=torch.bfloat16, device="cuda")

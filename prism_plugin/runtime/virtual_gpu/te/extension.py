@@ -549,6 +549,11 @@ def build_module(module: Any) -> None:
                                                            lambda lists: list(range(1, len(lists)))),
         "multi_tensor_sgd": _multi_tensor("multi_tensor_sgd", KernelClass.OPTIMIZER,
                                           lambda lists: list(range(1, len(lists)))),
+        # FP8 primary weights' scaling (tensor/utils.py): lists [amaxes, scales, scale_invs] and [amaxes, scale_invs]
+        "multi_tensor_compute_scale_and_scale_inv": _multi_tensor("multi_tensor_compute_scale_and_scale_inv",
+                                                                  KernelClass.ELEMENTWISE, lambda lists: [1, 2]),
+        "multi_tensor_compute_scale_inv_e8m0": _multi_tensor("multi_tensor_compute_scale_inv_e8m0",
+                                                             KernelClass.ELEMENTWISE, lambda lists: [1]),
     }
     for name in _ACTIVATIONS:
         forward, backward = _activation(name)
