@@ -16,7 +16,7 @@ What is asserted, per case:
   -4.87% off: 64 MiB, the whole gap;
 - the workspaces themselves: two of exactly 32 MiB.
 
-`test_every_case_that_runs_is_within_the_goal` (heavy: about 15 minutes) holds every other case that runs to
+`test_every_case_that_runs_is_within_the_goal` (heavy: about 16 minutes) holds every other case that runs to
 issue 18's goal, 1%; the cases that miss it today are strict expected failures with their measured errors.
 
 The iteration time is not asserted here: the modelled step is 66-89% short of these small, launch-bound runs
@@ -68,8 +68,10 @@ EVERY_OTHER_CASE = (
     "gpt3_mcore_te_tp1_pp4_resume_torch_dist_untie_embeddings_and_outputs",
     "gpt3_mcore_te_tp1_pp4_vp1",
     "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_decoupled_lr",
+    "gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce_param_gather_overlap_optimizer",
     "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_dist_calculate_per_token_loss",
     "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_dist_dist_optimizer_overlap_grad_reduce",
+    "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_dist_dist_optimizer_overlap_grad_reduce_param_gather",
     "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_dist_dist_optimizer_overlap_grad_reduce_untied",
     "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_dist_tunable_overlap",
     "gpt3_mcore_te_tp1_pp4_vp1_tunable_overlap",
@@ -94,8 +96,9 @@ EVERY_OTHER_CASE = (
     "gpt3_mcore_tp4_pp1_resume_torch_dist",
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer",
 )
-"""The other cases that run on a virtual H100 (38 of 78 at 50f9da057bc0; the rest are refused up front or stop in a
-path listed in recipes/RESULTS.md): about 25 s each on a 2-core host, so heavy."""
+"""The other cases that run on a virtual H100 (38 of 78 at 50f9da057bc0, and the two weight-hash-check cases since;
+the rest are refused up front or stop in a path listed in recipes/RESULTS.md): about 25 s each on a 2-core host,
+so heavy."""
 MISSED = {
     "gpt3_mcore_te_tp2_pp2_resume_torch_dist_defer_embedding_wgrad_compute":
         "+45.37% at 50f9da057bc0: the deferred output-layer grad_outputs stay allocated after the drain consumed them "
