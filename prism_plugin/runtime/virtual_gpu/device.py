@@ -303,8 +303,9 @@ class _AllocatorTracker(StorageTracker):
         flat_out = leaves(out)
         self._track_outputs(flat_out, flat_args + flat_kwargs)
         self.gpu.values.observe(func, args, kwargs, out)
-        index = _first_cuda(flat_out, flat_args)
-        if index is not None and uses_cublas(func):
+        cublas = uses_cublas(func)
+        index = _first_cuda(flat_out, flat_args) if cublas or self.gpu.clock is not None else None
+        if cublas and index is not None:
             self.cublas_workspace(index)
         if self.gpu.clock is not None:
             self.gpu.time_kernel(func, args, kwargs, out, to_host, index=index)
