@@ -201,6 +201,7 @@ def train_case(ctx: Ctx, *, tp: int = 1, pp: int = 1, vpp: int | None = None, sp
         from megatron.core import parallel_state as ps
 
         result["peak_bytes"] = tracker.peak_bytes if tracker is not None else None
+        result["late_free_bytes"] = tracker.late_free_bytes if tracker is not None else None
         result["pp_rank"] = ps.get_pipeline_model_parallel_rank()
         result["dp_size"] = ps.get_data_parallel_world_size()
         result["optimizer_state_bytes"] = _optimizer_state_bytes(optimizer)

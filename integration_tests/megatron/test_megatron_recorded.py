@@ -95,16 +95,22 @@ def test_emulated_rank_is_bit_exact(mcluster, layout_runs) -> None:
         where = f"{name}: rank {rank} emulated (others virtual) vs real"
         for key in ("losses", "grad_norm", "grads", "params"):
             _bits_equal(emulated[key], real[rank][key], f"{where} {key}")
-        peaks = [real[rank]["peak_bytes"]]
-        while emulated["peak_bytes"] != min(peaks) and len(peaks) <= REAL_RETRIES:
-            # the real run's peak may carry a transient: an async gloo work still holding its buffers on gloo's
-            # thread when the main thread allocates (+2,688 B once in ep2-allgather under CI); repeat it
+        runs = [real[rank]]
+        while emulated["peak_bytes"] not in [r["peak_bytes"] for r in runs] and len(runs) <= REAL_RETRIES:
+            # the real run's peak may carry a transient: gloo's worker thread still holding the last reference to a
+            # tensor when the main thread, told the op completed, allocates (+2,688 B and +7,024 B in ep2-allgather
+            # under CI's load); the tracker counts such late frees. Repeat the real run.
             again = mcluster.run(Setup(mode=Mode.PRISM, world_size=world, real_ranks=tuple(range(world)),
                                        label=f"{name}-real-again"), pm.train_case, **spec)[rank]
             _bits_equal(again["losses"], real[rank]["losses"], f"{where} (real run repeated) losses")
-            peaks.append(again["peak_bytes"])
-        assert emulated["peak_bytes"] == min(peaks), \
-            f"{where}: peak tensor memory {emulated['peak_bytes']} B vs real {peaks} B (lowest must match)"
+            runs.append(again)
+        for run in runs:
+            peak, late = run["peak_bytes"], run["late_free_bytes"]
+            figures = f"{where}: peak tensor memory {emulated['peak_bytes']} B vs real {peak} B ({late} B freed late)"
+            if late:  # a race-free peak lies between the emulated one and this upper bound
+                assert emulated["peak_bytes"] <= peak <= emulated["peak_bytes"] + late, figures
+            else:
+                assert emulated["peak_bytes"] == peak, figures
 
 
 def test_two_real_ranks_replay_bit_exact(mcluster, layout_runs) -> None:

@@ -96,6 +96,13 @@ class StorageTracker(TorchDispatchMode):
         """Highest `current_bytes` since start (or the last `reset_peak`)."""
         self.allocations = 0
         """Storages registered so far."""
+        self.late_frees = 0
+        self.late_free_bytes = 0
+        """Storages (and their bytes) freed by a thread other than the one that started the tracker: a
+        communication library's worker (gloo's) dropping the last reference to a tensor after the program's thread
+        was told the operation completed. Until that thread ran, the program's thread may have allocated more, so
+        a peak measured with late frees is an upper bound, above the race-free one by at most these bytes."""
+        self._owner: int | None = None
         self._live: dict[int, tuple[weakref.ref, int]] = {}
         self.history: list[tuple[str, int, int, int]] | None = None
         """With `record_history`: (action ``alloc`` / ``free_completed``, storage key, bytes, sequence), bounded."""
@@ -130,6 +137,9 @@ class StorageTracker(TorchDispatchMode):
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current_bytes -= entry[1]
+            if self._owner is not None and threading.get_ident() != self._owner:
+                self.late_frees += 1
+                self.late_free_bytes += entry[1]
             self._released(key)
             if self.history is not None:
                 self._record("free_completed", key, entry[1])
@@ -210,6 +220,8 @@ class StorageTracker(TorchDispatchMode):
         self.__exit__(None, None, None)
 
     def __enter__(self) -> StorageTracker:
+        if self._owner is None:
+            self._owner = threading.get_ident()
         with _LOCK:
             _CURRENT.append(self)
         return super().__enter__()
@@ -231,4 +243,4 @@ class StorageTracker(TorchDispatchMode):
 
     def summary(self) -> dict[str, int]:
         return {"current_bytes": self.current_bytes, "peak_bytes": self.peak_bytes,
-                "allocations": self.allocations}
+                "allocations": self.allocations, "late_free_bytes": self.late_free_bytes}
