@@ -72,6 +72,7 @@ def test_what_emulate_cannot_run_is_refused_before_any_process(tmp_path: Path, c
         DeepSpeedJob.from_argv([str(SCRIPT), "--seq-length", "8"], N)
 
 
+@pytest.mark.heavy  # about 50 s; test_emulate_deepspeed_hybrid runs emulate on DeepSpeed in CI
 def test_prism_emulate_predicts_a_zero2_job_and_its_hybrid_ranks_agree_with_the_replay(tmp_path: Path) -> None:
     out = tmp_path / "em"
     flops = model_flops_per_iteration(global_batch=256, seq=SEQ, hidden=HIDDEN, layers=LAYERS, vocab=VOCAB)

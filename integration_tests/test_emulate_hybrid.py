@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # minutes of CI each; `scripts/test.sh --heavy` runs them
 
 SCRIPT = Path(__file__).resolve().parents[1] / "prism_plugin" / "programs" / "pretrain_gpt.py"
 JOB = ["--transformer-impl", "local", "--num-layers", "2", "--hidden-size", "1024", "--num-attention-heads", "16",

@@ -41,7 +41,7 @@ import yaml
 
 from integration_tests.attempts import Attempt, check_in_attempts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # minutes of CI each; `scripts/test.sh --heavy` runs them
 
 STEPS, WARMUP, REAL_RUNS = 45, 5, 5
 PROGRAM = ["-m", "prism_plugin.programs.toy_train", "--tp", "1", "--hidden", "512", "--batch", "64",

@@ -82,6 +82,7 @@ def test_toy_tp2_fake_cpu_allocates_what_real_cpu_does(tmp_path: Path) -> None:
     assert fake["first_loss"] == 1.0  # the value policy's answer: nothing is computed
 
 
+@pytest.mark.heavy
 def test_deepspeed_zero1_mlp_fake_cpu_allocates_what_real_cpu_does(tmp_path: Path) -> None:
     real, _ = _compare(tmp_path, "deepspeed-zero1", 3, FAKE_DEEPSPEED)
     # measured (both runs): the 4 x Linear(256, 256) MLP's fp32 parameters (1,052,672 B) and ZeRO-1's state

@@ -93,6 +93,7 @@ def test_a_three_point_sweep_of_a_small_job(recipe: Path, tmp_path: Path) -> Non
     assert [p["figures"]["step_times_s"] for p in again["points"]] == [f["step_times_s"] for f in figs]
 
 
+@pytest.mark.heavy  # a local Ray instance: about 35 s
 def test_points_run_as_ray_tasks_on_a_local_instance(recipe: Path, tmp_path: Path) -> None:
     pytest.importorskip("ray")
     spec = SweepSpec(recipe=load_recipe(recipe), world_sizes=(8, 16), global_batch=16)

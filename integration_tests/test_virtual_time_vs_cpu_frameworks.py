@@ -54,7 +54,7 @@ import yaml
 from integration_tests.attempts import Attempt, check_in_attempts
 from integration_tests.test_virtual_time_vs_cpu import MAX_BOUND, MAX_LOAD, _env, _free_port, error_bound
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # minutes of CI each; `scripts/test.sh --heavy` runs them
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "megatron-tp2-n2.yaml"

@@ -71,6 +71,7 @@ def test_zero2_model_states_against_deepspeeds_estimate(tmp_path: Path) -> None:
     assert allocated - held == 384 + 768 + 512 and allocated == 2_160_397_824
 
 
+@pytest.mark.heavy  # about 95 s; the ZeRO-2 case runs in CI
 def test_zero3_model_states_against_deepspeeds_estimate_and_the_663296_bytes(tmp_path: Path) -> None:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 

@@ -69,7 +69,7 @@ ARRIVAL_EARLY_US = 10.0  # an op completing before the replay says would be a bu
 ARRIVAL_MEDIAN_US = 200.0
 
 
-@pytest.fixture(scope="module", params=["megatron", "deepspeed"])
+@pytest.fixture(scope="module", params=["megatron", pytest.param("deepspeed", marks=pytest.mark.heavy)])
 def figures(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     job = FrameworkJob(framework=request.param, steps=24, warmup=3)
     out = validate_framework(job, tmp_path_factory.mktemp(request.param))

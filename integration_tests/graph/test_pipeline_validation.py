@@ -52,7 +52,7 @@ from prism_plugin.graph.rank_trace import load_rank_traces
 from prism_plugin.graph.schema import ExecutionGraph
 from validation.pipeline import PipelineJob, run_pipeline, validate
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # minutes of CI each; `scripts/test.sh --heavy` runs them
 
 JOB = PipelineJob(pp=2, microbatches=8, fwd_ms="3,4", bwd_ms="6,8", steps=24, warmup=3, profile_steps=12)
 FLOOR_PCT = 5.0  # quiet-machine errors of the mean are within ~3%; 2 points of margin

@@ -152,6 +152,7 @@ def test_the_standin_is_refused_off_virtual_gpus(tmp_path: Path) -> None:
     assert "--prism-device virtual-gpu" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.heavy
 def test_prism_emulate_predicts_the_cp_job_with_the_standin_from_the_environment(tmp_path: Path) -> None:
     """``PRISM_ATTENTION=flash prism emulate`` (its profiling runs inherit the variable): the TP2 CP2 job at N = 8
     is one class of ranks (the load-balanced chunks give every CP rank the same attention work), replayed."""

@@ -133,6 +133,7 @@ def test_hang_on_the_tp_group_named_in_the_users_words_fires_in_megatron(tmp_pat
     assert event["step"] == event["raised_at_step"] and summary["faults"]["never_fired"] == []
 
 
+@pytest.mark.heavy
 def test_hang_on_a_group_the_job_never_uses_says_never_fired_and_strict_fails(tmp_path: Path) -> None:
     """``group=cp`` with no context parallelism has a one-member group that carries no op: at exit the fault
     "never fired" (stderr and the summary); ``strict=true`` makes the run fail."""

@@ -52,7 +52,7 @@ def _parameters_per_tp_rank() -> int:
     return 2 * embedding + 2 * layer + H  # + the final norm
 
 
-@pytest.mark.parametrize("rank", [7, 63])
+@pytest.mark.parametrize("rank", [pytest.param(7, marks=pytest.mark.heavy), 63])
 def test_pretrain_gpt_trains_llama3_8b_width_tp8_on_a_virtual_h100(tmp_path: Path, rank: int) -> None:
     proc = _run(tmp_path, rank)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]

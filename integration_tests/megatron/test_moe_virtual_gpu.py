@@ -139,6 +139,7 @@ def test_skew_routing_is_seeded_and_the_expert_gemms_and_bytes_follow_it(tmp_pat
     assert peaks == [21_059_023_360, 19_762_463_744]
 
 
+@pytest.mark.heavy
 def test_skew_with_tp2_sequence_parallel_splits_over_tp_and_ep(tmp_path_factory: Any) -> None:
     """TP2 + SP (expert TP 2) x EP8 as rank 5 of 16: TP rank 1, EP rank 2 (expert 2); 2048 tokens per rank."""
     proc, summary = _run(tmp_path_factory.mktemp("tp2"), 5, 16, "--tensor-model-parallel-size", "2",

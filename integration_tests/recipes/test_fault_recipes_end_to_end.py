@@ -42,6 +42,7 @@ MAX_FOREIGN_CORES = float(os.environ.get("PRISM_RECIPES_MAX_FOREIGN_CORES", 0.25
 TIMED = ("wait", "wait_rel")  # checks on measured durations (lenient on a shared machine)
 
 pytestmark = pytest.mark.slow
+CI_FAULTS = ("fault-hang", "fault-crash", "fault-straggler")  # the others are heavy: 15-20 s each
 
 
 def test_fault_tier_is_one_recipe_per_fault() -> None:
@@ -49,7 +50,7 @@ def test_fault_tier_is_one_recipe_per_fault() -> None:
                            "fault-kill"}
 
 
-@pytest.mark.parametrize("name", FAULTS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in CI_FAULTS else pytest.mark.heavy) for n in FAULTS])
 def test_fault_recipe_demonstrates_its_fault(name: str, tmp_path: Path) -> None:
     recipe = load_recipe(RECIPES / f"{name}.yaml")
     result = run_recipe(recipe, tmp_path / name, timeout_s=120)
@@ -113,6 +114,7 @@ def test_an_expected_failure_that_does_not_happen_fails_the_recipe(
     assert "FAIL" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_a_fault_without_expect_is_still_a_run_error(tmp_path: Path) -> None:
     recipe = load_recipe(_variant(tmp_path, "fault-crash", expect=None))
     with pytest.raises(RunFailed, match="Connection reset by peer"):
