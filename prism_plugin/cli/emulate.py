@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -45,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prism_plugin.config.errors import ConfigError
+from prism_plugin.config.errors import ConfigError, int_at_least, positive_int
 
 __all__ = ["add_emulate_parser", "emulate", "layout_of_megatron_args"]
 
@@ -100,6 +101,28 @@ def layout_of_megatron_args(argv: list[str], world_size: int) -> str:
     return text
 
 
+def _positive_number(flag: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{flag} {value!r}: give a finite number > 0")
+
+
+def _check_numbers(*, world_size: int, gpus_per_node: int, warmup: int, timeout_s: float, seq_length: int | None,
+                   model_flops_per_iteration: float | None) -> None:
+    """Every numeric argument of `emulate` in range, named as its flag (before any process starts)."""
+    positive_int("--world-size", world_size, hint="N, the job's number of GPUs, e.g. --world-size 8192")
+    positive_int("--gpus-per-node", gpus_per_node, hint="the cluster's GPUs per node, e.g. --gpus-per-node 8")
+    if world_size % gpus_per_node:
+        raise ConfigError(f"--gpus-per-node {gpus_per_node} does not divide --world-size {world_size}: the job would "
+                          "end on a partial node; give a world size that is a multiple of it, or the cluster's GPUs "
+                          "per node")
+    int_at_least("--warmup", warmup, 0, hint="traced iterations dropped before the graph is built; 0 keeps all")
+    _positive_number("--timeout", timeout_s)
+    if seq_length is not None:
+        positive_int("--seq-length", seq_length, hint="the tokens per sample, e.g. --seq-length 4096")
+    if model_flops_per_iteration is not None:
+        _positive_number("--model-flops-per-iteration", model_flops_per_iteration)
+
+
 def _run_command(script_argv: list[str], rank: int, run_dir: Path, world_size: int, profile: str,
                  gpus_per_node: int, *, trace: bool = True, graph: Path | None = None) -> list[str]:
     command = [sys.executable, "-m", "prism_plugin.megatron", *script_argv,
@@ -113,16 +136,24 @@ def _run_command(script_argv: list[str], rank: int, run_dir: Path, world_size: i
     return command
 
 
+class RunFailed(RuntimeError):
+    """A profiling or hybrid run that exited non-zero or overran ``--timeout``; the message names its log."""
+
+
 def _run(command: list[str], run_dir: Path, rank: int, what: str, timeout_s: float) -> dict[str, Any]:
-    """Run one virtual-GPU process with virtual time; its summary (a `RuntimeError` naming its log on failure)."""
+    """Run one virtual-GPU process with virtual time; its summary (`RunFailed` naming its log on failure)."""
     log = run_dir / "log.txt"
     t0 = time.perf_counter()
     with log.open("w") as f:
-        rc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
-                            env=dict(os.environ, PRISM_VIRTUAL_TIME="on")).returncode
+        try:
+            rc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                env=dict(os.environ, PRISM_VIRTUAL_TIME="on")).returncode
+        except subprocess.TimeoutExpired:  # subprocess.run killed it
+            raise RunFailed(f"prism emulate: {what} (rank {rank}) ran past --timeout {timeout_s:g} s and was "
+                            f"stopped; its log: {log}; give a longer --timeout") from None
     if rc != 0:
         tail = log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"prism emulate: {what} (rank {rank}) exited {rc}; log {log}:\n{tail}")
+        raise RunFailed(f"prism emulate: {what} (rank {rank}) exited {rc}; its log: {log}; the log ends:\n{tail}")
     return {"rank": rank, "wall_s": round(time.perf_counter() - t0, 3),
             "summary": json.loads((run_dir / f"rank{rank}.summary.json").read_text())}
 
@@ -149,6 +180,8 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
     if any(a.startswith("--prism-") for a in script_argv):
         raise ConfigError("prism emulate sets the --prism-* flags of each profiling run itself: drop them from the "
                           "job's arguments")
+    _check_numbers(world_size=world_size, gpus_per_node=gpus_per_node, warmup=warmup, timeout_s=timeout_s,
+                   seq_length=seq_length, model_flops_per_iteration=model_flops_per_iteration)
     hw = load_profile(profile)
     if hw.gpu is None:
         raise ConfigError(f"--profile {profile}: names no GPU model; use a GPU profile such as dgx-h100")
@@ -308,9 +341,10 @@ def _kernel_model_env(args: argparse.Namespace) -> None:
                                                 ("PRISM_KERNEL_TABLE", args.kernel_table),
                                                 ("PRISM_KERNEL_FIT", args.kernel_fit)) if value is not None}
     if env:
+        from prism_plugin.runtime.preflight import TIME_FLAGS
         from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions
 
-        VirtualTimeOptions.from_env({**os.environ, **env})  # a ConfigError naming the variable and the fix
+        VirtualTimeOptions.from_env({**os.environ, **env}, names=TIME_FLAGS)  # a ConfigError naming the flag
         os.environ.update(env)
 
 
@@ -323,12 +357,16 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
         target = target[1:]
     _kernel_model_env(args)
     console = Console(stderr=True)
-    with console.status("prism emulate") as status:
-        report = emulate(target, world_size=args.world_size, profile=args.profile, out=args.out,
-                         gpus_per_node=args.gpus_per_node, warmup=args.warmup, timeout_s=args.timeout,
-                         progress=lambda text: status.update(f"prism emulate: {text}"), framework=args.framework,
-                         seq_length=args.seq_length, model_flops_per_iteration=args.model_flops_per_iteration,
-                         hybrid=args.hybrid)
+    try:
+        with console.status("prism emulate") as status:
+            report = emulate(target, world_size=args.world_size, profile=args.profile, out=args.out,
+                             gpus_per_node=args.gpus_per_node, warmup=args.warmup, timeout_s=args.timeout,
+                             progress=lambda text: status.update(f"prism emulate: {text}"), framework=args.framework,
+                             seq_length=args.seq_length, model_flops_per_iteration=args.model_flops_per_iteration,
+                             hybrid=args.hybrid)
+    except RunFailed as exc:  # one message naming the run's log, no traceback
+        console.print(str(exc), markup=False, highlight=False, soft_wrap=True)
+        return 1
     if args.json:
         print(json.dumps(report, indent=1))
         return 0

@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from prism_plugin.config.errors import ConfigError
+from prism_plugin.runtime.preflight import check_directory
 
 __all__ = ["add_kernels_parser"]
 
@@ -71,6 +73,10 @@ def _target(args: argparse.Namespace) -> list[str]:
 
 def _cmd_record(args: argparse.Namespace) -> int:
     target = _target(args)
+    if args.output.is_dir():
+        raise ConfigError(f"--output {str(args.output)!r} is a directory; give the table's file name, e.g. "
+                          f"--output {args.output / 'kernel_table.json'}")
+    check_directory("--output", args.output.parent)
     import torch
 
     from prism_plugin.runtime.virtual_gpu.record import KernelRecorder, run_program, table_data
@@ -114,6 +120,24 @@ def _cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
+MIN_MEASURED_STEP_S = 1e-6
+"""The shortest measured step `prism kernels fit` takes: one kernel launch costs microseconds, so a shorter "step" is
+a unit slip (nanoseconds, or a per-token figure) rather than a measurement."""
+
+
+def _measured_step_s(value: object, where: str) -> float:
+    """A measured step time in seconds: a finite number >= `MIN_MEASURED_STEP_S`, else a `ConfigError` naming
+    `where` and what is wrong with it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{where}: measured step time {value!r} is not a number; give seconds, e.g. 0.0131")
+    if value <= 0:
+        raise ConfigError(f"{where}: measured step time {value!r} s must be > 0 (the step's wall time in seconds)")
+    if value < MIN_MEASURED_STEP_S:
+        raise ConfigError(f"{where}: measured step time {value!r} s is under {MIN_MEASURED_STEP_S:g} s, shorter than "
+                          "one kernel launch; give the step's wall time in seconds (e.g. 0.0131 for 13.1 ms)")
+    return float(value)
+
+
 def _fit_run_arg(text: str) -> tuple[str | None, Path, float]:
     name, sep, rest = text.partition("=")
     if not sep:
@@ -122,11 +146,14 @@ def _fit_run_arg(text: str) -> tuple[str | None, Path, float]:
     try:
         value = float(seconds)
     except ValueError:
-        value = -1.0
-    if not sep or not path or not value > 0:
+        value = None
+    if not sep or not path or value is None:
         raise argparse.ArgumentTypeError(f"--run {text!r}: give [NAME=]SUMMARY.json:MEASURED_STEP_SECONDS, e.g. "
                                          "out/rank0.summary.json:0.0131")
-    return name, Path(path), value
+    try:
+        return name, Path(path), _measured_step_s(value, f"--run {text!r}")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _fit_runs(args: argparse.Namespace) -> list[Any]:
@@ -147,7 +174,8 @@ def _fit_runs(args: argparse.Namespace) -> list[Any]:
             missing = [k for k in ("summary", "measured_step_s") if not isinstance(row, dict) or k not in row]
             if missing:
                 raise ConfigError(f"--runs {args.runs}: runs[{i}] has no `{missing[0]}`")
-            specs.append((row.get("name"), args.runs.parent / str(row["summary"]), row["measured_step_s"]))
+            specs.append((row.get("name"), args.runs.parent / str(row["summary"]),
+                          _measured_step_s(row["measured_step_s"], f"--runs {args.runs}: runs[{i}]")))
     runs = []
     for name, path, measured in specs:
         try:

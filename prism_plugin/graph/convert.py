@@ -193,7 +193,8 @@ def class_trace(trace: RankTrace, layout: WorldLayout, *, warmup: int = 2,
     if not steady:
         raise GraphError(
             f"rank {trace.rank}'s trace has {len(trace.iterations)} iteration(s), none left after dropping "
-            f"{warmup} warm-up iteration(s): run more steps (--steps) or lower warmup"
+            f"{warmup} warm-up iteration(s): run more iterations (Megatron's --train-iters, the script's own step "
+            "count) or drop fewer (--warmup)"
         )
     roles: dict[int, str] = {}
     steps: dict[int, tuple[str, int]] = {}

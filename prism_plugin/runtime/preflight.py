@@ -30,8 +30,9 @@ from pathlib import Path
 from prism_plugin.config.emulation import ConfigError, EmulationConfig
 from prism_plugin.graph.errors import GraphError
 
-__all__ = ["RUN_FLAGS", "check_directories", "check_directory", "check_file_output", "check_graph", "check_launch",
-           "check_program", "check_recording", "DEFAULT_PROFILE", "default_profile_note", "respell", "spell"]
+__all__ = ["RUN_FLAGS", "TIME_FLAGS", "check_directories", "check_directory", "check_file_output", "check_graph",
+           "check_launch", "check_program", "check_recording", "DEFAULT_PROFILE", "default_profile_note", "respell",
+           "spell"]
 
 RUN_FLAGS: Mapping[str, str] = {
     "world_size": "--world-size", "output_dir": "--output", "record_dir": "--record", "replay_dir": "--replay",
@@ -41,6 +42,12 @@ RUN_FLAGS: Mapping[str, str] = {
 """How `prism run` spells each EmulationConfig field (the default of every check). Messages of the layers below
 the entry points name settings this way; an entry point that spells them otherwise passes its own mapping or
 re-spells the message (`respell`)."""
+
+
+TIME_FLAGS = {"PRISM_VIRTUAL_TIME": "--virtual-time", "PRISM_KERNEL_MODEL": "--kernel-model",
+              "PRISM_KERNEL_TABLE": "--kernel-table", "PRISM_KERNEL_FIT": "--kernel-fit",
+              "PRISM_PROGRAM_TIME": "--program-time"}
+"""The virtual-time flags of `prism run` and `prism emulate`, by the variable that carries each to the ranks."""
 
 
 def spell(flags: Mapping[str, str], field: str, value: object | None = None) -> str:

@@ -180,9 +180,12 @@ def test_options_take_the_fit_from_the_environment(tmp_path: Path) -> None:
     path = _overlay(tmp_path)
     options = VirtualTimeOptions.from_env({"PRISM_KERNEL_MODEL": "fit", "PRISM_KERNEL_FIT": str(path)})
     assert (options.kernel_model, options.kernel_fit) == ("fit", path)
-    for env in ({"PRISM_KERNEL_MODEL": "fit"}, {"PRISM_KERNEL_FIT": str(path)},
-                {"PRISM_KERNEL_MODEL": "fit", "PRISM_KERNEL_FIT": str(tmp_path / "none.yaml")}):
-        with pytest.raises(ConfigError, match="PRISM_KERNEL_MODEL=fit goes with PRISM_KERNEL_FIT"):
+    for env, match in (({"PRISM_KERNEL_MODEL": "fit"}, "PRISM_KERNEL_MODEL='fit' needs PRISM_KERNEL_FIT="),
+                       ({"PRISM_KERNEL_FIT": str(path)}, "is read by the fit kernel model, not by "
+                                                         "PRISM_KERNEL_MODEL='roofline'"),
+                       ({"PRISM_KERNEL_MODEL": "fit", "PRISM_KERNEL_FIT": str(tmp_path / "none.yaml")},
+                        "none.yaml' is not a file; write one with `prism kernels fit`")):
+        with pytest.raises(ConfigError, match=match):
             VirtualTimeOptions.from_env(env)
 
 
@@ -202,3 +205,43 @@ def test_the_cli_writes_an_overlay_naming_its_runs(tmp_path: Path, capsys: pytes
     with pytest.raises(SystemExit):
         main(["kernels", "fit", "--run", "s.json", "--output", str(out)])
     assert "give [NAME=]SUMMARY.json:MEASURED_STEP_SECONDS" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("0", "measured step time 0.0 s must be > 0"), ("-0.5", "measured step time -0.5 s must be > 0"),
+    ("1e-9", "is under 1e-06 s, shorter than one kernel launch"), ("nan", "is not a number")])
+def test_the_cli_says_what_is_wrong_with_a_measured_time(value: str, message: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from prism_plugin.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["kernels", "fit", "--run", f"s.json:{value}", "--output", str(tmp_path / "fit.yaml")])
+    assert message in capsys.readouterr().err
+    (tmp_path / "runs.yaml").write_text(yaml.safe_dump({"runs": [{"summary": "s.json",
+                                                                   "measured_step_s": float(value)}]}))
+    assert main(["kernels", "fit", "--runs", str(tmp_path / "runs.yaml"), "--output", str(tmp_path / "f.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "runs[0]: measured step time" in err
+    assert not (tmp_path / "f.yaml").exists()
+
+
+def test_time_settings_are_named_as_the_entry_point_spells_them(tmp_path: Path) -> None:
+    from prism_plugin.runtime.preflight import TIME_FLAGS
+    from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions
+
+    table = tmp_path / "t.json"
+    table.write_text("{}")
+    cases = [({"PRISM_KERNEL_MODEL": "roofline", "PRISM_KERNEL_TABLE": str(table)},
+              f"--kernel-table {table} is read by the table kernel model, not by --kernel-model roofline: add "
+              "--kernel-model table or drop --kernel-table"),
+             ({"PRISM_KERNEL_MODEL": "table"}, "--kernel-model table needs --kernel-table <file>"),
+             ({"PRISM_VIRTUAL_TIME": "off", "PRISM_KERNEL_MODEL": "table", "PRISM_KERNEL_TABLE": str(table)},
+              "--virtual-time off keeps no time, so --kernel-model table and --kernel-table"),
+             ({"PRISM_VIRTUAL_TIME": "off", "PRISM_PROGRAM_TIME": "emulated"},
+              "--virtual-time off keeps no time, so --program-time emulated would do nothing"),
+             ({"PRISM_VIRTUAL_TIME": "maybe"}, "--virtual-time maybe: use one of on, off")]
+    for env, message in cases:
+        with pytest.raises(ConfigError) as exc:
+            VirtualTimeOptions.from_env(env, names=TIME_FLAGS)
+        assert message in str(exc.value)
+    assert VirtualTimeOptions.from_env({"PRISM_VIRTUAL_TIME": "off"}).enabled is False

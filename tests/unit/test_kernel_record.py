@@ -268,3 +268,11 @@ def test_collective_calls_are_timed_as_communication_not_host_time(tmp_path: Pat
     assert all(ns > 0 for ns in recorder.comm_ns_per_step)
     meta = table_data(recorder, program=[str(script)])["metadata"]
     assert meta["comm_time_per_step_median_s"] > 0 and meta["collectives_per_step"] == 1
+
+
+def test_cli_refuses_a_directory_as_the_table_before_running(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "p.py"
+    script.write_text("raise SystemExit('the program must not run')\n")
+    assert main(["kernels", "record", "--output", str(tmp_path), "--", str(script)]) == 2
+    assert f"--output {str(tmp_path)!r} is a directory; give the table's file name" in capsys.readouterr().err

@@ -14,7 +14,7 @@ def test_routing_specs_parse_and_bad_ones_name_the_flag() -> None:
     assert (skew.kind, skew.seed, skew.alpha, skew.name) == ("skew", 7, 1.0, "skew:7,1")
     assert parse_routing("skew:3,0.5").name == "skew:3,0.5"
     assert parse_routing(parse_routing("skew:3,0.5").name) == parse_routing("skew:3,0.5")  # the env round trip
-    for bad in ("skew", "skew:", "skew:x", "skew:-1", "skew:1,-2", "zipf:1", "skew:1,a"):
+    for bad in ("skew", "skew:", "skew:x", "skew:-1", "skew:1,-2", "zipf:1", "skew:1,a", "skew:7,inf", "skew:7,nan"):
         with pytest.raises(ConfigError, match=r"--prism-moe-routing .*'balanced' or 'skew:SEED\[,ALPHA\]'"):
             parse_routing(bad)
 

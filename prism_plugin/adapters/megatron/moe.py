@@ -41,6 +41,7 @@ reduced and sharded as dense parameters).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import sys
@@ -82,10 +83,10 @@ def parse_routing(text: str | None) -> RoutingSpec:
             alpha = float(alpha_text) if alpha_text else 1.0
         except ValueError:
             seed, alpha = -1, -1.0
-        if seed >= 0 and alpha >= 0.0:
+        if seed >= 0 and math.isfinite(alpha) and alpha >= 0.0:
             return RoutingSpec(kind="skew", seed=seed, alpha=alpha)
     raise ConfigError(f"--prism-moe-routing {text!r}: expected 'balanced' or 'skew:SEED[,ALPHA]' (SEED an integer "
-                      ">= 0, ALPHA a number >= 0, default 1.0), e.g. --prism-moe-routing skew:7,1.2")
+                      ">= 0, ALPHA a finite number >= 0, default 1.0), e.g. --prism-moe-routing skew:7,1.2")
 
 
 def balanced_counts(tokens: int, topk: int, num_experts: int, source: int) -> list[int]:

@@ -1,0 +1,52 @@
+"""`prism emulate` refuses out-of-range numbers and mismatched time flags before any profiling run (issue 19).
+
+Each case is a command a user could type: `main` must exit 2 with one line naming the flag as emulate spells it,
+start no process and create no output directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prism_plugin.cli.main import main
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--world-size", "0"], "--world-size=0 must be a positive int"),
+    (["--world-size", "8", "--gpus-per-node", "0"], "--gpus-per-node=0 must be a positive int"),
+    (["--world-size", "8", "--gpus-per-node", "3"], "--gpus-per-node 3 does not divide --world-size 8"),
+    (["--world-size", "8", "--warmup", "-1"], "--warmup must be an integer >= 0, got -1"),
+    (["--world-size", "8", "--timeout", "0"], "--timeout 0.0: give a finite number > 0"),
+    (["--world-size", "8", "--timeout", "inf"], "--timeout inf: give a finite number > 0"),
+    (["--world-size", "8", "--seq-length", "0"], "--seq-length=0 must be a positive int"),
+    (["--world-size", "8", "--model-flops-per-iteration", "-5"], "--model-flops-per-iteration -5.0: give a finite"),
+    (["--world-size", "8", "--kernel-model", "roofline", "--kernel-table", "t.json"],
+     "--kernel-table t.json is read by the table kernel model, not by --kernel-model roofline"),
+    (["--world-size", "8", "--kernel-model", "fit"], "--kernel-model fit needs --kernel-fit <file>"),
+])
+def test_bad_numbers_and_time_flags_are_refused_before_any_run(args: list[str], message: str, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for var in ("PRISM_KERNEL_MODEL", "PRISM_KERNEL_TABLE", "PRISM_KERNEL_FIT", "PRISM_VIRTUAL_TIME"):
+        monkeypatch.delenv(var, raising=False)
+    Path("t.json").write_text("{}")
+    Path("train.py").write_text("raise SystemExit('the job must not run')\n")
+    out = tmp_path / "out"
+    assert main(["emulate", *args, "--out", str(out), "--", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "prism: invalid input:" in err and message in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_profiling_run_past_its_timeout_is_one_message_naming_the_log(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("train.py").write_text("import time\ntime.sleep(60)\n")
+    assert main(["emulate", "--world-size", "8", "--timeout", "0.5", "--out", "out", "--", "train.py"]) == 1
+    err = capsys.readouterr().err
+    assert "prism emulate: profiling run 0 (rank 0) ran past --timeout 0.5 s and was stopped; its log: " in err
+    assert "out/run0/log.txt" in err and "Traceback" not in err
