@@ -172,7 +172,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
     from prism_plugin.cost import load_profile
     from prism_plugin.cost.gpu import gpu_spec
     from prism_plugin.graph.slicing import make_plan, parse_layout
-    from prism_plugin.runtime.preflight import check_directory
+    from prism_plugin.runtime.preflight import check_directory, check_environment
 
     if not script_argv or not script_argv[0].endswith(".py") or not Path(script_argv[0]).is_file():
         raise ConfigError("prism emulate: name the job's script and its arguments after `--`, e.g. "
@@ -207,6 +207,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
             raise ConfigError(f"--hybrid {hybrid!r}: ranks {bad} are not in 0..{world_size - 1}")
     plan = make_plan(parse_layout(layout, framework, world_size), 1)
     check_directory("--out", out)
+    check_environment([ranks[0] for ranks in plan.runs] + list(hybrid_ranks))  # the runs share this environment
     out.mkdir(parents=True, exist_ok=True)
 
     def command(rank: int, run_dir: Path, graph: Path | None = None) -> list[str]:
@@ -341,8 +342,8 @@ def _kernel_model_env(args: argparse.Namespace) -> None:
                                                 ("PRISM_KERNEL_TABLE", args.kernel_table),
                                                 ("PRISM_KERNEL_FIT", args.kernel_fit)) if value is not None}
     if env:
+        from prism_plugin.config.virtual_time import VirtualTimeOptions
         from prism_plugin.runtime.preflight import TIME_FLAGS
-        from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions
 
         VirtualTimeOptions.from_env({**os.environ, **env}, names=TIME_FLAGS)  # a ConfigError naming the flag
         os.environ.update(env)

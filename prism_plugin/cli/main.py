@@ -219,8 +219,8 @@ def _virtual_time_env(args: argparse.Namespace, config: EmulationConfig) -> None
     if config.device is not DeviceMode.VIRTUAL_GPU:
         raise ConfigError(f"{', '.join('--' + k[6:].lower().replace('_', '-') for k in env)}: virtual time runs on "
                           "virtual GPUs; add --device virtual-gpu (or drop the flag)")
+    from prism_plugin.config.virtual_time import VirtualTimeOptions
     from prism_plugin.runtime.preflight import TIME_FLAGS
-    from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions
 
     VirtualTimeOptions.from_env({**os.environ, **env}, names=TIME_FLAGS)  # a ConfigError naming the flag and fix
     os.environ.update(env)

@@ -11,6 +11,9 @@ real process failing with a traceback after the launcher has already created its
 - `check_directories`: ``output_dir``, ``record_dir`` and ``trace_dir`` can be directories: neither they nor a
   parent are files, and the closest existing parent is writable. Nothing is created.
 - `check_graph`: the execution graph loads (`graph.schema.ExecutionGraph.load`) and describes N ranks.
+- `check_environment`: the settings given as environment variables (`ENVIRONMENT`: timeline, Kineto and memory
+  snapshot paths, virtual time, OOM policy, attention, MoE routing) are valid here, in the launcher, where a bad
+  one used to surface only inside the rank, after the job ran (a lost summary, a corrupt pickle, exit code 0).
 - `check_recording`: ``replay_dir`` holds ``rank<R>.pt`` for every real rank, in the format this prism reads,
   recorded at the same N (`prism_plugin.comm.recording`; read memory-mapped, torch imported only then).
 
@@ -30,9 +33,9 @@ from pathlib import Path
 from prism_plugin.config.emulation import ConfigError, EmulationConfig
 from prism_plugin.graph.errors import GraphError
 
-__all__ = ["RUN_FLAGS", "TIME_FLAGS", "check_directories", "check_directory", "check_file_output", "check_graph",
-           "check_launch", "check_program", "check_recording", "DEFAULT_PROFILE", "default_profile_note", "respell",
-           "spell"]
+__all__ = ["DEFAULT_PROFILE", "ENVIRONMENT", "RUN_FLAGS", "TIME_FLAGS", "check_directories", "check_directory",
+           "check_environment", "check_file_output", "check_graph", "check_launch", "check_program",
+           "check_recording", "default_profile_note", "respell", "spell"]
 
 RUN_FLAGS: Mapping[str, str] = {
     "world_size": "--world-size", "output_dir": "--output", "record_dir": "--record", "replay_dir": "--replay",
@@ -109,6 +112,7 @@ def check_launch(config: EmulationConfig, target: Sequence[str], flags: Mapping[
     `usage` ends the message of a missing program (how this entry point names its program)."""
     check_program(target, usage=usage)
     check_directories(config, flags)
+    check_environment(config.world.real_ranks)
     check_graph(config, flags)
     check_recording(config, flags)
 
@@ -238,6 +242,68 @@ def check_directories(config: EmulationConfig, flags: Mapping[str, str] = RUN_FL
         value = getattr(config, name)
         if value is not None:
             check_directory(flags[name], value)
+
+
+# -- settings given as environment variables ---------------------------------------------------------------------
+ENVIRONMENT: Mapping[str, str] = {
+    "PRISM_TIMELINE": "a directory for each real rank's Chrome/Perfetto timeline",
+    "PRISM_KINETO": "a directory for each real rank's Kineto trace (virtual time)",
+    "PRISM_MEMORY_SNAPSHOT": "a file for each real rank's memory snapshot; {rank} is replaced by the rank",
+    "PRISM_MEMORY_SNAPSHOT_MAX_ENTRIES": "trace entries a memory snapshot keeps (default 100000)",
+    "PRISM_VIRTUAL_GPU_OOM": "raise (torch's OutOfMemoryError, the default) or report (count it, go on)",
+    "PRISM_VIRTUAL_TIME": "on (default) or off", "PRISM_KERNEL_MODEL": "roofline (default), table or fit",
+    "PRISM_KERNEL_TABLE": "the table of the table kernel model", "PRISM_KERNEL_FIT": "the fit model's overlay",
+    "PRISM_PROGRAM_TIME": "wall (default) or emulated",
+    "PRISM_ATTENTION": "local (default) or flash", "PRISM_MOE_ROUTING": "balanced (default) or skew:SEED[,ALPHA]",
+}
+"""The settings a user may give a launch as environment variables, with what each takes (`check_environment`)."""
+
+
+def _check_snapshot_template(template: str, real_ranks: Sequence[int]) -> None:
+    import re
+
+    name = "PRISM_MEMORY_SNAPSHOT"
+    unknown = sorted({m for m in re.findall(r"\{([^{}]*)\}", template) if m != "rank"})
+    if unknown:
+        raise ConfigError(f"{name}={template!r}: unknown placeholder {{{unknown[0]}}}; the one placeholder is {{rank}}")
+    if len(real_ranks) > 1 and "{rank}" not in template:
+        raise ConfigError(f"{name}={template!r}: the {len(real_ranks)} real ranks would all write this one file; put "
+                          "{rank} in the name, e.g. snapshots/rank{rank}.pickle")
+    for rank in real_ranks[:1] or (0,):
+        path = Path(template.replace("{rank}", str(rank)))
+        if path.is_dir():
+            raise ConfigError(f"{name}={template!r} is a directory; name the snapshot file, e.g. "
+                              f"{path / 'rank{rank}.pickle'}")
+        check_directory(f"{name}={template!r}: the directory", path.parent)
+
+
+def check_environment(real_ranks: Sequence[int], environ: Mapping[str, str] | None = None) -> None:
+    """Every `ENVIRONMENT` setting present in `environ` (default ``os.environ``) is valid for a launch of these real
+    ranks (processes that share the environment): a `ConfigError` naming the variable and the fix, before any
+    process starts."""
+    env = os.environ if environ is None else environ
+    for name in ("PRISM_TIMELINE", "PRISM_KINETO"):
+        if env.get(name):
+            check_directory(name, env[name])
+    if env.get("PRISM_MEMORY_SNAPSHOT"):
+        _check_snapshot_template(env["PRISM_MEMORY_SNAPSHOT"], tuple(real_ranks))
+    entries = env.get("PRISM_MEMORY_SNAPSHOT_MAX_ENTRIES")
+    if entries is not None and (not entries.isdigit() or int(entries) < 1):
+        raise ConfigError(f"PRISM_MEMORY_SNAPSHOT_MAX_ENTRIES={entries!r}: give a positive number of trace entries, "
+                          "e.g. 100000")
+    oom = env.get("PRISM_VIRTUAL_GPU_OOM")
+    if oom is not None and oom not in ("raise", "report"):
+        raise ConfigError(f"PRISM_VIRTUAL_GPU_OOM={oom!r}: use raise (torch's OutOfMemoryError, the default) or "
+                          "report (count the allocation and go on)")
+    from prism_plugin.config.program_options import ATTENTION_ENV, ROUTING_ENV, parse_attention, parse_routing
+    from prism_plugin.config.virtual_time import TIME_VARIABLES, VirtualTimeOptions
+
+    if any(env.get(name) for name in TIME_VARIABLES):
+        VirtualTimeOptions.from_env(env)
+    if env.get(ATTENTION_ENV):
+        parse_attention(env[ATTENTION_ENV])
+    if env.get(ROUTING_ENV):
+        parse_routing(env[ROUTING_ENV])
 
 
 # -- the graph and the recording ---------------------------------------------------------------------------------

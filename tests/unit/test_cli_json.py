@@ -51,5 +51,5 @@ def test_run_json_and_virtual_time_flags_are_checked_before_any_process(tmp_path
     assert "add --device virtual-gpu" in capsys.readouterr().err
     assert main([*base, "--device", "virtual-gpu", "--profile", "dgx-h100", "--kernel-model", "table", "--",
                  str(script)]) == 2  # the table model without a table
-    assert "PRISM_KERNEL_TABLE" in capsys.readouterr().err
+    assert "--kernel-model table needs --kernel-table <file>" in capsys.readouterr().err
     assert "never runs" not in capsys.readouterr().out

@@ -354,9 +354,10 @@ def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool =
         )
     except ConfigError as exc:
         raise ConfigError(f'"prism" section: {respell(str(exc), KEY_NAMES)}') from None
-    from prism_plugin.runtime.preflight import check_directories, check_graph, check_recording
+    from prism_plugin.runtime.preflight import check_directories, check_environment, check_graph, check_recording
 
     check_directories(emulation, KEY_NAMES)  # each real process checks its section before any process group
+    check_environment(emulation.world.real_ranks)
     check_graph(emulation, KEY_NAMES)
     check_recording(emulation, KEY_NAMES)
     return PrismSection(emulation=emulation, topology=topology,

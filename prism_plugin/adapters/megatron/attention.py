@@ -34,7 +34,6 @@ on the compute stream); the flash kernel's time is the kernel model's attention 
 
 from __future__ import annotations
 
-import enum
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,21 +41,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from prism_plugin.config.errors import ConfigError
+from prism_plugin.config.program_options import ATTENTION_ENV, AttentionMode, parse_attention
 from prism_plugin.runtime.undo import Patches
 
 __all__ = ["ENV", "AttentionMode", "AttentionNotSupported", "FlashAttentionStandin", "attention_mode",
            "check_job", "install"]
 
-ENV = "PRISM_ATTENTION"
+ENV = ATTENTION_ENV
 """The environment variable the mode travels in (the drop-in sets it from ``--prism-attention``)."""
-
-
-class AttentionMode(enum.Enum):
-    LOCAL = "local"
-    """The program's own kernels (Megatron's DotProductAttention as written)."""
-    FLASH = "flash"
-    """The stand-in of this module."""
 
 
 class AttentionNotSupported(NotImplementedError):
@@ -65,12 +57,7 @@ class AttentionNotSupported(NotImplementedError):
 
 def attention_mode(value: str | None = None) -> AttentionMode:
     """The mode named by `value`, else by ``PRISM_ATTENTION``, else local (ConfigError naming both when invalid)."""
-    text = value if value is not None else os.environ.get(ENV, AttentionMode.LOCAL.value)
-    try:
-        return AttentionMode(text.strip().lower())
-    except ValueError:
-        raise ConfigError(f"--prism-attention / {ENV} {text!r}: choose flash (the fused-attention stand-in, "
-                          "virtual GPUs) or local (the program's own kernels)") from None
+    return parse_attention(value if value is not None else os.environ.get(ENV, AttentionMode.LOCAL.value))
 
 
 _CP_COMM_TYPES = {"all_gather": "all_gather", "allgather": "all_gather", "p2p": "p2p"}

@@ -41,52 +41,18 @@ reduced and sharded as dense parameters).
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import sys
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
-from prism_plugin.config.errors import ConfigError
+from prism_plugin.config.program_options import ROUTING_ENV as ENV
+from prism_plugin.config.program_options import RoutingSpec, parse_routing
 
 __all__ = ["ENV", "RoutingPolicy", "parse_routing", "install"]
 
-ENV = "PRISM_MOE_ROUTING"
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RoutingSpec:
-    """A parsed ``--prism-moe-routing`` value."""
-
-    kind: str
-    """``balanced`` or ``skew``."""
-    seed: int = 0
-    alpha: float = 1.0
-
-    @property
-    def name(self) -> str:
-        return "balanced" if self.kind == "balanced" else f"skew:{self.seed},{self.alpha:g}"
-
-
-def parse_routing(text: str | None) -> RoutingSpec:
-    """``balanced`` (also None / empty) or ``skew:SEED[,ALPHA]``; a `ConfigError` naming the flag otherwise."""
-    if text is None or text.strip() in ("", "balanced"):
-        return RoutingSpec(kind="balanced")
-    kind, _, rest = text.strip().partition(":")
-    if kind == "skew" and rest:
-        seed_text, _, alpha_text = rest.partition(",")
-        try:
-            seed = int(seed_text)
-            alpha = float(alpha_text) if alpha_text else 1.0
-        except ValueError:
-            seed, alpha = -1, -1.0
-        if seed >= 0 and math.isfinite(alpha) and alpha >= 0.0:
-            return RoutingSpec(kind="skew", seed=seed, alpha=alpha)
-    raise ConfigError(f"--prism-moe-routing {text!r}: expected 'balanced' or 'skew:SEED[,ALPHA]' (SEED an integer "
-                      ">= 0, ALPHA a finite number >= 0, default 1.0), e.g. --prism-moe-routing skew:7,1.2")
 
 
 def balanced_counts(tokens: int, topk: int, num_experts: int, source: int) -> list[int]:
