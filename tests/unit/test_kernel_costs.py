@@ -170,6 +170,14 @@ def test_timer_tallies_a_training_step(fake, tmp_path) -> None:
     assert table_summary.model == "table" and table_summary.total_s == pytest.approx(summary.total_s, rel=1e-12)
     assert sum(table_summary.misses.values()) == table_summary.kernels and "aten.addmm.default" in table_summary.misses
     assert any(line.startswith("  table misses") for line in table_summary.lines())
+    # every kernel missed: the coverage says so and the run warns that its time is the roofline's
+    coverage = table_summary.as_dict()["table"]
+    assert coverage == {"source": str(path), "device": "cpu", "kernels": table_summary.kernels, "exact": 0,
+                        "scaled": 0, "missed": table_summary.kernels, "missed_fraction": 1.0}
+    warning = table_summary.table_warning()
+    assert warning is not None and f"answered 0 of {table_summary.kernels} kernels" in warning
+    assert "(100.0%) fell back to the roofline" in warning and any(warning in line for line in table_summary.lines())
+    assert summary.table_warning() is None and "table" not in summary.as_dict()  # the roofline model has no table
 
 
 def test_a_fusion_region_is_one_tallied_kernel_and_a_table_without_it_sums_its_ops(tmp_path) -> None:
@@ -196,6 +204,7 @@ def test_a_fusion_region_is_one_tallied_kernel_and_a_table_without_it_sums_its_o
     assert table_timer.region_duration_s(region, parts) == pytest.approx(8e-6, rel=1e-12)
     assert table.hits() == {"aten.add_.Tensor": 1, "aten.mm.default": 1} and table.misses() == {}
     assert [(t.op, t.count) for t in table_timer.summary().fused] == [("fused::wgrad", 1)]
+    assert table_timer.summary().table_warning() is None  # both kernels answered by the table
 
 
 def test_doctests() -> None:

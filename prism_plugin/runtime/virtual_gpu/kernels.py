@@ -463,6 +463,21 @@ class KernelSummary:
     """Kernel-model figures (dotted keys) no profile set: policy defaults."""
     fused: tuple[OpTally, ...] = ()
     """Every fusion region's kernel (``fused::<name>``, `prism_plugin.runtime.virtual_gpu.fusion`), by op name."""
+    table: dict[str, Any] | None = None
+    """``table`` only: the table's file and device, and how its kernels were answered (``exact``, ``scaled`` from
+    a neighbour, ``missed``: the roofline answered) with ``missed_fraction``; `table_warning` says when it is
+    mostly the roofline."""
+
+    def table_warning(self) -> str | None:
+        """A line for the user when most kernels (`MOSTLY_MISSED` or more) missed the table: the step time is then
+        mostly the roofline's, whatever the model's name says (a table of another GPU, dtype or program)."""
+        t = self.table
+        if not t or t["missed_fraction"] < MOSTLY_MISSED:
+            return None
+        return (f"prism: kernel table {t['source']} ({t['device']}) answered {t['exact'] + t['scaled']} of "
+                f"{t['kernels']} kernels; {t['missed']} ({100 * t['missed_fraction']:.1f}%) fell back to the roofline, "
+                "so this step time is mostly the roofline's: record a table of this program's kernels, dtype and GPU "
+                "(`prism kernels record`)")
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for a JSON report."""
@@ -471,6 +486,7 @@ class KernelSummary:
             "bytes": self.bytes, "by_class_s": {k: round(v, 12) for k, v in self.by_class_s.items()},
             "top": [_tally_dict(t) for t in self.top], "fused": [_tally_dict(t) for t in self.fused],
             "misses": self.misses, "interpolated": self.interpolated, "defaults_used": list(self.defaults_used),
+            **({"table": self.table} if self.table is not None else {}),
         }
 
     def lines(self) -> list[str]:
@@ -481,11 +497,25 @@ class KernelSummary:
             out.append(f"  {t.op:<48} {t.kernel_class.value:<11} {t.count:>8} x  {t.total_s * 1e3:10.3f} ms")
         if self.misses:
             out.append("  table misses (roofline used): " + ", ".join(f"{op} x{n}" for op, n in self.misses.items()))
+        warning = self.table_warning()
+        if warning:
+            out.append("  " + warning)
         if self.fused:
             out.append("  fusion regions: " + ", ".join(f"{t.op} x{t.count}" for t in self.fused))
         if self.defaults_used:
             out.append("  policy defaults (no profile figure): " + ", ".join(self.defaults_used))
         return out
+
+
+MOSTLY_MISSED = 0.5
+"""The fraction of kernels missing from a table above which a run says its step time is mostly the roofline's."""
+
+
+def _table_coverage(table: TableModel) -> dict[str, Any]:
+    exact, scaled, missed = (sum(d.values()) for d in (table.hits(), table.interpolated(), table.misses()))
+    kernels = exact + scaled + missed
+    return {"source": table.source, "device": table.device, "kernels": kernels, "exact": exact, "scaled": scaled,
+            "missed": missed, "missed_fraction": round(missed / kernels, 6) if kernels else 0.0}
 
 
 def _tally_dict(t: OpTally) -> dict[str, Any]:
@@ -559,4 +589,5 @@ class KernelTimer:
             defaults_used=efficiency.defaults_used if efficiency is not None else (),
             fused=tuple(OpTally(t.op, t.kernel_class, t.count, t.total_s, t.flops, t.bytes)
                         for t in sorted(tallies, key=lambda t: t.op) if t.op.startswith("fused::")),
+            table=_table_coverage(table) if table else None,
         )

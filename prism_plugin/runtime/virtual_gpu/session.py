@@ -14,6 +14,7 @@ runs to its end and reports how much it needs.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,8 +70,13 @@ def start_virtual_time(vgpu: VirtualGpu, profile: HardwareProfile, options: Virt
     from prism_plugin.runtime.virtual_gpu.kernels import KernelTimer
     from prism_plugin.runtime.virtual_gpu.step_kernels import attach_step_figures
 
-    timer = KernelTimer(kernel_model(options.kernel_model, vgpu.gpu, profile.kernels, options.kernel_table,
-                                     fit_path=options.kernel_fit))
+    model = kernel_model(options.kernel_model, vgpu.gpu, profile.kernels, options.kernel_table,
+                         fit_path=options.kernel_fit)
+    table_device = getattr(model, "device", None)
+    if options.kernel_model == "table" and table_device != vgpu.gpu.name:
+        print(f"prism: kernel table {options.kernel_table} was measured on {table_device!r}, not on this run's "
+              f"{vgpu.gpu.name!r}: its kernels take that device's times", file=sys.stderr, flush=True)
+    timer = KernelTimer(model)
     clock = vgpu.start_time(timer.duration_s, profile.kernels.launch_overhead_s, program_time=options.program_time,
                             region_time=timer.region_duration_s)
     attach_step_figures(vgpu, timer, clock)  # per-step class times, efficiencies, job key (and fit) for the summary

@@ -37,8 +37,15 @@ def attach_step_figures(vgpu: Any, timer: KernelTimer, clock: VirtualTime) -> No
 
     clock.on_mark = marking  # type: ignore[method-assign]
 
+    warned: list[bool] = []
+
     def summary() -> dict[str, Any]:
-        out = timer.summary().as_dict()
+        kernels = timer.summary()
+        warning = kernels.table_warning()
+        if warning and not warned:  # said once, at the run's end, on stderr (the summary keeps the figures)
+            warned.append(True)
+            print(warning, file=sys.stderr, flush=True)
+        out = kernels.as_dict()
         out["step_by_class_s"] = [
             {c: round(b.get(c, 0.0) - a.get(c, 0.0), 12) for c in b if b.get(c, 0.0) != a.get(c, 0.0)}
             for a, b in zip(snapshots, snapshots[1:], strict=False)]
