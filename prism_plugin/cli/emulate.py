@@ -65,6 +65,8 @@ def add_emulate_parser(subparsers: Any) -> None:
     p.add_argument("--profile", default="dgx-h100", help="hardware profile with a GPU model (default dgx-h100)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path("prism_emulate"), help="DIR for runs, graph and report")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous emulate output in --out (a used "
+                                                             "--out is refused without it)")
     p.add_argument("--warmup", type=int, default=1, help="traced iterations dropped when building the graph")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per profiling run")
     p.add_argument("--hybrid", default=None, metavar="RANKS",
@@ -161,7 +163,8 @@ def _run(command: list[str], run_dir: Path, rank: int, what: str, timeout_s: flo
 def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100", out: Path = Path("prism_emulate"),
             gpus_per_node: int = 8, warmup: int = 1, timeout_s: float = 3600.0, progress: Any = None,
             framework: str = "auto", seq_length: int | None = None,
-            model_flops_per_iteration: float | None = None, hybrid: str | None = None) -> dict[str, Any]:
+            model_flops_per_iteration: float | None = None, hybrid: str | None = None,
+            overwrite: bool = False) -> dict[str, Any]:
     """Run the pipeline of the module docstring; returns the report (also written to ``<out>/emulate.json``).
 
     Raises `ConfigError` on bad input (before any process starts) and `RuntimeError` when a profiling run fails
@@ -172,7 +175,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
     from prism_plugin.cost import load_profile
     from prism_plugin.cost.gpu import gpu_spec
     from prism_plugin.graph.slicing import make_plan, parse_layout
-    from prism_plugin.runtime.preflight import check_directory, check_environment
+    from prism_plugin.runtime.preflight import check_environment, claim_output
 
     if not script_argv or not script_argv[0].endswith(".py") or not Path(script_argv[0]).is_file():
         raise ConfigError("prism emulate: name the job's script and its arguments after `--`, e.g. "
@@ -206,9 +209,8 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
         if bad:
             raise ConfigError(f"--hybrid {hybrid!r}: ranks {bad} are not in 0..{world_size - 1}")
     plan = make_plan(parse_layout(layout, framework, world_size), 1)
-    check_directory("--out", out)
     check_environment([ranks[0] for ranks in plan.runs] + list(hybrid_ranks))  # the runs share this environment
-    out.mkdir(parents=True, exist_ok=True)
+    claim_output("--out", out, "prism emulate", overwrite=overwrite)
 
     def command(rank: int, run_dir: Path, graph: Path | None = None) -> list[str]:
         if ds_job is not None:
@@ -364,7 +366,7 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
                              gpus_per_node=args.gpus_per_node, warmup=args.warmup, timeout_s=args.timeout,
                              progress=lambda text: status.update(f"prism emulate: {text}"), framework=args.framework,
                              seq_length=args.seq_length, model_flops_per_iteration=args.model_flops_per_iteration,
-                             hybrid=args.hybrid)
+                             hybrid=args.hybrid, overwrite=args.overwrite)
     except RunFailed as exc:  # one message naming the run's log, no traceback
         console.print(str(exc), markup=False, highlight=False, soft_wrap=True)
         return 1

@@ -40,6 +40,7 @@ from prism_plugin.recipes.sweep import (
 )
 from prism_plugin.recipes.sweep_report import plot_sweep, rich_table, write_markdown
 from prism_plugin.recipes.virtual_gpu import OomMode
+from prism_plugin.runtime.preflight import claim_output
 
 __all__ = ["add_sweep_parser"]
 
@@ -56,6 +57,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                      oom=None if args.oom is None else OomMode(args.oom))
     points = derive_points(spec)  # every point validated before any runs
     output: Path = args.output or Path("prism_output") / "sweeps" / recipe.name
+    claim_output("--output", output, "prism sweep", overwrite=args.overwrite)
     jobs = default_jobs() if args.jobs is None else args.jobs
     engine = f"ray ({args.ray})" if args.ray else f"local ({jobs} at a time)"
     console.print(f"[bold]prism sweep {recipe.name}[/]: {len(points)} points ({', '.join(p.name for p in points)}) "
@@ -123,6 +125,8 @@ def add_sweep_parser(sub: Any) -> None:
     p.add_argument("--output", type=Path, default=None, help="default prism_output/sweeps/<recipe>")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per point (default 900)")
     p.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous sweep output in --output (a used "
+                                                             "--output is refused without it)")
     p.add_argument("--json", action="store_true", help="print the sweep.json document on stdout instead of "
                                                        "the table")
     p.set_defaults(func=_cmd_sweep)

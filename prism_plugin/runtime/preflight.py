@@ -33,9 +33,9 @@ from pathlib import Path
 from prism_plugin.config.emulation import ConfigError, EmulationConfig
 from prism_plugin.graph.errors import GraphError
 
-__all__ = ["DEFAULT_PROFILE", "ENVIRONMENT", "RUN_FLAGS", "TIME_FLAGS", "check_directories", "check_directory",
-           "check_environment", "check_file_output", "check_graph", "check_launch", "check_program",
-           "check_recording", "default_profile_note", "respell", "spell"]
+__all__ = ["DEFAULT_PROFILE", "ENVIRONMENT", "OUTPUT_MARKER", "RUN_FLAGS", "TIME_FLAGS", "check_directories",
+           "check_directory", "check_environment", "check_file_output", "check_graph", "check_launch", "check_program",
+           "check_recording", "claim_output", "default_profile_note", "respell", "spell"]
 
 RUN_FLAGS: Mapping[str, str] = {
     "world_size": "--world-size", "output_dir": "--output", "record_dir": "--record", "replay_dir": "--replay",
@@ -217,6 +217,36 @@ def check_directory(flag: str, path: str | os.PathLike[str]) -> None:
         if q != p and not os.access(q, os.W_OK | os.X_OK):
             raise ConfigError(f"{flag} {str(p)!r} cannot be created: no write permission in {str(q)!r}")
         return
+
+
+OUTPUT_MARKER = ".prism-output"
+"""The file a command that owns its output directory (`claim_output`) writes there: the command's name."""
+
+
+def claim_output(flag: str, path: str | os.PathLike[str], command: str, *, overwrite: bool = False) -> None:
+    """Make `path` this run's own output directory: new or empty, or, with `overwrite`, a previous output of the
+    same `command` (its `OUTPUT_MARKER`), emptied. A used directory is refused otherwise (a `ConfigError` naming
+    `flag` and ``--overwrite``): a re-run into it mixed old and new run folders, unflagged. Then the marker is
+    written.
+    """
+    import shutil
+
+    p = Path(path)
+    check_directory(flag, p)
+    entries = sorted(q.name for q in p.iterdir()) if p.is_dir() else []
+    if entries:
+        marker = p / OUTPUT_MARKER
+        owner = marker.read_text(encoding="utf-8").strip() if marker.is_file() else None
+        if not overwrite:
+            raise ConfigError(f"{flag} {str(p)!r} holds a previous run ({len(entries)} entries: "
+                              f"{', '.join(entries[:4])}{', ...' if len(entries) > 4 else ''}); this run's folders "
+                              "would mix with them: give a new directory, or pass --overwrite to replace it")
+        if owner != command:
+            raise ConfigError(f"--overwrite: {flag} {str(p)!r} is not an output of `{command}` (no {OUTPUT_MARKER} "
+                              "naming it); refusing to delete what it holds: give a new directory")
+        shutil.rmtree(p)
+    p.mkdir(parents=True, exist_ok=True)
+    (p / OUTPUT_MARKER).write_text(command + "\n", encoding="utf-8")
 
 
 def check_file_output(flag: str, path: str | os.PathLike[str]) -> None:

@@ -50,3 +50,27 @@ def test_a_profiling_run_past_its_timeout_is_one_message_naming_the_log(tmp_path
     err = capsys.readouterr().err
     assert "prism emulate: profiling run 0 (rank 0) ran past --timeout 0.5 s and was stopped; its log: " in err
     assert "out/run0/log.txt" in err and "Traceback" not in err
+
+
+def test_a_used_out_is_refused_unless_overwrite_replaces_a_previous_emulate(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str],
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from prism_plugin.runtime.preflight import OUTPUT_MARKER
+
+    monkeypatch.chdir(tmp_path)
+    Path("train.py").write_text("import time\ntime.sleep(60)\n")
+    run = ["emulate", "--world-size", "8", "--timeout", "0.2", "--out", "out"]
+    assert main([*run, "--", "train.py"]) == 1  # the first run claims out/ (and its run times out)
+    assert (tmp_path / "out" / OUTPUT_MARKER).read_text() == "prism emulate\n"
+    (tmp_path / "out" / "run7").mkdir()  # a folder of the previous run this one would not rewrite
+    capsys.readouterr()
+    assert main([*run, "--", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--out 'out' holds a previous run (3 entries: .prism-output, run0, run7)" in err and "--overwrite" in err
+    assert main([*run, "--overwrite", "--", "train.py"]) == 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [OUTPUT_MARKER, "run0"]  # run7 went with it
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    assert main(["emulate", "--world-size", "8", "--out", "mine", "--overwrite", "--", "train.py"]) == 2
+    assert "is not an output of `prism emulate`" in capsys.readouterr().err and (other / "notes.txt").exists()
