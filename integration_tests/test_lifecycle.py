@@ -178,3 +178,30 @@ def test_sigterm_to_the_prism_megatron_self_launch_parent(tmp_path: Path) -> Non
         summary = json.loads((out_dir / f"rank{rank}.summary.json").read_text())
         assert summary["exit_code"] == 143 and summary["megatron"]["cpu_mode"] in (True, False)
     assert not list(tmp.glob("prism-megatron-*")), "the self-launch removes its temporary store directory"
+
+
+EMULATED_JOB = """
+import json, os, time
+from pathlib import Path
+out = Path(os.environ["PIDS_DIR"])
+(out / "pids-0.json.tmp").write_text(json.dumps({"rank": os.getpid()}))
+os.replace(out / "pids-0.json.tmp", out / "pids-0.json")
+while True:
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_prism_emulate_takes_its_profiling_run_with_it(tmp_path: Path, sig: int) -> None:
+    """SIGKILL to `prism emulate` left its profiling runs running; now each run dies with it (a parent-death
+    signal), and SIGTERM stops the run's process group and exits 143."""
+    script = tmp_path / "job.py"
+    script.write_text(EMULATED_JOB)
+    cmd = [sys.executable, "-m", "prism_plugin.cli.main", "emulate", "--world-size", "8", "--out",
+           str(tmp_path / "out"), "--", str(script)]
+    emulate = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    pids = _wait_for_pids(tmp_path, (0,), emulate)
+    _seconds, _out, _err = _stop(emulate, sig)
+    assert emulate.returncode == (-9 if sig == signal.SIGKILL else 143)
+    assert _all_gone(pids, within_s=10.0), f"the profiling run {pids} outlived prism emulate"

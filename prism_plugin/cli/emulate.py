@@ -37,9 +37,11 @@ in emulated time, but emulate does not put consecutive stages into one run yet);
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -146,13 +148,23 @@ def _run(command: list[str], run_dir: Path, rank: int, what: str, timeout_s: flo
     """Run one virtual-GPU process with virtual time; its summary (`RunFailed` naming its log on failure)."""
     log = run_dir / "log.txt"
     t0 = time.perf_counter()
+    from prism_plugin.runtime.lifecycle import die_with_parent
+
     with log.open("w") as f:
+        # its own process group (Ctrl-C here reaches emulate, which stops the whole group) that dies with emulate
+        # (SIGKILL of emulate left its profiling runs running)
+        proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ,
+                                PRISM_VIRTUAL_TIME="on"), start_new_session=True, preexec_fn=die_with_parent())
         try:
-            rc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                env=dict(os.environ, PRISM_VIRTUAL_TIME="on")).returncode
-        except subprocess.TimeoutExpired:  # subprocess.run killed it
-            raise RunFailed(f"prism emulate: {what} (rank {rank}) ran past --timeout {timeout_s:g} s and was "
-                            f"stopped; its log: {log}; give a longer --timeout") from None
+            rc = proc.wait(timeout=timeout_s)
+        except BaseException as exc:  # --timeout, Ctrl-C, SIGTERM (as SystemExit): the run's whole group goes
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise RunFailed(f"prism emulate: {what} (rank {rank}) ran past --timeout {timeout_s:g} s and was "
+                                f"stopped; its log: {log}; give a longer --timeout") from None
+            raise
     if rc != 0:
         tail = log.read_text(errors="replace")[-3000:]
         raise RunFailed(f"prism emulate: {what} (rank {rank}) exited {rc}; its log: {log}; the log ends:\n{tail}")
@@ -360,6 +372,7 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
         target = target[1:]
     _kernel_model_env(args)
     console = Console(stderr=True)
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))  # unwinds: the run's group goes
     try:
         with console.status("prism emulate") as status:
             report = emulate(target, world_size=args.world_size, profile=args.profile, out=args.out,

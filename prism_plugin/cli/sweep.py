@@ -17,8 +17,11 @@ failed (its row carries the error), 2 on invalid input (before anything runs). T
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +29,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from prism_plugin.cli.recipes import find_recipe
+from prism_plugin.config.errors import ConfigError
 from prism_plugin.recipes.load import load_recipe
 from prism_plugin.recipes.sweep import (
     PointResult,
+    SweepInterrupted,
     SweepPoint,
     SweepSpec,
     default_jobs,
@@ -57,6 +62,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                      oom=None if args.oom is None else OomMode(args.oom))
     points = derive_points(spec)  # every point validated before any runs
     output: Path = args.output or Path("prism_output") / "sweeps" / recipe.name
+    if args.ray:
+        check_ray_address(args.ray)
     claim_output("--output", output, "prism sweep", overwrite=args.overwrite)
     jobs = default_jobs() if args.jobs is None else args.jobs
     engine = f"ray ({args.ray})" if args.ray else f"local ({jobs} at a time)"
@@ -83,8 +90,17 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                         f"step {1e3 * step:.2f} ms" if step is not None else "no step time")
                 console.print(f"  {r.point.name}: {text} ({r.wall_s:.1f} s)", soft_wrap=True)
 
-        results = run_points(points, output, jobs=jobs, ray_address=args.ray, timeout_s=args.timeout,
-                             on_start=started, on_done=done)
+        try:
+            with _sigterm_as_interrupt():
+                results = run_points(points, output, jobs=jobs, ray_address=args.ray, timeout_s=args.timeout,
+                                     on_start=started, on_done=done)
+        except SweepInterrupted as stop:  # no point started after it, the running ones stopped: keep what finished
+            doc = sweep_document(spec, stop.finished, engine=engine)
+            doc["interrupted"] = {"signal": stop.signal_name, "finished": len(stop.finished), "points": len(points)}
+            (output / "sweep.json").write_text(json.dumps(doc, indent=2))
+            console.print(f"prism sweep: interrupted by {stop.signal_name}; {len(stop.finished)} of {len(points)} "
+                          f"point(s) had finished: {output / 'sweep.json'}", soft_wrap=True)
+            return 128 + stop.signal_number
     doc = sweep_document(spec, results, engine=engine)
     plots = [] if args.no_plots else plot_sweep(doc, results, output)
     doc["plots"] = [str(p) for p in plots]
@@ -97,6 +113,49 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         console.print(f"sweep: {output / 'sweep.json'}, {md}" + (f", plots {', '.join(p.name for p in plots)}"
                                                                    if plots else ""))
     return 0 if all(r.ok for r in results) else 1
+
+
+RAY_CONNECT_TIMEOUT_S = 10.0
+"""How long `check_ray_address` waits for a cluster's port to answer (ray.init itself waits without a limit)."""
+
+
+def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """A ``--ray HOST:PORT`` (or ``ray://HOST:PORT``) answers a TCP connection within `timeout_s`, else a
+    `ConfigError` naming it and the fix, before any point runs (``ray.init`` hung on a dead address). ``auto`` and
+    ``local`` are Ray's and this command's own and are not checked."""
+    import socket
+
+    if address in ("auto", "local"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--ray {address!r}: give HOST:PORT (a cluster's GCS, e.g. 10.0.0.1:6379), "
+                          "ray://HOST:10001, auto, or local")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(f"--ray {address!r}: no Ray cluster answers there ({exc.strerror or exc}); start one "
+                          "(`ray start --head`), give its address, or run points here with --ray local") from None
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so both stop a sweep the same way."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    def raise_terminated(_signum: int, _frame: Any) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    except SweepInterrupted as stop:
+        terminated = isinstance(stop.__cause__, _Terminated)
+        stop.signal_name, stop.signal_number = ("SIGTERM", 15) if terminated else ("SIGINT (Ctrl-C)", 2)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def add_sweep_parser(sub: Any) -> None:

@@ -30,6 +30,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,11 @@ __all__ = ["RecipeResult", "RunFailed", "RunOutcome", "execute", "execute_failin
 
 Progress = Callable[[str, int, int], None]
 """progress(label, steps done, steps expected) (called while runs are going)."""
+
+
+STOP = threading.Event()
+"""Set from another thread (a sweep interrupted by Ctrl-C or SIGTERM): every `execute` in progress stops its
+processes and raises `RunFailed`, and none starts; the setter clears it."""
 
 
 class RunFailed(RuntimeError):
@@ -218,13 +224,17 @@ def execute(plans: Sequence[RunPlan], *, steps_total: int, timeout_s: float,
             progress: Progress | None = None) -> list[RunOutcome]:
     """Start every process of every plan at once, wait for all; RunFailed on an error or the timeout."""
     started: list[tuple[RunPlan, subprocess.Popen[bytes], Path]] = []
+    label = " + ".join(p.label for p in plans)
+    if STOP.is_set():
+        raise RunFailed(f"run {label}: not started (stopped)")
     _prepare(plans)
     t0 = time.monotonic()
     try:
         _start(plans, started)
         expected = sum(len(p.ranks) for p in plans) * steps_total
-        label = " + ".join(p.label for p in plans)
         while True:
+            if STOP.is_set():
+                raise RunFailed(f"run {label}: stopped")
             codes = [p.poll() for _, p, _ in started]
             for (plan, _, log), code in zip(started, codes, strict=True):
                 if code not in (None, 0):

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prism_plugin.recipes import runner
 from prism_plugin.recipes.plans import ProcessSpec, virtual_gpu_plan
 from prism_plugin.recipes.runner import RunFailed, execute
 from prism_plugin.recipes.sweep_figures import Breakdown, PointFigures, peak_bf16, point_figures, step_breakdown
@@ -83,7 +84,7 @@ from prism_plugin.recipes.sweep_points import (
 
 __all__ = ["SCHEMA", "Breakdown", "PointFigures", "PointResult", "SweepError", "SweepPoint", "SweepSpec",
            "default_jobs", "derive_points", "parse_layouts", "parse_world_sizes", "peak_bf16", "point_figures",
-           "run_point", "run_points", "step_breakdown", "sweep_document"]
+           "run_point", "run_points", "step_breakdown", "sweep_document", "SweepInterrupted"]
 
 SCHEMA = "prism-sweep/1"
 
@@ -185,19 +186,41 @@ def run_points(points: Sequence[SweepPoint], output: Path, *, jobs: int | None =
         return _run_on_ray(points, Path(output), ray_address, jobs=jobs, timeout_s=timeout_s, on_start=on_start,
                            on_done=on_done)
     results: dict[str, PointResult] = {}
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        def one(p: SweepPoint) -> PointResult:
-            if on_start is not None:
-                on_start(p)
-            return run_point(p, output, timeout_s=timeout_s)
+    pool = ThreadPoolExecutor(max_workers=jobs)
 
+    def one(p: SweepPoint) -> PointResult:
+        if on_start is not None:
+            on_start(p)
+        return run_point(p, output, timeout_s=timeout_s)
+
+    try:
         futures = [pool.submit(one, p) for p in points]
         for fut in as_completed(futures):
             res = fut.result()
             results[res.point.name] = res
             if on_done is not None:
                 on_done(res)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM turned into one by the CLI: start no more points
+        pool.shutdown(wait=False, cancel_futures=True)  # the queued points never start
+        runner.STOP.set()  # the running points stop their processes
+        try:
+            pool.shutdown(wait=True)
+        finally:
+            runner.STOP.clear()
+        finished = [results[p.name] for p in points if p.name in results]
+        raise SweepInterrupted(finished) from exc
+    pool.shutdown()
     return [results[p.name] for p in points]
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """A sweep stopped by Ctrl-C or SIGTERM: no point was started after it, the running ones were stopped;
+    `finished` holds the points that had ended before it (in point order)."""
+
+    def __init__(self, finished: list[PointResult]) -> None:
+        super().__init__(f"sweep interrupted after {len(finished)} finished point(s)")
+        self.finished = finished
+        self.signal_name, self.signal_number = "SIGINT (Ctrl-C)", 2
 
 
 def _import_ray() -> Any:

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
     from prism_plugin.runtime.session import Session
 
-__all__ = ["DEFAULT_GRACE_S", "GRAPH_MISMATCH_EXIT_CODE", "RUN_ID_ENV", "EmulatedRun", "RealProcess",
+__all__ = ["DEFAULT_GRACE_S", "GRAPH_MISMATCH_EXIT_CODE", "RUN_ID_ENV", "EmulatedRun", "RealProcess", "die_with_parent",
            "available_memory_bytes", "check_memory", "exit_code_of", "launch_processes", "real_store",
            "run_target", "write_summary"]
 
@@ -412,7 +412,7 @@ def _how(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent() -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the child get SIGKILL when the launcher dies (Linux ``PR_SET_PDEATHSIG``)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -449,7 +449,7 @@ class _Watch:
         print(f"{self.launcher}: {text}", file=sys.stderr, flush=True)
 
     def start(self) -> None:
-        preexec = _die_with_parent()
+        preexec = die_with_parent()
         for spec in self.specs:
             if self.signalled is not None:  # stopped while starting: start no more
                 break

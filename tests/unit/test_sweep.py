@@ -3,6 +3,7 @@ table, and bad input that names the field and the fix (`prism_plugin.recipes.swe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from prism_plugin.recipes.schema import Layout
 from prism_plugin.recipes.sweep import (
     PointResult,
     SweepError,
+    SweepInterrupted,
     SweepSpec,
     derive_points,
     parse_layouts,
@@ -213,3 +215,69 @@ def test_profiles_are_a_what_if_axis(tmp_path: Path) -> None:
         derive_points(_spec(profiles=("local-cpu-gloo",)))
     with pytest.raises(SweepError, match=r"--profiles 'dgx-b900': "):
         derive_points(_spec(profiles=("dgx-b900",)))
+
+
+def test_an_interrupt_starts_no_more_points_and_stops_the_running_one(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """Ctrl-C used to leave the pool launching every queued point; now the running points stop (the runner's STOP)
+    and the queued ones never start; the points that had finished come back with the interrupt."""
+    import threading
+
+    from prism_plugin.recipes import runner
+
+    points = derive_points(_spec(world_sizes=(512, 1024, 2048, 4096)))
+    by_name = {r.point.name: r for r in _results()}
+    started: list[str] = []
+    stopped = threading.Event()
+
+    def fake_run_point(p: Any, out: Any, timeout_s: float) -> Any:
+        started.append(p.name)
+        if p.name == "n512":
+            return by_name["n512"]
+        assert runner.STOP.wait(timeout=30), "the interrupt did not reach the running point"
+        stopped.set()
+        return dataclasses.replace(by_name["n512"], point=p, error="stopped")
+
+    def interrupt(_result: Any) -> None:
+        raise KeyboardInterrupt  # what Ctrl-C raises in the main thread while it waits for the points
+
+    monkeypatch.setattr(sweep, "run_point", fake_run_point)
+    with pytest.raises(SweepInterrupted) as exc:
+        run_points(points, tmp_path, jobs=2, on_done=interrupt)
+    assert [r.point.name for r in exc.value.finished] == ["n512"] and stopped.is_set()
+    # at most the two running when it came (n1024, and n2048 if n512's thread took it first) ran; n4096 never
+    assert set(started[:2]) == {"n512", "n1024"} and "n4096" not in started
+    assert not runner.STOP.is_set()  # cleared for the next sweep
+    runner.STOP.set()
+    try:
+        with pytest.raises(runner.RunFailed, match="not started"):
+            runner.execute([], steps_total=1, timeout_s=1.0)
+    finally:
+        runner.STOP.clear()
+
+
+def test_sigterm_stops_a_sweep_as_ctrl_c_does() -> None:
+    import os
+    import signal
+    import time
+
+    from prism_plugin.cli.sweep import _sigterm_as_interrupt
+
+    with pytest.raises(SweepInterrupted) as exc, _sigterm_as_interrupt():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except KeyboardInterrupt as interrupt:
+            raise SweepInterrupted([]) from interrupt
+    assert (exc.value.signal_name, exc.value.signal_number) == ("SIGTERM", 15)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+
+
+def test_a_dead_ray_address_is_refused_before_any_point(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["sweep", str(LLAMA_1B), "--world-sizes", "512", "--ray", "127.0.0.1:1",
+                 "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--ray '127.0.0.1:1': no Ray cluster answers there" in err and "--ray local" in err
+    assert not (tmp_path / "out").exists()
+    assert main(["sweep", str(LLAMA_1B), "--world-sizes", "512", "--ray", "nowhere", "--output", str(tmp_path)]) == 2
+    assert "give HOST:PORT" in capsys.readouterr().err
