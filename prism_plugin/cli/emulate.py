@@ -223,6 +223,8 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
     plan = make_plan(parse_layout(layout, framework, world_size), 1)
     check_environment([ranks[0] for ranks in plan.runs] + list(hybrid_ranks))  # the runs share this environment
     claim_output("--out", out, "prism emulate", overwrite=overwrite)
+    if progress is not None:
+        progress(f"{layout} on N={world_size}: {len(plan.runs)} profiling run(s), one real rank each, output {out}")
 
     def command(rank: int, run_dir: Path, graph: Path | None = None) -> list[str]:
         if ds_job is not None:
@@ -373,11 +375,20 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     _kernel_model_env(args)
     console = Console(stderr=True)
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))  # unwinds: the run's group goes
+    t0 = time.perf_counter()
+
+    def progress(text: str) -> None:  # a spinner on a terminal; a line per stage otherwise (a log, CI, a pipe)
+        if console.is_terminal:
+            status.update(f"prism emulate: {text}")
+        else:
+            console.print(f"prism emulate [{time.perf_counter() - t0:7.1f} s]: {text}", markup=False,
+                          highlight=False, soft_wrap=True)
+
     try:
         with console.status("prism emulate") as status:
             report = emulate(target, world_size=args.world_size, profile=args.profile, out=args.out,
                              gpus_per_node=args.gpus_per_node, warmup=args.warmup, timeout_s=args.timeout,
-                             progress=lambda text: status.update(f"prism emulate: {text}"), framework=args.framework,
+                             progress=progress, framework=args.framework,
                              seq_length=args.seq_length, model_flops_per_iteration=args.model_flops_per_iteration,
                              hybrid=args.hybrid, overwrite=args.overwrite)
     except RunFailed as exc:  # one message naming the run's log, no traceback

@@ -50,6 +50,9 @@ def test_a_profiling_run_past_its_timeout_is_one_message_naming_the_log(tmp_path
     err = capsys.readouterr().err
     assert "prism emulate: profiling run 0 (rank 0) ran past --timeout 0.5 s and was stopped; its log: " in err
     assert "out/run0/log.txt" in err and "Traceback" not in err
+    # not a terminal: a line per stage, from the start (at N = 10^7 it printed nothing for minutes)
+    assert "s]: tp=1,pp=1,cp=1,ep=1,dp=8 on N=8: 1 profiling run(s)" in err
+    assert "s]: profiling run 1/1: rank 0 on a virtual NVIDIA H100 80GB HBM3" in err
 
 
 def test_a_used_out_is_refused_unless_overwrite_replaces_a_previous_emulate(tmp_path: Path,
