@@ -45,12 +45,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from prism_plugin.config.errors import ConfigError, int_at_least, positive_int
 
-__all__ = ["add_emulate_parser", "emulate", "layout_of_megatron_args"]
+__all__ = ["add_emulate_parser", "check_megatron_job", "emulate", "layout_of_megatron_args"]
 
 _LAYOUT_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
                  "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
@@ -125,6 +126,41 @@ def _check_numbers(*, world_size: int, gpus_per_node: int, warmup: int, timeout_
         positive_int("--seq-length", seq_length, hint="the tokens per sample, e.g. --seq-length 4096")
     if model_flops_per_iteration is not None:
         _positive_number("--model-flops-per-iteration", model_flops_per_iteration)
+
+
+def check_megatron_job(argv: list[str], capability: tuple[int, int], environ: Mapping[str, str] | None = None) -> None:
+    """What a Megatron job's arguments and environment make it fail on in every profiling run, refused before the
+    first (a `ConfigError` naming the argument and the fix): Megatron's own asserts on TP/CP without
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (GPUs before Blackwell, `capability`), heads not divisible by TP, expert
+    parallelism without experts, and context parallelism on the local spec without the flash stand-in."""
+    env = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for name, flag in _LAYOUT_FLAGS.items():
+        parser.add_argument(flag, dest=name, type=int, default=None)
+    parser.add_argument("--num-attention-heads", dest="heads", type=int, default=None)
+    parser.add_argument("--num-experts", dest="experts", type=int, default=None)
+    parser.add_argument("--transformer-impl", dest="impl", default="transformer_engine")
+    for flag in ("--use-torch-fsdp2", "--use-megatron-fsdp", "--overlap-moe-expert-parallel-comm"):
+        parser.add_argument(flag, action="store_true")
+    known, _ = parser.parse_known_args(argv)
+    tp, cp, ep = known.tp or 1, known.cp or 1, known.ep or 1
+    fsdp_or_overlap = known.use_torch_fsdp2 or known.use_megatron_fsdp or known.overlap_moe_expert_parallel_comm
+    if (tp > 1 or cp > 1) and capability[0] < 10 and not fsdp_or_overlap \
+            and env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        raise ConfigError(f"the job's tensor/context parallelism (tp={tp}, cp={cp}) needs "
+                          "CUDA_DEVICE_MAX_CONNECTIONS=1 on this GPU (Megatron asserts it before Blackwell; "
+                          "Megatron-LM's launch scripts export it): run CUDA_DEVICE_MAX_CONNECTIONS=1 prism emulate "
+                          "...")
+    if known.heads is not None and known.heads % tp:
+        raise ConfigError(f"--num-attention-heads {known.heads} is not divisible by --tensor-model-parallel-size "
+                          f"{tp}: give a tensor-parallel size that divides the heads")
+    if ep > 1 and not known.experts:
+        raise ConfigError(f"--expert-model-parallel-size {ep} without --num-experts: expert parallelism needs an "
+                          "MoE model (add --num-experts E, a multiple of it) or drop it")
+    if cp > 1 and known.impl == "local" and env.get("PRISM_ATTENTION", "local").strip().lower() != "flash":
+        raise ConfigError(f"--context-parallel-size {cp} with --transformer-impl local: Megatron's local attention "
+                          "has no context parallelism; run PRISM_ATTENTION=flash prism emulate ... (the fused-"
+                          "attention stand-in) or --transformer-impl transformer_engine")
 
 
 def _run_command(script_argv: list[str], rank: int, run_dir: Path, world_size: int, profile: str,
@@ -211,6 +247,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
             raise ConfigError("--seq-length / --model-flops-per-iteration are for DeepSpeed jobs: a Megatron job's "
                               "figures come from its own arguments; drop them")
         layout = layout_of_megatron_args(script_argv[1:], world_size)
+        check_megatron_job(script_argv[1:], gpu.capability)
     hybrid_ranks: tuple[int, ...] = ()
     if hybrid is not None:
         try:

@@ -329,7 +329,11 @@ def check_environment(real_ranks: Sequence[int], environ: Mapping[str, str] | No
     from prism_plugin.config.virtual_time import TIME_VARIABLES, VirtualTimeOptions
 
     if any(env.get(name) for name in TIME_VARIABLES):
-        VirtualTimeOptions.from_env(env)
+        options = VirtualTimeOptions.from_env(env)
+        if options.kernel_fit is not None:  # a malformed overlay failed in every profiling run
+            from prism_plugin.cost.kernel_fit import load_fit
+
+            load_fit(options.kernel_fit)
     if env.get(ATTENTION_ENV):
         parse_attention(env[ATTENTION_ENV])
     if env.get(ROUTING_ENV):

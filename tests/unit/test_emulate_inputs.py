@@ -77,3 +77,31 @@ def test_a_used_out_is_refused_unless_overwrite_replaces_a_previous_emulate(tmp_
     (other / "notes.txt").write_text("keep")
     assert main(["emulate", "--world-size", "8", "--out", "mine", "--overwrite", "--", "train.py"]) == 2
     assert "is not an output of `prism emulate`" in capsys.readouterr().err and (other / "notes.txt").exists()
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--tensor-model-parallel-size", "2"], {}, "needs CUDA_DEVICE_MAX_CONNECTIONS=1 on this GPU"),
+    (["--context-parallel-size", "2", "--transformer-impl", "local"], {"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+     "--context-parallel-size 2 with --transformer-impl local: Megatron's local attention has no context"),
+    (["--tensor-model-parallel-size", "8", "--num-attention-heads", "12"], {"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+     "--num-attention-heads 12 is not divisible by --tensor-model-parallel-size 8"),
+    (["--expert-model-parallel-size", "2"], {}, "--expert-model-parallel-size 2 without --num-experts"),
+])
+def test_what_every_profiling_run_would_fail_on_is_refused_first(argv: list[str], env: dict[str, str],
+                                                                 message: str) -> None:
+    from prism_plugin.cli.emulate import check_megatron_job
+    from prism_plugin.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_megatron_job(argv, (9, 0), env)
+
+
+def test_jobs_megatron_accepts_pass_the_checks() -> None:
+    from prism_plugin.cli.emulate import check_megatron_job
+
+    check_megatron_job(["--tensor-model-parallel-size", "2"], (10, 0), {})  # Blackwell: no such requirement
+    check_megatron_job(["--tensor-model-parallel-size", "8", "--num-attention-heads", "32"], (9, 0),
+                       {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    check_megatron_job(["--context-parallel-size", "2", "--transformer-impl", "local"], (9, 0),
+                       {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PRISM_ATTENTION": "flash"})
+    check_megatron_job(["--expert-model-parallel-size", "4", "--num-experts", "8"], (9, 0), {})

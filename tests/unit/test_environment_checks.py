@@ -34,6 +34,7 @@ def _cases(tmp: Path) -> list[tuple[dict[str, str], tuple[int, ...], str]]:
         ({"PRISM_VIRTUAL_TIME": "off", "PRISM_PROGRAM_TIME": "emulated"}, (0,), "keeps no time"),
         ({"PRISM_ATTENTION": "fast"}, (0,), "--prism-attention / PRISM_ATTENTION 'fast': choose flash"),
         ({"PRISM_MOE_ROUTING": "skew:7,inf"}, (0,), "--prism-moe-routing 'skew:7,inf': expected"),
+        ({"PRISM_KERNEL_MODEL": "fit", "PRISM_KERNEL_FIT": str(afile)}, (0,), str(afile)),  # not an overlay
     ]
 
 
