@@ -129,6 +129,15 @@ def _summaries_table(output: Path, run_id: str | None = None, real_ranks: tuple[
     return table
 
 
+def _timeline_line(output: Path, run_id: str | None) -> str | None:
+    """Where this run's per-rank timelines are (Perfetto / chrome://tracing), for the line under the summaries."""
+    paths = [s["timeline"]["path"] for s in _run_summaries(output, run_id) if isinstance(s.get("timeline"), dict)]
+    if not paths:
+        return None
+    return "timeline: " + (paths[0] if len(paths) == 1 else
+                           f"{Path(paths[0]).parent}/rank*.timeline.json ({len(paths)} ranks)")
+
+
 def _virtual_cells(s: dict) -> tuple[str, str, str]:
     """Emulated step (virtual time's median, modelled), peak allocated and fits of a virtual-GPU summary."""
     vgpu = s.get("virtual_gpu")
@@ -196,6 +205,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         table = _summaries_table(config.output_dir, run_id, config.world.real_ranks)
         if table is not None:
             console.print(table)
+            timeline = _timeline_line(config.output_dir, run_id)
+            if timeline is not None:
+                console.print(timeline, soft_wrap=True, markup=False, highlight=False)
         else:
             console.print(f"prism run: no real rank of this run wrote a summary into {config.output_dir}")
         if args.json is not None:  # the program owns stdout: the document goes to a file

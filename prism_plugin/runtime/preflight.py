@@ -276,7 +276,8 @@ def check_directories(config: EmulationConfig, flags: Mapping[str, str] = RUN_FL
 
 # -- settings given as environment variables ---------------------------------------------------------------------
 ENVIRONMENT: Mapping[str, str] = {
-    "PRISM_TIMELINE": "a directory for each real rank's Chrome/Perfetto timeline",
+    "PRISM_TIMELINE": "a directory for each real rank's Chrome/Perfetto timeline (default <output>/timeline with "
+                      "an output directory), or off",
     "PRISM_KINETO": "a directory for each real rank's Kineto trace (virtual time)",
     "PRISM_MEMORY_SNAPSHOT": "a file for each real rank's memory snapshot; {rank} is replaced by the rank",
     "PRISM_MEMORY_SNAPSHOT_MAX_ENTRIES": "trace entries a memory snapshot keeps (default 100000)",
@@ -313,7 +314,7 @@ def check_environment(real_ranks: Sequence[int], environ: Mapping[str, str] | No
     process starts."""
     env = os.environ if environ is None else environ
     for name in ("PRISM_TIMELINE", "PRISM_KINETO"):
-        if env.get(name):
+        if env.get(name) and not (name == "PRISM_TIMELINE" and env[name] == "off"):
             check_directory(name, env[name])
     if env.get("PRISM_MEMORY_SNAPSHOT"):
         _check_snapshot_template(env["PRISM_MEMORY_SNAPSHOT"], tuple(real_ranks))

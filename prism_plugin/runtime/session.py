@@ -73,6 +73,7 @@ def _delegation_enabled() -> bool:
     return os.environ.get("PRISM_NEW_GROUP_DELEGATION", "1") != "0"
 
 
+
 class _NoDelegationGroup(PrismProcessGroup):
     """The default group without `new_group`: torch falls back to the backend creator."""
 
@@ -226,11 +227,14 @@ class Session:
             if self.replayed is not None:  # the graph's replay already delays virtual stragglers' arrivals
                 self.faults.role_of = self.replayed._role
                 self.faults.live_stragglers = False
-        self.timeline = None  # the per-rank Chrome/Perfetto timeline (PRISM_TIMELINE=<dir>), an op observer
-        if os.environ.get("PRISM_TIMELINE"):
+        self.timeline = None  # the per-rank Chrome/Perfetto timeline (`timeline_dir`), an op observer
+        from prism_plugin.runtime.timeline import timeline_dir as timeline_dir_of
+
+        timeline_dir = timeline_dir_of(config.output_dir)
+        if timeline_dir is not None:
             from prism_plugin.runtime.timeline import Timeline
 
-            self.timeline = Timeline(self.rank, world.world_size, Path(os.environ["PRISM_TIMELINE"]),
+            self.timeline = Timeline(self.rank, world.world_size, timeline_dir,
                                      now_s=self.op_clock.now_s,
                                      time_name="wall" if self.virtual_time is None else "emulated")
             self.timeline.faults = self.faults  # a delayed op names the straggler blamed for it

@@ -1,6 +1,7 @@
 """The per-rank timeline: one real rank's ops, waits, iterations and virtual peers as a Chrome trace.
 
-The session builds a `Timeline` when ``PRISM_TIMELINE=<dir>`` is set and writes it at deactivate as
+The session builds a `Timeline` when the run has an output directory (``<output>/timeline``) or ``PRISM_TIMELINE=<dir>``
+names one (``PRISM_TIMELINE=off``: none; `timeline_dir`) and writes it at deactivate as
 ``<dir>/rank<R>.timeline.json``, a Chrome trace event format JSON object (``{"traceEvents": [...],
 "displayTimeUnit": "ms", "otherData": {...}}``) that Perfetto and chrome://tracing open. Two process tracks:
 
@@ -40,17 +41,19 @@ trace (`prism_plugin.recipes.probe`); the program's own compute is the gaps betw
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from prism_plugin.comm.context import OpClock, OpEvent, OpGroup, OpWork, WaitTrace
 from prism_plugin.config.kinds import OpKind
 
-__all__ = ["MAX_PEERS", "MAX_PEER_INSTANTS", "MAX_RECORDS", "Timeline", "chrome_trace_problems", "trace_meta"]
+__all__ = ["MAX_PEERS", "MAX_PEER_INSTANTS", "MAX_RECORDS", "Timeline", "chrome_trace_problems", "timeline_dir",
+           "trace_meta"]
 
 MAX_PEERS = 16
 """Virtual peers drawn, one row each (the smallest groups' first)."""
@@ -62,6 +65,18 @@ MAX_PEER_INSTANTS = 100_000
 _MAX_LANES = 32  # communication rows; a program with more ops in flight at once nests the rest on the last
 _MAX_LISTED = 16  # group members / waited-on ranks named in one op's args
 
+
+def timeline_dir(output_dir: str | Path | None, environ: Mapping[str, str] | None = None) -> Path | None:
+    """Where this rank's timeline goes: ``PRISM_TIMELINE=<dir>``; by default ``<output>/timeline`` when the run has
+    an output directory (bounded: `prism_plugin.runtime.timeline.MAX_RECORDS`); none with ``PRISM_TIMELINE=off``
+    or without an output directory."""
+    env = os.environ if environ is None else environ
+    named = env.get("PRISM_TIMELINE", "")
+    if named == "off":
+        return None
+    if named:
+        return Path(named)
+    return Path(output_dir) / "timeline" if output_dir else None
 
 class _OpRecord:
     """One op as the timeline keeps it; the work's `WaitTrace` (stamps its wait, then the chained trace's)."""

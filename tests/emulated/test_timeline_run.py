@@ -78,10 +78,21 @@ def test_session_timeline_chains_the_tracer_and_draws_async_ops(tmp_path: Path, 
     assert all(op[7] >= 0 and op[8] >= op[7] for it in traced["iterations"] for op in it["ops"])
 
 
+def test_the_timeline_goes_to_the_output_by_default() -> None:
+    from prism_plugin.runtime.timeline import timeline_dir
+
+    assert timeline_dir("out", {}) == Path("out") / "timeline"
+    assert timeline_dir("out", {"PRISM_TIMELINE": "tl"}) == Path("tl") and timeline_dir(None, {}) is None
+    assert timeline_dir("out", {"PRISM_TIMELINE": "off"}) is None
+
+
 @pytest.mark.slow
-def test_prism_run_toy_writes_the_timeline(tmp_path: Path) -> None:
-    """`prism run` of the toy TP MLP, world 4 (tp 4), one real rank, 3 steps: one file, every op drawn."""
-    env = {**os.environ, "PRISM_TIMELINE": str(tmp_path / "tl")}
+@pytest.mark.parametrize("named", [True, False], ids=["PRISM_TIMELINE", "default"])
+def test_prism_run_toy_writes_the_timeline(tmp_path: Path, named: bool) -> None:
+    """`prism run` of the toy TP MLP, world 4 (tp 4), one real rank, 3 steps: one file, every op drawn; in the
+    directory PRISM_TIMELINE names, else in <output>/timeline, its path printed with the summaries."""
+    env = {**os.environ, "PRISM_TIMELINE": str(tmp_path / "tl")} if named else \
+        {k: v for k, v in os.environ.items() if k != "PRISM_TIMELINE"}
     cmd = [sys.executable, "-m", "prism_plugin.cli.main", "run", "--world-size", "4", "--real-ranks", "0",
            "--output", str(tmp_path / "out"), "-m", "prism_plugin.programs.toy_train", "--tp", "4",
            "--hidden", "16", "--batch", "2", "--steps", "3"]
@@ -89,8 +100,9 @@ def test_prism_run_toy_writes_the_timeline(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((tmp_path / "out" / "rank0.summary.json").read_text())
     entry = summary["timeline"]
-    path = tmp_path / "tl" / "rank0.timeline.json"
+    path = (tmp_path / "tl" if named else tmp_path / "out" / "timeline") / "rank0.timeline.json"
     assert entry["path"] == str(path) and entry["time_name"] == "wall"
+    assert f"\ntimeline: {path}\n" in proc.stderr  # the line under the summaries (stderr: stdout is the job's)
     trace = _load(path)
     assert entry["events"] == len(trace["traceEvents"])
     comm = _comm(trace)
