@@ -30,12 +30,15 @@ The kernels (each a region of the eager math, so its shapes, dtypes and allocati
   apex's kernels compute it, returning them): one ``norm``-class kernel each;
 - ``scaled_masked_softmax_cuda.get_batch_per_block``: the extension's own formula (no kernel).
 
+Each kernel runs with autograd off, as an extension's kernel is invisible to autograd (`_kernel`).
+
 Limitations: the extensions' argument checks are reduced to dtype and rank (apex also bounds the key length); in
 CPU mode none of this is installed (the adapter switches those defaults off there instead).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 from collections.abc import Callable
@@ -68,8 +71,23 @@ def _wgrad_gemm_accum(total_input: torch.Tensor, grad_output: torch.Tensor, main
     main_grad.add_(torch.mm(grad_output.reshape(-1, n).t(), total_input.reshape(-1, k)))
 
 
+def _kernel(fn: Callable[..., Any], name: str, kernel_class: KernelClass | None = None) -> Callable[..., Any]:
+    """`fn` as one extension kernel: a fusion region that autograd does not see. A CUDA extension's kernel records
+    nothing in the autograd graph, whatever the grad mode; the eager math standing in for it would (Megatron's
+    ``drain_embedding_wgrad_compute`` calls the wgrad GEMM in grad mode with an activation that requires grad: the
+    graph it recorded hung on ``main_grad`` and kept every deferred ``grad_output`` alive, +45% peak)."""
+    region = fusion.fused(fn, name, kernel_class=kernel_class)
+
+    @functools.wraps(fn)
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return region(*args, **kwargs)
+
+    return kernel
+
+
 def _wgrad(name: str, accumulator: tuple[torch.dtype, ...]) -> Callable[..., None]:
-    region = fusion.fused(_wgrad_gemm_accum, name)
+    region = _kernel(_wgrad_gemm_accum, name)
 
     def wgrad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
         if main_grad.dtype not in accumulator:
@@ -139,9 +157,8 @@ def extensions() -> dict[str, types.ModuleType]:
     for module, forward in (("scaled_upper_triang_masked_softmax_cuda", _upper_triang_forward),
                             ("scaled_masked_softmax_cuda", _masked_forward), ("scaled_softmax_cuda", _plain_forward)):
         fake = types.ModuleType(module, f"prism: {module} on virtual GPUs")
-        fake.forward = fusion.fused(forward, f"{module}.forward", kernel_class=KernelClass.NORM)  # type: ignore[attr-defined]
-        fake.backward = fusion.fused(_softmax_backward, f"{module}.backward",  # type: ignore[attr-defined]
-                                     kernel_class=KernelClass.NORM)
+        fake.forward = _kernel(forward, f"{module}.forward", KernelClass.NORM)  # type: ignore[attr-defined]
+        fake.backward = _kernel(_softmax_backward, f"{module}.backward", KernelClass.NORM)  # type: ignore[attr-defined]
         fake.get_batch_per_block = _batch_per_block  # type: ignore[attr-defined]
         out[module] = fake
     return out
