@@ -41,8 +41,10 @@ def test_the_layout_comes_from_the_jobs_own_arguments() -> None:
 def test_prism_emulate_predicts_a_pipelined_job_from_two_virtual_gpu_runs(tmp_path: Path) -> None:
     out = tmp_path / "em"
     proc = subprocess.run([sys.executable, "-m", "prism_plugin.cli.main", "emulate", "--world-size", "8", "--out",
-                           str(out), "--json", "--", str(SCRIPT), *JOB], capture_output=True, text=True, timeout=900)
+                           str(out), "--jobs", "2", "--json", "--", str(SCRIPT), *JOB], capture_output=True, text=True,
+                          timeout=900)  # --jobs 2: both stages' profiling runs at once (emulated figures unchanged)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 run(s) at a time" in proc.stderr
     report = json.loads(proc.stdout)
     assert report == json.loads((out / "emulate.json").read_text())
     assert (report["layout"], report["classes_of_ranks"], report["profiling_runs"]) == ("tp=1,pp=2,cp=1,ep=1,dp=4",

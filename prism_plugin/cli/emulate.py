@@ -44,6 +44,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -68,6 +69,8 @@ def add_emulate_parser(subparsers: Any) -> None:
     p.add_argument("--profile", default="dgx-h100", help="hardware profile with a GPU model (default dgx-h100)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path("prism_emulate"), help="DIR for runs, graph and report")
+    p.add_argument("--jobs", type=int, default=1, help="profiling (and hybrid) runs at a time on this machine "
+                                                        "(default 1; each run is one process of the job's size)")
     p.add_argument("--overwrite", action="store_true", help="replace a previous emulate output in --out (a used "
                                                              "--out is refused without it)")
     p.add_argument("--warmup", type=int, default=1, help="traced iterations dropped when building the graph")
@@ -180,26 +183,35 @@ class RunFailed(RuntimeError):
     """A profiling or hybrid run that exited non-zero or overran ``--timeout``; the message names its log."""
 
 
-def _run(command: list[str], run_dir: Path, rank: int, what: str, timeout_s: float) -> dict[str, Any]:
-    """Run one virtual-GPU process with virtual time; its summary (`RunFailed` naming its log on failure)."""
-    log = run_dir / "log.txt"
-    t0 = time.perf_counter()
+def _run(command: list[str], run_dir: Path, rank: int, what: str, timeout_s: float,
+         stop: threading.Event | None = None) -> dict[str, Any]:
+    """Run one virtual-GPU process with virtual time; its summary (`RunFailed` naming its log on failure). `stop`
+    set from another thread (a sibling run failed, Ctrl-C): the run's group is killed and `RunFailed` raised."""
     from prism_plugin.runtime.lifecycle import die_with_parent
 
+    log = run_dir / "log.txt"
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
     with log.open("w") as f:
         # its own process group (Ctrl-C here reaches emulate, which stops the whole group) that dies with emulate
         # (SIGKILL of emulate left its profiling runs running)
         proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ,
                                 PRISM_VIRTUAL_TIME="on"), start_new_session=True, preexec_fn=die_with_parent())
         try:
-            rc = proc.wait(timeout=timeout_s)
-        except BaseException as exc:  # --timeout, Ctrl-C, SIGTERM (as SystemExit): the run's whole group goes
+            while True:
+                try:
+                    rc = proc.wait(timeout=_POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    if stop is not None and stop.is_set():
+                        raise RunFailed(f"prism emulate: {what} (rank {rank}) stopped; its log: {log}") from None
+                    if time.monotonic() > deadline:
+                        raise RunFailed(f"prism emulate: {what} (rank {rank}) ran past --timeout {timeout_s:g} s "
+                                        f"and was stopped; its log: {log}; give a longer --timeout") from None
+        except BaseException:  # --timeout, stop, Ctrl-C, SIGTERM (as SystemExit): the run's whole group goes
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            if isinstance(exc, subprocess.TimeoutExpired):
-                raise RunFailed(f"prism emulate: {what} (rank {rank}) ran past --timeout {timeout_s:g} s and was "
-                                f"stopped; its log: {log}; give a longer --timeout") from None
             raise
     if rc != 0:
         tail = log.read_text(errors="replace")[-3000:]
@@ -208,11 +220,54 @@ def _run(command: list[str], run_dir: Path, rank: int, what: str, timeout_s: flo
             "summary": json.loads((run_dir / f"rank{rank}.summary.json").read_text())}
 
 
+_POLL_S = 0.2
+
+
+def _run_all(runs: list[tuple[list[str], Path, int, str]], jobs: int, timeout_s: float,
+             progress: Any = None) -> list[dict[str, Any]]:
+    """Every run of `runs` ((command, run_dir, rank, what)), `jobs` at a time; results in order. The first failure
+    (or Ctrl-C / SIGTERM here) stops the others and starts no more, and is raised."""
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    if jobs <= 1 or len(runs) <= 1:
+        out = []
+        for i, (command, run_dir, rank, what) in enumerate(runs):
+            if progress is not None:
+                progress(f"{what} ({i + 1}/{len(runs)}): rank {rank}")
+            out.append(_run(command, run_dir, rank, what, timeout_s))
+        return out
+    stop = threading.Event()
+
+    def one(i: int) -> dict[str, Any]:
+        command, run_dir, rank, what = runs[i]
+        if stop.is_set():
+            raise RunFailed(f"prism emulate: {what} (rank {rank}) not started (another run failed)")
+        if progress is not None:
+            progress(f"{what} ({i + 1}/{len(runs)}, {jobs} at a time): rank {rank}")
+        return _run(command, run_dir, rank, what, timeout_s, stop)
+
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        futures = [pool.submit(one, i) for i in range(len(runs))]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            stop.set()
+            wait(futures)
+            raise failed.exception()  # type: ignore[misc]
+        return [f.result() for f in futures]
+    except BaseException:
+        stop.set()  # Ctrl-C, SIGTERM: the running runs kill their groups, the queued ones never start
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100", out: Path = Path("prism_emulate"),
             gpus_per_node: int = 8, warmup: int = 1, timeout_s: float = 3600.0, progress: Any = None,
             framework: str = "auto", seq_length: int | None = None,
             model_flops_per_iteration: float | None = None, hybrid: str | None = None,
-            overwrite: bool = False) -> dict[str, Any]:
+            overwrite: bool = False, jobs: int = 1) -> dict[str, Any]:
     """Run the pipeline of the module docstring; returns the report (also written to ``<out>/emulate.json``).
 
     Raises `ConfigError` on bad input (before any process starts) and `RuntimeError` when a profiling run fails
@@ -233,6 +288,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
                           "job's arguments")
     _check_numbers(world_size=world_size, gpus_per_node=gpus_per_node, warmup=warmup, timeout_s=timeout_s,
                    seq_length=seq_length, model_flops_per_iteration=model_flops_per_iteration)
+    positive_int("--jobs", jobs, hint="profiling runs at a time on this machine, e.g. --jobs 2")
     hw = load_profile(profile)
     if hw.gpu is None:
         raise ConfigError(f"--profile {profile}: names no GPU model; use a GPU profile such as dgx-h100")
@@ -270,14 +326,14 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
         return _run_command(script_argv, rank, run_dir, world_size, profile, gpus_per_node, trace=graph is None,
                             graph=graph)
 
-    runs = []
+    specs = []
     for i, ranks in enumerate(plan.runs):
-        rank = ranks[0]
         run_dir = out / f"run{i}"
         run_dir.mkdir(parents=True, exist_ok=True)
-        if progress is not None:
-            progress(f"profiling run {i + 1}/{len(plan.runs)}: rank {rank} on a virtual {gpu.name}")
-        runs.append({"run": i, **_run(command(rank, run_dir), run_dir, rank, f"profiling run {i}", timeout_s)})
+        specs.append((command(ranks[0], run_dir), run_dir, ranks[0], f"profiling run {i}"))
+    if progress is not None:
+        progress(f"profiling on virtual {gpu.name}s, {min(jobs, len(specs))} run(s) at a time")
+    runs = [{"run": i, **result} for i, result in enumerate(_run_all(specs, jobs, timeout_s, progress))]
     if progress is not None:
         progress("building the execution graph and replaying it")
     graph = _build([r_dir / "trace" for r_dir in (out / f"run{i}" for i in range(len(runs)))], plan.job.world,
@@ -294,13 +350,12 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
     report = _report(runs, prediction, plan, layout, gpu, world_size, profile, figures)
     report["framework"] = framework
     if hybrid_ranks:
-        hybrid_runs = []
+        hybrid_specs = []
         for rank in hybrid_ranks:
             run_dir = out / "hybrid" / f"rank{rank}"
             run_dir.mkdir(parents=True, exist_ok=True)
-            if progress is not None:
-                progress(f"hybrid: rank {rank} against the graph on a virtual {gpu.name}")
-            hybrid_runs.append(_run(command(rank, run_dir, graph_path), run_dir, rank, "hybrid run", timeout_s))
+            hybrid_specs.append((command(rank, run_dir, graph_path), run_dir, rank, "hybrid run"))
+        hybrid_runs = _run_all(hybrid_specs, jobs, timeout_s, progress)
         report["hybrid"] = _hybrid_rows(hybrid_runs, prediction, state, runs)
     (out / "emulate.json").write_text(json.dumps(report, indent=1))
     return report
@@ -427,7 +482,7 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
                              gpus_per_node=args.gpus_per_node, warmup=args.warmup, timeout_s=args.timeout,
                              progress=progress, framework=args.framework,
                              seq_length=args.seq_length, model_flops_per_iteration=args.model_flops_per_iteration,
-                             hybrid=args.hybrid, overwrite=args.overwrite)
+                             hybrid=args.hybrid, overwrite=args.overwrite, jobs=args.jobs)
     except RunFailed as exc:  # one message naming the run's log, no traceback
         console.print(str(exc), markup=False, highlight=False, soft_wrap=True)
         return 1

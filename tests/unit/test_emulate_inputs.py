@@ -52,7 +52,8 @@ def test_a_profiling_run_past_its_timeout_is_one_message_naming_the_log(tmp_path
     assert "out/run0/log.txt" in err and "Traceback" not in err
     # not a terminal: a line per stage, from the start (at N = 10^7 it printed nothing for minutes)
     assert "s]: tp=1,pp=1,cp=1,ep=1,dp=8 on N=8: 1 profiling run(s)" in err
-    assert "s]: profiling run 1/1: rank 0 on a virtual NVIDIA H100 80GB HBM3" in err
+    assert "s]: profiling on virtual NVIDIA H100 80GB HBM3s, 1 run(s) at a time" in err
+    assert "s]: profiling run 0 (1/1): rank 0" in err
 
 
 def test_a_used_out_is_refused_unless_overwrite_replaces_a_previous_emulate(tmp_path: Path,
@@ -105,3 +106,22 @@ def test_jobs_megatron_accepts_pass_the_checks() -> None:
     check_megatron_job(["--context-parallel-size", "2", "--transformer-impl", "local"], (9, 0),
                        {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PRISM_ATTENTION": "flash"})
     check_megatron_job(["--expert-model-parallel-size", "4", "--num-experts", "8"], (9, 0), {})
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_jobs_runs_profiling_runs_at_once_and_one_failure_stops_the_rest(jobs: int, tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pipelined job has two classes of ranks: two profiling runs. --jobs 2 starts both at once; one at a time,
+    the first one's failure (here its --timeout) means the second never starts."""
+    monkeypatch.chdir(tmp_path)
+    Path("train.py").write_text("import time\ntime.sleep(60)\n")
+    argv = ["emulate", "--world-size", "8", "--timeout", "1", "--jobs", str(jobs), "--out", "out", "--",
+            "train.py", "--pipeline-model-parallel-size", "2"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "ran past --timeout 1 s and was stopped" in err
+    started = sorted(p.parent.name for p in (tmp_path / "out").glob("run*/log.txt"))
+    assert started == (["run0", "run1"] if jobs == 2 else ["run0"])
+    assert main(["emulate", "--world-size", "8", "--jobs", "0", "--out", "o2", "--", "train.py"]) == 2
+    assert "--jobs=0 must be a positive int" in capsys.readouterr().err
