@@ -226,5 +226,6 @@ def toy_tp2_attempt(tmp_path: Path) -> Attempt:
     return Attempt("; ".join(figures), missed, noisy)
 
 
+@pytest.mark.heavy  # about 70 s; the toy-tp2 CI recipe compares real and emulated steps in CI
 def test_the_toy_tp2_job_in_virtual_time_predicts_its_real_cpu_step(tmp_path: Path) -> None:
     check_in_attempts(toy_tp2_attempt, tmp_path, MAX_LOAD, f"{MAX_BOUND:.0%}")

@@ -52,6 +52,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.heavy  # about 55 s; the Llama-3-8B-width TP8 training test runs in CI
 def test_llama3_8b_width_gpt_layers_run_forward_and_backward_on_a_virtual_h100(tmp_path: Path) -> None:
     script = tmp_path / "gpt.py"
     script.write_text(SCRIPT)

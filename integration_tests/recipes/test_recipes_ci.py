@@ -101,6 +101,7 @@ def test_ci_recipe_within_tolerances(name: str, tmp_path: Path) -> None:
                       f"{json.dumps(slow, indent=1)}")
 
 
+@pytest.mark.heavy  # about 30 s
 def test_a_violated_tolerance_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     slow = override_profile(load_profile("local-cpu-gloo"), {"collective_overhead_us": 250_000.0})
     (tmp_path / "slow.yaml").write_text(profile_to_yaml(slow))

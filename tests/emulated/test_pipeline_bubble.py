@@ -126,7 +126,7 @@ cuda_runtime.exit_now(code)
 """
 
 
-@pytest.mark.parametrize(("pp", "vpp", "m"), [(2, 2, 4), (4, 2, 8), (2, 1, 4)])
+@pytest.mark.parametrize(("pp", "vpp", "m"), [(2, 2, 4), pytest.param(4, 2, 8, marks=pytest.mark.heavy), (2, 1, 4)])
 def test_interleaved_1f1b_bubble_is_p_minus_1_over_v_m(library: None, tmp_path: Path, pp: int, vpp: int,
                                                        m: int) -> None:
     trace = tmp_path / "trace"
