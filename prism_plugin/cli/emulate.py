@@ -466,7 +466,6 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
         target = target[1:]
     _kernel_model_env(args)
     console = Console(stderr=True)
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))  # unwinds: the run's group goes
     t0 = time.perf_counter()
 
     def progress(text: str) -> None:  # a spinner on a terminal; a line per stage otherwise (a log, CI, a pipe)
@@ -476,6 +475,8 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
             console.print(f"prism emulate [{time.perf_counter() - t0:7.1f} s]: {text}", markup=False,
                           highlight=False, soft_wrap=True)
 
+    # SIGTERM unwinds as SystemExit(143): each run's process group is killed on the way out
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
         with console.status("prism emulate") as status:
             report = emulate(target, world_size=args.world_size, profile=args.profile, out=args.out,
@@ -486,6 +487,8 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     except RunFailed as exc:  # one message naming the run's log, no traceback
         console.print(str(exc), markup=False, highlight=False, soft_wrap=True)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
