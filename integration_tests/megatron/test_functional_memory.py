@@ -98,6 +98,8 @@ EVERY_OTHER_CASE = (
     "gpt3_mcore_tp4_pp1_resume_torch",
     "gpt3_mcore_tp4_pp1_resume_torch_dist",
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer",
+    "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4",  # the all-gather dispatcher, answered by the routing policy
+    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_optimizer",  # the same
 )
 """The other cases that run on a virtual H100 (38 of 78 at 50f9da057bc0, and the two weight-hash-check cases since;
 the rest are refused up front or stop in a path listed in recipes/RESULTS.md): about 25 s each on a 2-core host,
@@ -105,6 +107,9 @@ so heavy."""
 MISSED = {
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer":
         "-1.08% at 50f9da057bc0: not diagnosed",
+    "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4":
+        "+2.47% since the all-gather dispatcher runs: balanced routing (the policy) against the real run's routing; "
+        "not diagnosed further",
 }
 """Cases where the goal is missed today, with the measured error; strict: one that comes within the goal fails here
 until it is taken off this list."""

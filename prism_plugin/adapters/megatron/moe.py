@@ -29,8 +29,10 @@ random normals, which fake tensors do not hold either, so the dispatcher's reads
 Refused at the seam (`NoValueError`, naming the read and the call site): ``--moe-expert-capacity-factor`` without
 ``--moe-pad-expert-input-to-capacity`` and ``--moe-router-padding-for-quantization`` (the dropped or padded
 counts depend on the routing values). With padding to capacity Megatron's own path runs (its counts are the
-capacity, no value read). The allgather and flex dispatchers are not covered: their reads raise as any unanswered
-read does (`values.ValuePolicy.read`).
+capacity, no value read). The all-gather dispatcher (``--moe-token-dispatcher-type allgather``) is covered at its
+``dispatch_postprocess`` (`RoutingPolicy.allgather_postprocess`: the gathered tokens of every TP x EP source, counted
+by the policy for this rank's experts). The flex dispatcher is not: its reads raise as any unanswered read does
+(`values.ValuePolicy.read`).
 
 `install` also puts in a seam MoE training needs on virtual GPUs (undone with the adapter): Megatron's MoE loss
 scale skips a no-op ``torch.as_tensor`` the virtual GPU's device calls assert on (`_loss_scale_on_device`). Expert
@@ -125,16 +127,7 @@ class RoutingPolicy:
 
         config = dispatcher.config
         site = _call_site()
-        for flag, on in (("--moe-expert-capacity-factor (without --moe-pad-expert-input-to-capacity)",
-                          config.moe_expert_capacity_factor is not None),
-                         ("--moe-router-padding-for-quantization", config.moe_router_padding_for_quantization)):
-            if on:
-                from prism_plugin.runtime.virtual_gpu.values import NoValueError
-
-                raise NoValueError(
-                    f"prism virtual GPU: {site} (MoEAlltoAllTokenDispatcher.preprocess) reads the number of tokens "
-                    f"kept per expert under {flag}, which depends on the routing values; the MoE routing policy "
-                    f"({self.spec.name}) answers dropless routing only: drop the flag on virtual GPUs")
+        self._dropless_only(config, site, "MoEAlltoAllTokenDispatcher.preprocess")
         tokens, experts, topk = int(routing_map.size(0)), dispatcher.num_experts, config.moe_router_topk
         ep, tp, local = dispatcher.ep_size, dispatcher.tp_size, dispatcher.num_local_experts
         layer = self._layers.setdefault(id(dispatcher), len(self._layers))
@@ -174,6 +167,56 @@ class RoutingPolicy:
         self.by_layer.setdefault(layer, {"calls": 0, **self.last})["calls"] += 1
         return per_local_expert
 
+    def _dropless_only(self, config: Any, site: str, seam: str) -> None:
+        for flag, on in (("--moe-expert-capacity-factor (without --moe-pad-expert-input-to-capacity)",
+                          config.moe_expert_capacity_factor is not None),
+                         ("--moe-router-padding-for-quantization", config.moe_router_padding_for_quantization)):
+            if on:
+                from prism_plugin.runtime.virtual_gpu.values import NoValueError
+
+                raise NoValueError(
+                    f"prism virtual GPU: {site} ({seam}) reads the number of tokens kept per expert under {flag}, "
+                    f"which depends on the routing values; the MoE routing policy (--prism-moe-routing "
+                    f"{self.spec.name}) answers dropless routing only: drop the flag on virtual GPUs")
+
+    def allgather_postprocess(self, dispatcher: Any, hidden_states: Any, probs: Any) -> Any:
+        """`MoEAllGatherTokenDispatcher.dispatch_postprocess` with the counts from the policy.
+
+        The gathered routing map holds every TP x EP source's tokens; a real rank sums its local experts' columns on
+        the GPU and copies them to the host (``tokens_per_expert``), permutes the gathered tokens with that total
+        (Megatron's argsort permute: fixed shapes once the total is known) and selects its local probabilities with
+        ``masked_select``. Here the same kernels run on the same shapes, the total is the policy's, and the
+        selection is a copy of the same size (its values are unknown either way)."""
+        import torch
+        from megatron.core.transformer.moe import token_dispatcher as td
+
+        site = _call_site()
+        self._dropless_only(dispatcher.config, site, "MoEAllGatherTokenDispatcher.dispatch_postprocess")
+        sources = dispatcher.tp_size * dispatcher.ep_size
+        gathered = int(dispatcher.routing_map.size(0))
+        tokens, experts = gathered // sources, int(dispatcher.routing_map.size(1))
+        layer = self._layers.setdefault(id(dispatcher), len(self._layers))
+        first, local = dispatcher.local_expert_indices[0], dispatcher.num_local_experts
+        dispatcher.hidden_shape_before_permute = hidden_states.shape
+        dispatcher.local_map = dispatcher.routing_map[:, first:first + local].contiguous()
+        dispatcher.local_probs = probs[:, first:first + local].contiguous()
+        dispatcher.local_map.sum(dim=0).long()  # the column sums a real rank computes before its D2H copy
+        counts = torch.tensor([self.source_counts(tokens, dispatcher.router_topk, experts, s, layer)
+                               for s in range(sources)], dtype=torch.long, device="cpu")
+        tokens_per_expert = counts[:, first:first + local].sum(dim=0)
+        received = int(tokens_per_expert.sum())
+        permuted, _, dispatcher.reversed_local_input_permutation_mapping, _, _ = td.permute(
+            hidden_states, dispatcher.local_map, num_out_tokens=received, fused=dispatcher.config.moe_permute_fusion)
+        probs_by_expert = dispatcher.local_probs.T.contiguous()
+        dispatcher.local_map.T.contiguous()  # masked_select's mask, as Megatron passes it
+        dispatcher.local_probs = probs_by_expert.reshape(-1)[:received].clone()  # masked_select's [received] output
+        dispatcher.routing_map = None
+        self.calls[site] += 1
+        self.tokens_received += received
+        self.last = {"tokens": tokens, "sources": sources, "tokens_per_local_expert": tokens_per_expert.tolist()}
+        self.by_layer.setdefault(layer, {"calls": 0, **self.last})["calls"] += 1
+        return permuted, tokens_per_expert, dispatcher.local_probs
+
     def summary(self) -> dict[str, Any]:
         """The policy, its answers per call site, the tokens sent / received, and each MoE layer's counts."""
         return {"policy": self.spec.name, "answers": sum(self.calls.values()),
@@ -183,9 +226,10 @@ class RoutingPolicy:
 
 
 def install(patches: Any, text: str | None = None) -> RoutingPolicy:
-    """Replace the all-to-all dispatcher's count computation by the policy's (`text`: the policy, else
+    """Replace the all-to-all dispatcher's count computation and the all-gather dispatcher's post-processing by the
+    policy's (`text`: the policy, else
     ``PRISM_MOE_ROUTING``, else balanced); undone when `patches` closes."""
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 
     policy = RoutingPolicy(parse_routing(os.environ.get(ENV) if text is None else text))
     original = MoEAlltoAllTokenDispatcher.preprocess
@@ -196,6 +240,8 @@ def install(patches: Any, text: str | None = None) -> RoutingPolicy:
         return policy.preprocess(self, routing_map)
 
     patches.setattr(MoEAlltoAllTokenDispatcher, "preprocess", preprocess)
+    patches.setattr(MoEAllGatherTokenDispatcher, "dispatch_postprocess",
+                    lambda self, hidden_states, probs: policy.allgather_postprocess(self, hidden_states, probs))
     _loss_scale_on_device(patches)
     return policy
 
