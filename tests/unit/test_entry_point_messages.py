@@ -141,7 +141,9 @@ def test_megatrons_count_of_zero_gradients_has_a_stated_answer_and_tensorboard_a
 
     policy = ValuePolicy()
     log_values.state_answers(policy)
-    assert policy.stated == [log_values.COUNT_ZEROS]
+    assert policy.stated == [log_values.COUNT_ZEROS, log_values.SINKHORN]
+    assert log_values.SINKHORN.matches("/venv/site-packages/megatron/core/transformer/moe/moe_utils.py", "sinkhorn")
+    assert log_values.SINKHORN.value is False  # one iteration: `while error > tol` ends after the first
     assert log_values.COUNT_ZEROS.matches("/venv/site-packages/megatron/core/optimizer/clip_grads.py",
                                           "count_zeros_fp32")
     monkeypatch.setattr(log_values.importlib.util, "find_spec", lambda name: None)

@@ -18,6 +18,11 @@ hashes over the data-parallel group. A virtual GPU's parameters have no bytes; u
 every virtual replica mirrors this rank's values, so the stated answer (`WEIGHT_HASH`) is True, the replicas
 match; counted in ``values.by_site`` like the other answers (`answer_weight_hash_check`).
 
+``--moe-router-load-balancing-type sinkhorn``: ``megatron/core/transformer/moe/moe_utils.py``'s ``sinkhorn`` iterates
+until ``error > tol`` reads False, a data-dependent count of iterations. The stated answer (`SINKHORN`): False, it
+converges after its first iteration. Every iteration allocates and frees the same small tensors, so the peak is the
+same whatever the count; the time of the iterations a real run adds (a few small kernels each) is not modelled.
+
 ``--tensorboard-dir`` / ``--log-timers-to-tensorboard`` / ``--log-memory-to-tensorboard``: Megatron writes
 TensorBoard events through ``torch.utils.tensorboard``, which needs the ``tensorboard`` package. Without it
 Megatron warns and writes nothing; `tensorboard_note` says so in one line naming the fix
@@ -31,13 +36,20 @@ from typing import Any
 
 from prism_plugin.runtime.virtual_gpu.values import SiteAnswer, ValuePolicy
 
-__all__ = ["COUNT_ZEROS", "WEIGHT_HASH", "answer_weight_hash_check", "state_answers", "tensorboard_note"]
+__all__ = ["COUNT_ZEROS", "SINKHORN", "WEIGHT_HASH", "answer_weight_hash_check", "state_answers", "tensorboard_note"]
 
 COUNT_ZEROS = SiteAnswer(
     path_suffix="megatron/core/optimizer/clip_grads.py", function="count_zeros_fp32", value=0,
     reason="--log-num-zeros-in-grad: no gradient element is exactly zero (Megatron logs the count; nothing "
            "branches on it)")
 """The stated answer of ``count_zeros_fp32``'s read."""
+
+SINKHORN = SiteAnswer(
+    path_suffix="megatron/core/transformer/moe/moe_utils.py", function="sinkhorn", value=False,
+    reason="--moe-router-load-balancing-type sinkhorn: converged after one iteration (each iteration allocates and "
+           "frees the same tensors: the peak does not depend on the count; the time of further iterations is not "
+           "modelled)")
+"""The stated answer of ``sinkhorn``'s convergence test."""
 
 
 WEIGHT_HASH = ("megatron/core/utils.py:check_param_hashes_across_dp_replicas",
@@ -49,6 +61,7 @@ WEIGHT_HASH = ("megatron/core/utils.py:check_param_hashes_across_dp_replicas",
 def state_answers(values: ValuePolicy) -> None:
     """State this module's answers on `values` (the virtual GPU's value policy)."""
     values.state(COUNT_ZEROS)
+    values.state(SINKHORN)
 
 
 def answer_weight_hash_check(values: ValuePolicy) -> None:
