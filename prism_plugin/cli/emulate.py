@@ -119,7 +119,7 @@ def _check_numbers(*, world_size: int, gpus_per_node: int, warmup: int, timeout_
     """Every numeric argument of `emulate` in range, named as its flag (before any process starts)."""
     positive_int("--world-size", world_size, hint="N, the job's number of GPUs, e.g. --world-size 8192")
     positive_int("--gpus-per-node", gpus_per_node, hint="the cluster's GPUs per node, e.g. --gpus-per-node 8")
-    if world_size % gpus_per_node:
+    if world_size > gpus_per_node and world_size % gpus_per_node:  # a job smaller than a node runs on part of it
         raise ConfigError(f"--gpus-per-node {gpus_per_node} does not divide --world-size {world_size}: the job would "
                           "end on a partial node; give a world size that is a multiple of it, or the cluster's GPUs "
                           "per node")

@@ -17,6 +17,7 @@ from prism_plugin.cli.main import main
     (["--world-size", "0"], "--world-size=0 must be a positive int"),
     (["--world-size", "8", "--gpus-per-node", "0"], "--gpus-per-node=0 must be a positive int"),
     (["--world-size", "8", "--gpus-per-node", "3"], "--gpus-per-node 3 does not divide --world-size 8"),
+    (["--world-size", "4", "--warmup", "-1"], "--warmup must be"),  # 4 of a node's 8 GPUs: not a divisibility error
     (["--world-size", "8", "--warmup", "-1"], "--warmup must be an integer >= 0, got -1"),
     (["--world-size", "8", "--timeout", "0"], "--timeout 0.0: give a finite number > 0"),
     (["--world-size", "8", "--timeout", "inf"], "--timeout inf: give a finite number > 0"),
