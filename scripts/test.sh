@@ -4,6 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 .venv/bin/ruff check prism_plugin tests integration_tests benchmarks validation
+# type check of the pure core (topology, cost, graph, comm): [tool.mypy] in pyproject.toml
+.venv/bin/mypy
+.venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 # unit tests (pure and single-process), then the multi-process integration tests; the real-size jobs marked
 # `heavy` (minutes each) only with --heavy as the first argument
 select=(-m "not heavy")

@@ -50,6 +50,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from prism_plugin.cli.settings_args import add_setting_arguments, given_settings
 from prism_plugin.config.errors import ConfigError, int_at_least, positive_int
 
 __all__ = ["add_emulate_parser", "check_megatron_job", "emulate", "layout_of_megatron_args"]
@@ -79,10 +80,7 @@ def add_emulate_parser(subparsers: Any) -> None:
                    help="after the replay, run these ranks (e.g. 0,7 or 0-3) as real processes against the graph")
     add_deepspeed_arguments(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--kernel-model", choices=["roofline", "table", "fit"], default=None,
-                   help="the profiling runs' kernel model (default roofline; table: --kernel-table, fit: --kernel-fit)")
-    p.add_argument("--kernel-table", type=Path, default=None, help="a table from `prism kernels record`")
-    p.add_argument("--kernel-fit", type=Path, default=None, help="an overlay from `prism kernels fit`")
+    add_setting_arguments(p, RUN_SETTINGS)
     p.add_argument("target", nargs=argparse.REMAINDER, help="-- pretrain_gpt.py <Megatron arguments> | -- "
                                                              "train.py --deepspeed_config ds.json <arguments>")
     p.set_defaults(func=_cmd_emulate)
@@ -444,17 +442,20 @@ def _fit_fields(fits: list[Any]) -> dict[str, Any]:
             "fitting_row": any(f["fitting_row"] for f in fits)}
 
 
-def _kernel_model_env(args: argparse.Namespace) -> None:
-    """--kernel-model/--kernel-table/--kernel-fit as the PRISM_KERNEL_* variables the profiling runs inherit."""
-    env = {name: str(value) for name, value in (("PRISM_KERNEL_MODEL", args.kernel_model),
-                                                ("PRISM_KERNEL_TABLE", args.kernel_table),
-                                                ("PRISM_KERNEL_FIT", args.kernel_fit)) if value is not None}
-    if env:
-        from prism_plugin.config.virtual_time import VirtualTimeOptions
-        from prism_plugin.runtime.preflight import TIME_FLAGS
+RUN_SETTINGS = ("kernel_model", "kernel_table", "kernel_fit", "attention", "moe_routing", "te")
+"""The settings of the table (`prism_plugin.config.settings`) `prism emulate` hands its profiling and hybrid runs."""
 
-        VirtualTimeOptions.from_env({**os.environ, **env}, names=TIME_FLAGS)  # a ConfigError naming the flag
-        os.environ.update(env)
+
+def _run_settings_env(args: argparse.Namespace) -> None:
+    """The `RUN_SETTINGS` given (or taken from their environment aliases), checked by the table's validator and put in
+    the environment the profiling runs inherit."""
+    from prism_plugin.config.resolve import resolve
+    from prism_plugin.config.settings import Entry
+
+    given = given_settings(args, RUN_SETTINGS)
+    settings = resolve({"world_size": 1, "real_ranks": "0", "gpus_per_node": 1, "device": "virtual-gpu", **given},
+                       Entry.RUN)
+    os.environ.update(settings.environ())
 
 
 def _cmd_emulate(args: argparse.Namespace) -> int:
@@ -464,7 +465,7 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     target = list(args.target)
     if target and target[0] == "--":
         target = target[1:]
-    _kernel_model_env(args)
+    _run_settings_env(args)
     console = Console(stderr=True)
     t0 = time.perf_counter()
 

@@ -28,59 +28,41 @@ from prism_plugin.cli.graph import (
     add_profile_parser,
     add_replay_parser,
     add_slice_parser,
-    add_trace_run_args,
     run_target_args,
-    trace_config_kwargs,
 )
 from prism_plugin.cli.kernels import add_kernels_parser
 from prism_plugin.cli.models import add_models_parser
+from prism_plugin.cli.settings_args import add_setting_arguments, given_settings
 from prism_plugin.cli.sweep import add_sweep_parser
-from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
-from prism_plugin.config.errors import ConfigError, parse_rank_list
+from prism_plugin.config.emulation import EmulationConfig
+from prism_plugin.config.errors import ConfigError
 from prism_plugin.config.kinds import DeviceMode
+from prism_plugin.config.resolve import Settings, resolve
+from prism_plugin.config.settings import Entry
 
-__all__ = ["main", "build_config"]
+__all__ = ["main", "build_config", "build_settings"]
 
 console = Console(stderr=True)
 
 
-def _add_world_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world-size", type=int, required=True, help="N, the job's total number of ranks")
-    p.add_argument("--real-ranks", required=True, help="virtual ranks to run for real, e.g. 0,5 or 0-3")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node of the target cluster")
-    p.add_argument("--profile", default="local-cpu-gloo", help="hardware profile name or YAML path")
-    p.add_argument("--data-policy", default="mirror", choices=["mirror", "recorded", "zeros"])
-    p.add_argument("--record", type=Path, default=None, help="record received payloads into DIR")
-    p.add_argument("--replay", type=Path, default=None, help="recorded payloads to replay (policy recorded)")
-    p.add_argument("--output", type=Path, default=None, help="write per-rank summaries into DIR")
-    p.add_argument("--no-timing", action="store_true", help="complete ops when their data is ready")
-    p.add_argument("--timeout", type=float, default=1800.0, help="collective timeout of the job, seconds")
-    p.add_argument("--device", default="real", choices=["real", "virtual-gpu"],
-                   help="real: tensors on this host's devices; virtual-gpu: fake cuda tensors on virtual GPUs of the "
-                        "profile's GPU model (real-size jobs on a host without GPUs: exact memory, and virtual time's "
-                        "modelled step unless --virtual-time off)")
-    p.add_argument("--gpu", default=None,
-                   help="GPU model of the virtual GPUs (default: the profile's), e.g. h100-sxm or b200")
-
-
-def build_config(args: argparse.Namespace) -> EmulationConfig:
-    """The EmulationConfig for parsed `prism run` arguments (raises ConfigError on bad input)."""
-    policy = args.data_policy
-    if args.replay is not None and policy == "mirror":
-        policy = "recorded"
-    world = VirtualWorld(world_size=args.world_size, real_ranks=parse_rank_list(args.real_ranks),
-                         gpus_per_node=args.gpus_per_node)
-    config = EmulationConfig(world=world, profile=args.profile, data_policy=policy, record_dir=args.record,
-                             replay_dir=args.replay, timing=not args.no_timing, timeout_s=args.timeout,
-                             output_dir=args.output, device=args.device, gpu=args.gpu, **trace_config_kwargs(args))
+def build_settings(args: argparse.Namespace) -> Settings:
+    """The settings of parsed `prism run` arguments, resolved and checked (`prism_plugin.config.resolve`; a
+    ConfigError naming the flag), the profile and the GPU model included, before any process starts."""
+    settings = resolve(given_settings(args), Entry.RUN)
     from prism_plugin.cost import load_profile
 
+    config = settings.emulation()
     profile = load_profile(config.profile)  # an unknown profile fails here, before any process starts
     if config.device is DeviceMode.VIRTUAL_GPU:
         from prism_plugin.runtime.virtual_gpu.session import resolve_gpu
 
         resolve_gpu(config, profile)  # the GPU model: named, or the profile's; refused before any process
-    return config
+    return settings
+
+
+def build_config(args: argparse.Namespace) -> EmulationConfig:
+    """The EmulationConfig for parsed `prism run` arguments (raises ConfigError on bad input)."""
+    return build_settings(args).emulation()
 
 
 def _run_summaries(output: Path, run_id: str | None = None) -> list[dict]:
@@ -181,7 +163,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from prism_plugin.runtime.lifecycle import RUN_ID_ENV, check_memory
 
     target = run_target_args(args)
-    config = build_config(args)
+    settings = build_settings(args)
+    config = settings.emulation()
     check_memory(config.world, config.world.num_real)  # N too large for this machine: refused before any process
     if args.json is not None:
         from prism_plugin.runtime.preflight import check_file_output
@@ -190,12 +173,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError("--json PATH writes this run's summaries, which the ranks write into --output DIR: "
                               "give --output too")
         check_file_output("--json", args.json)
-    _virtual_time_env(args, config)
+    os.environ.update(settings.environ())  # the settings the real ranks read from their environment
     run_id = uuid.uuid4().hex[:16]  # this launch's summaries carry it; the table shows only those
     previous = os.environ.get(RUN_ID_ENV)
     os.environ[RUN_ID_ENV] = run_id
     try:
-        rc = launch(LaunchSpec(config=config, target=target, store_dir=args.output))
+        rc = launch(LaunchSpec(config=config, target=target, store_dir=config.output_dir))
     finally:
         if previous is None:
             os.environ.pop(RUN_ID_ENV, None)
@@ -215,27 +198,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
                    "real_ranks": list(config.world.real_ranks), "summaries": _run_summaries(config.output_dir, run_id)}
             args.json.write_text(json.dumps(doc, indent=1))
     return rc
-
-
-def _virtual_time_env(args: argparse.Namespace, config: EmulationConfig) -> None:
-    """`prism run`'s virtual-time flags as the environment the real ranks read (checked before any process)."""
-    import os
-
-    env = {name: value for name, value in (
-        ("PRISM_VIRTUAL_TIME", args.virtual_time), ("PRISM_KERNEL_MODEL", args.kernel_model),
-        ("PRISM_KERNEL_TABLE", None if args.kernel_table is None else str(args.kernel_table)),
-        ("PRISM_KERNEL_FIT", None if args.kernel_fit is None else str(args.kernel_fit)),
-        ("PRISM_PROGRAM_TIME", args.program_time)) if value is not None}
-    if not env:
-        return
-    if config.device is not DeviceMode.VIRTUAL_GPU:
-        raise ConfigError(f"{', '.join('--' + k[6:].lower().replace('_', '-') for k in env)}: virtual time runs on "
-                          "virtual GPUs; add --device virtual-gpu (or drop the flag)")
-    from prism_plugin.config.virtual_time import VirtualTimeOptions
-    from prism_plugin.runtime.preflight import TIME_FLAGS
-
-    VirtualTimeOptions.from_env({**os.environ, **env}, names=TIME_FLAGS)  # a ConfigError naming the flag and fix
-    os.environ.update(env)
 
 
 def _cmd_profiles(args: argparse.Namespace) -> int:
@@ -260,19 +222,9 @@ def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="prism", description="Emulate an N-rank job with a few real ranks.")
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="launch real ranks of an N-rank torch.distributed program")
-    _add_world_args(run)
-    add_trace_run_args(run)
+    add_setting_arguments(run)
     run.add_argument("-m", dest="module", nargs=argparse.REMAINDER, default=None,
                      help="run a module and its arguments, like python -m")
-    run.add_argument("--virtual-time", choices=["on", "off"], default=None,
-                     help="virtual-gpu: modelled kernel and communication time on emulated CUDA streams (on, the "
-                          "default) or memory only (off); sets PRISM_VIRTUAL_TIME")
-    run.add_argument("--kernel-model", choices=["roofline", "table", "fit"], default=None,
-                     help="virtual time's kernel model (default roofline; table: --kernel-table, fit: --kernel-fit)")
-    run.add_argument("--kernel-table", type=Path, default=None, help="a table from `prism kernels record`")
-    run.add_argument("--kernel-fit", type=Path, default=None, help="an overlay from `prism kernels fit`")
-    run.add_argument("--program-time", choices=["wall", "emulated"], default=None,
-                     help="emulated: the program's time.time/perf_counter/monotonic read the emulated host clock")
     run.add_argument("--json", type=Path, default=None, metavar="PATH",
                      help="write this run's summaries (one per real rank) as one JSON document to PATH (needs "
                           "--output; the program itself owns stdout)")

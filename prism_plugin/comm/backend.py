@@ -21,6 +21,7 @@ CUDA-stream placement of emulated delays. Each raises `NotImplementedError` nami
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ def _no_grad(fn: Any) -> Any:
             coalescing.append(work)
         return work
 
-    run.__name__, run.__doc__, run.__wrapped__ = fn.__name__, fn.__doc__, fn  # type: ignore[attr-defined]
+    functools.update_wrapper(run, fn, assigned=("__name__", "__doc__"), updated=())  # and run.__wrapped__ = fn
     return run
 
 BACKEND_NAME = "prism"
@@ -105,7 +106,8 @@ class PrismProcessGroup(dist.ProcessGroup):
     """One real process's view of a virtual group: rank `group.rank` of `group.size`."""
 
     def __init__(self, group: VirtualGroup) -> None:
-        super().__init__(group.rank, group.size)
+        # torch's stub lists only the (store, rank, size) overload; the bindings also take (rank, size)
+        super().__init__(group.rank, group.size)  # type: ignore[call-arg]
         self.vg = group
         self._group_name: str | None = None
         self._group_desc: str | None = None
@@ -159,7 +161,7 @@ class PrismProcessGroup(dist.ProcessGroup):
 
     # -- subgroups: torch >= 2.13 hands every new_group() (any backend=) to the default group ----
     def new_group(self, ranks: list[int], timeout: Any = None, pg_options: Any = None,
-                  group_name: str | None = None, group_desc: str | None = None) -> PrismProcessGroup | None:
+                  group_name: str | None = None, group_desc: str | None = None) -> dist.ProcessGroup | None:
         return self.vg.ctx.create_group(ranks, group_name, group_desc)
 
     # -- reductions ----------------------------------------------------------------------------
@@ -291,7 +293,8 @@ class PrismProcessGroup(dist.ProcessGroup):
             raise RuntimeError("prism: coalescing blocks on one group do not nest (NCCL refuses them too)")
         self._coalescing = []
 
-    def _end_coalescing(self, device: Any) -> TimedWork | None:
+    # torch's stub says Work; its _coalescing_manager takes None too (an empty block, "work is not None")
+    def _end_coalescing(self, device: Any) -> TimedWork | None:  # type: ignore[override]
         """The block's work: the last op issued in it (ops on a group complete in issue order), None if empty."""
         works, self._coalescing = self._coalescing or [], None
         return works[-1] if works else None

@@ -79,11 +79,16 @@ def _policy(vg: VirtualGroup) -> DataPolicy:
     return DataPolicy.MIRROR if policy is DataPolicy.RECORDED else policy
 
 
-def _reduce_opts(op: RedOp, root: int | None = None) -> dist.AllreduceOptions | dist.ReduceOptions:
-    opts = dist.AllreduceOptions() if root is None else dist.ReduceOptions()
+def _allreduce_opts(op: RedOp) -> dist.AllreduceOptions:
+    opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp(op)
-    if root is not None:
-        opts.rootRank = root
+    return opts
+
+
+def _reduce_opts(op: RedOp, root: int) -> dist.ReduceOptions:
+    opts = dist.ReduceOptions()
+    opts.reduceOp = dist.ReduceOp(op)
+    opts.rootRank = root
     return opts
 
 
@@ -99,23 +104,23 @@ def _real_reduce(vg: VirtualGroup, t: Tensor, op: RedOp, dst: int | None) -> tup
     works: list[dist.Work] = []
     mirror_extra = policy is DataPolicy.MIRROR and n > k
     mean = first = None
-    if mirror_extra and op == RedOp.PRODUCT:
+    if mirror_extra and op == dist.ReduceOp.PRODUCT:
         mean = t.clone()
-        works.append(pg.allreduce([mean], _reduce_opts(RedOp.SUM)) if dst is None
-                     else pg.reduce([mean], _reduce_opts(RedOp.SUM, dst)))
-    if mirror_extra and op == RedOp.BXOR and (n - k) % 2:
+        works.append(pg.allreduce([mean], _allreduce_opts(dist.ReduceOp.SUM)) if dst is None
+                     else pg.reduce([mean], _reduce_opts(dist.ReduceOp.SUM, dst)))
+    if mirror_extra and op == dist.ReduceOp.BXOR and (n - k) % 2:
         first = t.clone()
         bopts = dist.BroadcastOptions()
         bopts.rootRank = 0
         works.append(pg.broadcast([first], bopts))
-    real_op = RedOp.SUM if op == RedOp.AVG else op
-    works.append(pg.allreduce([t], _reduce_opts(real_op)) if dst is None
+    real_op = dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op
+    works.append(pg.allreduce([t], _allreduce_opts(real_op)) if dst is None
                  else pg.reduce([t], _reduce_opts(real_op, dst)))
 
     def finish() -> None:
         if not receives:
             return
-        if op == RedOp.AVG:
+        if op == dist.ReduceOp.AVG:
             t.div_(k) if t.is_floating_point() else t.floor_divide_(k)
         real_mean = None
         if mean is not None:

@@ -24,21 +24,26 @@ RedOp = dist.ReduceOp.RedOpType
 
 __all__ = ["red_op", "check_reduce_dtype", "apply_virtual_share", "fill_from", "same_memory", "zero_fill"]
 
-_SUPPORTED = {RedOp.SUM, RedOp.AVG, RedOp.PRODUCT, RedOp.MIN, RedOp.MAX, RedOp.BAND, RedOp.BOR, RedOp.BXOR}
+# RedOp's members, spelt as torch's type stubs declare them: on ReduceOp (ReduceOp.SUM is ReduceOp.RedOpType.SUM)
+_SUPPORTED = {
+    dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX,
+    dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR,
+}
 
 
 def red_op(op: object) -> RedOp:
     """The RedOpType of a ReduceOp / RedOpType; refuse ops this backend cannot emulate."""
-    kind = op.op if type(op) is dist.ReduceOp else op
+    # torch's stub omits ReduceOp.op, the RedOpType property its bindings define
+    kind = op.op if type(op) is dist.ReduceOp else op  # type: ignore[attr-defined]
     if kind not in _SUPPORTED:
         raise NotImplementedError(
             f"prism: ReduceOp {kind} is not emulated (PREMUL_SUM and custom reduce ops are NCCL-only); "
             "use SUM/AVG/PRODUCT/MIN/MAX/BAND/BOR/BXOR"
         )
-    return kind  # type: ignore[return-value]
+    return kind
 
 
-_BITWISE = {RedOp.BAND, RedOp.BOR, RedOp.BXOR}
+_BITWISE = {dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR}
 
 
 def check_reduce_dtype(op: RedOp, t: torch.Tensor) -> None:
@@ -92,28 +97,28 @@ def apply_virtual_share(
         return
     if t.dtype == torch.bool:
         # bool SUM/MAX/BOR are logical or, PRODUCT/MIN/BAND logical and: duplicates change nothing
-        if policy is DataPolicy.ZEROS and op in (RedOp.PRODUCT, RedOp.MIN, RedOp.BAND):
+        if policy is DataPolicy.ZEROS and op in (dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.BAND):
             t.zero_()
         return
     if policy is DataPolicy.ZEROS:
-        if op == RedOp.AVG:
+        if op == dist.ReduceOp.AVG:
             _scale(t, k, n)
-        elif op in (RedOp.PRODUCT, RedOp.BAND):
+        elif op in (dist.ReduceOp.PRODUCT, dist.ReduceOp.BAND):
             t.zero_()
-        elif op == RedOp.MAX:
+        elif op == dist.ReduceOp.MAX:
             t.clamp_(min=0)
-        elif op == RedOp.MIN:
+        elif op == dist.ReduceOp.MIN:
             t.clamp_(max=0)
         return  # SUM, BOR, BXOR: adding zeros changes nothing
-    if op == RedOp.SUM:
+    if op == dist.ReduceOp.SUM:
         _scale(t, n, k)
-    elif op == RedOp.PRODUCT:
+    elif op == dist.ReduceOp.PRODUCT:
         if k == 1:
             t.pow_(n)
         else:
             assert real_mean is not None
             t.mul_(real_mean.pow_(v))
-    elif op == RedOp.BXOR:
+    elif op == dist.ReduceOp.BXOR:
         if v % 2:
             if k == 1:
                 t.zero_()  # x ^ x

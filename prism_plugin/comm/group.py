@@ -49,9 +49,10 @@ class VirtualGroup:
         self.is_world = global_ranks is None
         self.global_ranks: Sequence[int] = range(ctx.world_size) if global_ranks is None else tuple(global_ranks)
         self.size = len(self.global_ranks)
-        self.rank = self.group_rank_of(ctx.rank)
-        if self.rank is None:
+        rank = self.group_rank_of(ctx.rank)
+        if rank is None:
             raise AssertionError(f"rank {ctx.rank} is not a member of group {name}")
+        self.rank: int = rank
         # real members in group order: group rank and physical process index of each
         real_ranks = list(ctx.real_ranks)
         self.real_group_ranks: tuple[int, ...] = tuple(
@@ -66,7 +67,7 @@ class VirtualGroup:
         self.seq = 0
         self._inner: dict[str, dist.ProcessGroup] = {}
         self.pending_root_payloads: deque[torch.Tensor] = deque()
-        self._sent: dict[tuple, weakref.ref] = {}
+        self._sent: dict[tuple[tuple[int, ...], torch.dtype, torch.device], weakref.ref[torch.Tensor]] = {}
         self._word_sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     # -- membership -----------------------------------------------------------------------------
@@ -74,7 +75,7 @@ class VirtualGroup:
         if self.is_world:
             return global_rank if 0 <= global_rank < self.size else None
         try:
-            return self.global_ranks.index(global_rank)  # type: ignore[union-attr]
+            return self.global_ranks.index(global_rank)
         except ValueError:
             return None
 
@@ -115,7 +116,7 @@ class VirtualGroup:
         with host_tensors():
             words = torch.tensor(list(values), dtype=torch.float64)
             opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.MAX
+            opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
             self._wait_word(self.inner(torch.device("cpu")).allreduce([words], opts), "a collective")
             return words.tolist()
 

@@ -75,7 +75,7 @@ class TimedWork(dist.Work):
         else:
             self._run_finish()
 
-    def _stamp_inner_done(self, _future: torch.futures.Future | None = None) -> None:
+    def _stamp_inner_done(self, _future: torch.futures.Future[Any] | None = None) -> None:
         self._stamped = True
         self.deadline_s = max(self.arrival_s, self._clock.now_s()) + self.cost_s
 
@@ -164,10 +164,10 @@ class TimedWork(dist.Work):
         self.wait()
         return self._result
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[Any]:
         """A future that completes with the results when this work completes (on the wall clock a thread waits
         for it; on an emulated clock with ``on_future`` it is complete at once, the clock placing the wait)."""
-        future: torch.futures.Future = torch.futures.Future()
+        future: torch.futures.Future[Any] = torch.futures.Future()
         on_future = getattr(self._clock, "on_future", None)
         if on_future is not None and self.failure is None:
             # an emulated clock: the host never waits for the op; the clock makes the stream wait for it where

@@ -67,8 +67,7 @@ class VirtualWorld:
                 f"real_ranks {bad} out of range for world_size={self.world_size}; "
                 f"use ranks in 0..{self.world_size - 1}"
             )
-        seen: set[int] = set()
-        dups = sorted({r for r in self.real_ranks if r in seen or seen.add(r)})
+        dups = sorted({r for i, r in enumerate(self.real_ranks) if r in self.real_ranks[:i]})
         if dups:
             raise ConfigError(f"real_ranks lists {dups} more than once; each real rank must appear once")
         positive_int("gpus_per_node", self.gpus_per_node, hint="ranks per node of the target cluster, 8 on DGX nodes")

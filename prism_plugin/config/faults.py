@@ -103,6 +103,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import cast
 
 from prism_plugin.config.errors import ConfigError, int_at_least, parse_rank_list, positive_int
 
@@ -489,8 +490,8 @@ def parse_fault(text: str) -> FaultSpec:
     if kind == "straggler":
         return Straggler(**fields)  # type: ignore[arg-type]
     if kind == "link":
-        (a, b), by_node = fields.pop("sides")  # type: ignore[misc]
-        return SlowLink(side_a=a, side_b=b, by_node=by_node, **fields)  # type: ignore[arg-type]
+        sides, by_node = cast(tuple[tuple[tuple[int, ...], tuple[int, ...]], bool], fields.pop("sides"))
+        return SlowLink(side_a=sides[0], side_b=sides[1], by_node=by_node, **fields)  # type: ignore[arg-type]
     if kind == "jitter":
         return Jitter(**fields)  # type: ignore[arg-type]
     if kind == "hang":

@@ -14,8 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from prism_plugin.config.errors import ConfigError
-
 __all__ = ["TIME_VARIABLES", "VirtualTimeOptions"]
 
 TIME_VARIABLES = ("PRISM_VIRTUAL_TIME", "PRISM_KERNEL_MODEL", "PRISM_KERNEL_TABLE", "PRISM_KERNEL_FIT",
@@ -45,48 +43,16 @@ class VirtualTimeOptions:
     launch_blocking: bool = False
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None,
-                 names: Mapping[str, str] | None = None) -> VirtualTimeOptions:
-        """The options of `environ` (default ``os.environ``); a `ConfigError` naming each setting as `names` spells
-        it (variable -> the entry point's flag, e.g. ``{"PRISM_KERNEL_MODEL": "--kernel-model"}``; the variable
-        itself otherwise) and saying the fix."""
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> VirtualTimeOptions:
+        """The options of `environ` (default ``os.environ``), read by the settings table's parsers and checked
+        together by its one validator (`prism_plugin.config.resolve`): a `ConfigError` naming the variable and
+        saying the fix."""
+        from prism_plugin.config.resolve import resolve
+        from prism_plugin.config.settings import Entry
+
         env = os.environ if environ is None else environ
-
-        def said(var: str, value: str | None = None) -> str:
-            name = (names or {}).get(var, var)
-            if value is None:
-                return name
-            return f"{name} {value}" if name.startswith("-") else f"{name}={value!r}"
-
-        values = {name: env.get(name, default) for name, default in
-                  (("PRISM_VIRTUAL_TIME", "on"), ("PRISM_KERNEL_MODEL", "roofline"), ("PRISM_PROGRAM_TIME", "wall"))}
-        for name, allowed in (("PRISM_VIRTUAL_TIME", ("on", "off")),
-                              ("PRISM_KERNEL_MODEL", ("roofline", "table", "fit")),
-                              ("PRISM_PROGRAM_TIME", ("wall", "emulated"))):
-            if values[name] not in allowed:
-                raise ConfigError(f"{said(name, values[name])}: use one of {', '.join(allowed)}")
-        model = values["PRISM_KERNEL_MODEL"]
-        for var, wanted, source in (("PRISM_KERNEL_TABLE", "table", "`prism kernels record`"),
-                                    ("PRISM_KERNEL_FIT", "fit", "`prism kernels fit`")):
-            path = env.get(var) or None
-            if path is not None and model != wanted:
-                raise ConfigError(f"{said(var, path)} is read by the {wanted} kernel model, not by "
-                                  f"{said('PRISM_KERNEL_MODEL', model)}: add {said('PRISM_KERNEL_MODEL', wanted)} "
-                                  f"or drop {said(var)}")
-            if path is None and model == wanted:
-                raise ConfigError(f"{said('PRISM_KERNEL_MODEL', wanted)} needs {said(var, '<file>')} (a file "
-                                  f"from {source})")
-            if path is not None and not Path(path).is_file():
-                raise ConfigError(f"{said(var, path)} is not a file; write one with {source}")
-        if values["PRISM_VIRTUAL_TIME"] == "off":
-            timed = [said(var, env[var]) for var in ("PRISM_KERNEL_MODEL", "PRISM_KERNEL_TABLE", "PRISM_KERNEL_FIT")
-                     if env.get(var)]
-            timed += [said("PRISM_PROGRAM_TIME", "emulated")] if values["PRISM_PROGRAM_TIME"] == "emulated" else []
-            if timed:
-                raise ConfigError(f"{said('PRISM_VIRTUAL_TIME', 'off')} keeps no time, so {' and '.join(timed)} "
-                                  f"would do nothing: drop {said('PRISM_VIRTUAL_TIME', 'off')} or the time settings")
-        table, fit = env.get("PRISM_KERNEL_TABLE") or None, env.get("PRISM_KERNEL_FIT") or None
-        return cls(enabled=values["PRISM_VIRTUAL_TIME"] == "on", kernel_model=model,
-                   kernel_table=Path(table) if table else None, kernel_fit=Path(fit) if fit else None,
-                   program_time=values["PRISM_PROGRAM_TIME"] == "emulated",
+        time = resolve({"world_size": 1, "real_ranks": [0], "gpus_per_node": 1}, Entry.ENVIRONMENT,
+                       environ={name: env[name] for name in TIME_VARIABLES if name in env}).time
+        return cls(enabled=time.virtual_time, kernel_model=time.kernel_model, kernel_table=time.kernel_table,
+                   kernel_fit=time.kernel_fit, program_time=time.program_time == "emulated",
                    launch_blocking=env.get("CUDA_LAUNCH_BLOCKING", "0") == "1")

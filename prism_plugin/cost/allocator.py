@@ -264,10 +264,12 @@ class CachingAllocatorModel:
         del pool.keys[i], blocks[i]
         return block
 
-    def _new_segment(self, size: int, stream: int, small: bool, **kw: bool) -> Block:
+    def _new_segment(
+        self, size: int, stream: int, small: bool, *, mapped: bool = True, expandable: bool = False
+    ) -> Block:
         ptr = self._next_ptr
         self._next_ptr += ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
-        return Block(stream, size, ptr, small, base=ptr, **kw)
+        return Block(stream, size, ptr, small, mapped=mapped, expandable=expandable, base=ptr)
 
     def _alloc_block(self, pool: _Pool, stream: int, rounded: int, alloc: int, *, retry: bool) -> Block | None:
         if retry:
@@ -489,8 +491,8 @@ class CachingAllocatorModel:
 
         for ptr in sorted(p for p, b in pool.unmapped.items() if b.stream == stream):
             candidate = pool.unmapped[ptr]
-            if free(candidate.prev):
-                candidate = candidate.prev  # type: ignore[assignment]
+            if candidate.prev is not None and free(candidate.prev):
+                candidate = candidate.prev
             if room(candidate):
                 return candidate
         page = self._page(pool)
@@ -572,7 +574,7 @@ class CachingAllocatorModel:
         self._counters["num_device_free"] += 1
 
     # -- snapshots --------------------------------------------------------------------------------------
-    def segments(self) -> list[dict[str, object]]:
+    def segments(self) -> list[dict[str, Any]]:
         """The allocator's segments as `torch.cuda.memory_snapshot()` lists them (mapped blocks only)."""
         heads: dict[int, Block] = {}
         for block in itertools.chain(self.active.values(), self.small.blocks, self.large.blocks):
@@ -580,15 +582,18 @@ class CachingAllocatorModel:
             while first.prev is not None and first.prev.mapped:
                 first = first.prev
             heads[first.ptr] = first
-        out = []
+        out: list[dict[str, Any]] = []
         for ptr in sorted(heads):
-            blocks, b = [], heads[ptr]
+            blocks: list[dict[str, Any]] = []
+            total = used = 0
+            b: Block | None = heads[ptr]
             while b is not None and b.mapped:
                 blocks.append({"address": b.ptr, "size": b.size, "requested_size": b.requested if b.allocated else 0,
                                "state": "active_allocated" if b.allocated else "inactive"})
+                total += b.size
+                if b.allocated:  # "state" == "active_allocated"
+                    used += b.size
                 b = b.next
-            total = sum(x["size"] for x in blocks)  # type: ignore[misc]
-            used = sum(x["size"] for x in blocks if x["state"] == "active_allocated")  # type: ignore[misc]
             out.append({"device": self.device, "address": ptr, "total_size": total, "allocated_size": used,
                         "active_size": used, "stream": heads[ptr].stream,
                         "segment_type": "small" if heads[ptr].small else "large",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypedDict
 
 from prism_plugin.config.errors import ConfigError
 
@@ -74,7 +75,7 @@ class AllocatorConfig:
         Options the model does not change anything for (``backend``, ``release_lock_on_cudamalloc``,
         ``pinned_*``) are accepted; an unknown option is an error, as in torch.
         """
-        kwargs: dict[str, object] = {"memory_fraction": memory_fraction}
+        kwargs: _Options = {"memory_fraction": memory_fraction}
         for key, value in _options(text or ""):
             if key == "max_split_size_mb":
                 kwargs["max_split_size_bytes"] = int(value) << 20
@@ -89,7 +90,7 @@ class AllocatorConfig:
             elif key not in ("backend", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
                              "pinned_num_register_threads", "pinned_use_background_threads"):
                 raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF: unrecognized option {key!r}")
-        return cls(**kwargs)  # type: ignore[arg-type]
+        return cls(**kwargs)
 
     def divisions(self, size: int) -> int:
         """The roundup_power2_divisions entry for `size` (intervals start at 1 MiB)."""
@@ -110,6 +111,16 @@ def _options(text: str) -> Iterator[tuple[str, str]]:
                 if not sep:
                     raise ConfigError(f"PYTORCH_CUDA_ALLOC_CONF: {item!r} is not key:value")
                 yield key.strip(), value.strip()
+
+
+class _Options(TypedDict, total=False):
+    """`AllocatorConfig`'s fields that `AllocatorConfig.parse` sets."""
+
+    max_split_size_bytes: int
+    roundup_power2_divisions: tuple[int, ...]
+    garbage_collection_threshold: float
+    expandable_segments: bool
+    memory_fraction: float | None
 
 
 def _divisions(value: str) -> tuple[int, ...]:

@@ -222,7 +222,7 @@ def snapshot_segments(model: CachingAllocatorModel) -> list[dict[str, Any]]:
     out = []
     for seg in model.segments():
         blocks = []
-        for b in seg["blocks"]:  # type: ignore[attr-defined]
+        for b in seg["blocks"]:
             frames = history.block_frames.get(b["address"], []) if history and b["state"] == "active_allocated" else []
             blocks.append({**b, "frames": frames})
         out.append({
@@ -230,7 +230,7 @@ def snapshot_segments(model: CachingAllocatorModel) -> list[dict[str, Any]]:
             "allocated_size": seg["allocated_size"], "active_size": seg["active_size"],
             "requested_size": sum(b["requested_size"] for b in blocks), "stream": seg["stream"],
             "segment_type": seg["segment_type"], "segment_pool_id": (0, 0), "is_expandable": seg["is_expandable"],
-            "frames": history.segment_frames.get(seg["address"], []) if history else [],  # type: ignore[arg-type]
+            "frames": history.segment_frames.get(seg["address"], []) if history else [],
             "blocks": blocks,
         })
     return out
@@ -258,7 +258,7 @@ def memory_snapshot(models: Sequence[CachingAllocatorModel], alloc_conf: str = "
     """torch's ``_snapshot()`` for devices `models` (index = device): segments of every device, then one trace per
     device (a ``snapshot`` entry recorded last, as torch does), and the first device's allocator settings."""
     segments: list[dict[str, Any]] = []
-    traces = []
+    traces: list[list[dict[str, Any]]] = []
     for model in models:
         device_segments = snapshot_segments(model)
         segments.extend(device_segments)

@@ -212,9 +212,9 @@ def fit_efficiencies(runs: Sequence[FitRun], classes: Sequence[str] = ("gemm",))
         raise ConfigError(f"kernels fit: run names repeat ({names}); name each run once")
     lows = []
     for c in classes:
-        effs = {r.efficiency.get(c) for r in runs}
-        if None in effs:
+        if any(c not in r.efficiency for r in runs):
             raise ConfigError(f"kernels fit: a run has no `efficiency.{c}` in its summary; re-run it with this prism")
+        effs = {r.efficiency[c] for r in runs}
         if len(effs) != 1:
             raise ConfigError(f"kernels fit: the runs used different {c} efficiencies ({sorted(effs)}): fit runs of "
                               "one profile")
@@ -225,7 +225,8 @@ def fit_efficiencies(runs: Sequence[FitRun], classes: Sequence[str] = ("gemm",))
         if all(row[j] == 0 for row in a):
             raise ConfigError(f"kernels fit: no run has {c} kernels in its step; drop {c} from --classes")
     k = len(classes)
-    if _solve([[sum(row[i] * row[j] for row in a) for j in range(k)] for i in range(k)], [Fraction(0)] * k) is None:
+    if _solve([[sum((row[i] * row[j] for row in a), Fraction(0)) for j in range(k)] for i in range(k)],
+              [Fraction(0)] * k) is None:
         raise ConfigError(f"kernels fit: the runs' class times cannot tell {', '.join(classes)} apart (a singular "
                           "system); add runs whose class shares differ, or fit fewer --classes")
     best: tuple[Fraction, list[Fraction]] | None = None
@@ -234,25 +235,26 @@ def fit_efficiencies(runs: Sequence[FitRun], classes: Sequence[str] = ("gemm",))
         free = [j for j in range(k) if j not in clamped]
         x = [low[j] if j in clamped else Fraction(0) for j in range(k)]
         if free:
-            resid = [bi - sum(row[j] * x[j] for j in clamped) for row, bi in zip(a, b, strict=True)]
-            sol = _solve([[sum(row[i] * row[j] for row in a) for j in free] for i in free],
-                         [sum(row[i] * ri for row, ri in zip(a, resid, strict=True)) for i in free])
+            resid = [bi - sum((row[j] * x[j] for j in clamped), Fraction(0)) for row, bi in zip(a, b, strict=True)]
+            sol = _solve([[sum((row[i] * row[j] for row in a), Fraction(0)) for j in free] for i in free],
+                         [sum((row[i] * ri for row, ri in zip(a, resid, strict=True)), Fraction(0)) for i in free])
             if sol is None or any(s < low[j] for s, j in zip(sol, free, strict=True)):
                 continue
             for s, j in zip(sol, free, strict=True):
                 x[j] = s
-        sse = sum((sum(row[j] * x[j] for j in range(k)) - bi) ** 2 for row, bi in zip(a, b, strict=True))
+        sse = sum(((sum((row[j] * x[j] for j in range(k)), Fraction(0)) - bi) ** 2
+                   for row, bi in zip(a, b, strict=True)), Fraction(0))
         if best is None or sse < best[0]:
             best = (sse, x)
     assert best is not None  # the all-clamped candidate is always feasible
     sse, x = best
-    effs = {c: next(iter({r.efficiency[c] for r in runs})) for c in classes}
+    used = {c: next(iter({r.efficiency[c] for r in runs})) for c in classes}
     fitted = tuple(float(Fraction(r.emulated_step_s) + sum(row[j] * (x[j] - 1) for j in range(k)))
                    for r, row in zip(runs, a, strict=True))
     return FitResult(
         classes=classes, scale={c: float(x[j]) for j, c in enumerate(classes)},
-        efficiency={c: (float(min(Fraction(1), Fraction(effs[c][0]) / x[j])),
-                        float(min(Fraction(1), Fraction(effs[c][1]) / x[j]))) for j, c in enumerate(classes)},
+        efficiency={c: (float(min(Fraction(1), Fraction(used[c][0]) / x[j])),
+                        float(min(Fraction(1), Fraction(used[c][1]) / x[j]))) for j, c in enumerate(classes)},
         at_bound=tuple(c for j, c in enumerate(classes) if x[j] <= low[j]), fitted_step_s=fitted,
         residual_rms_s=math.sqrt(sse / len(runs)), runs=tuple(runs))
 

@@ -38,10 +38,10 @@ def kernel_model(name: str, gpu: GpuSpec, profile_section: KernelEfficiency | Ma
     if (name == "fit") != (fit_path is not None):
         raise ConfigError("kernel_model=fit goes with a fit overlay (write one with `prism kernels fit`), and an "
                           "overlay only with kernel_model=fit")
-    if name == "fit":
+    if fit_path is not None:  # name == "fit" (checked above)
         if table_path is not None:
             raise ConfigError("kernel_model=fit reads no kernel table; drop the table or choose kernel_model=table")
-        return FitModel(gpu, efficiency, fit_path)  # type: ignore[arg-type]
+        return FitModel(gpu, efficiency, fit_path)
     roofline = RooflineModel(gpu, efficiency)
     if name == "roofline":
         if table_path is not None:

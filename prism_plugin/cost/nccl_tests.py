@@ -163,8 +163,8 @@ def parse_nccl_tests(text: str, *, source: str = "<string>") -> list[NcclTestsRu
         if cur.header is None or not tokens[0].isdigit() or len(tokens) != len(cur.header):
             continue  # NCCL INFO lines, MPI warnings, truncated rows
         size = int(tokens[cur.header.index("size")])
-        times = tuple(_float(tokens[i]) for i, t in enumerate(cur.header) if t == "time")
-        times = tuple(x for x in times if x is not None and x > 0)
+        parsed = (_float(tokens[i]) for i, t in enumerate(cur.header) if t == "time")
+        times = tuple(x for x in parsed if x is not None and x > 0)
         if size > 0 and times:
             cur.rows.append((size, times))
     runs = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -164,7 +164,9 @@ def _op_factors(value: object, where: str) -> tuple[tuple[str, float], ...]:
         return ()
     pairs = value.items() if isinstance(value, Mapping) else value
     try:
-        items = [(str(k), f) for k, f in pairs]  # type: ignore[union-attr]
+        if not isinstance(pairs, Iterable):
+            raise TypeError  # as iterating it would
+        items = [(str(k), f) for k, f in pairs]
     except (TypeError, ValueError):
         raise ProfileError(
             f"{where}: `op_transfer_factors` must map op names to factors, e.g. {{all_gather: 2.5}}; got {value!r}"
@@ -221,7 +223,7 @@ def _profile_from_mapping(data: object, source: str) -> HardwareProfile:
         links[tier] = LinkSpec(**{key: raw[key] for key in _LINK_FIELDS})
     scalars = {key: data[key] for key in _FIELDS if key not in links and key in data}
     try:
-        return HardwareProfile(**scalars, **links)
+        return HardwareProfile(**scalars, intra_node=links["intra_node"], inter_node=links["inter_node"])
     except ProfileError as exc:
         raise ProfileError(f"{source}: {exc}") from None
 
@@ -341,26 +343,27 @@ def override_profile(profile: HardwareProfile, overrides: Mapping[str, object]) 
     data.setdefault("storage", {})
     for dotted, value in overrides.items():
         head, _, tail = dotted.partition(".")
-        target = data.get(head)
+        # these three heads are mappings (set above)
         if head == "op_transfer_factors" and tail:  # any op may be added
-            target[tail] = value  # type: ignore[index]
+            data[head][tail] = value
             continue
         if head == "kernels" and tail:  # `kernels.<field>` or `kernels.<class>.<field>`, checked when parsed
             group, _, sub = tail.partition(".")
             if sub:
-                target.setdefault(group, {})[sub] = value  # type: ignore[union-attr]
+                data[head].setdefault(group, {})[sub] = value
             else:
-                target[group] = value  # type: ignore[index]
+                data[head][group] = value
             continue
         if head == "storage" and tail:  # `storage.<field>`, checked when parsed
-            target[tail] = value  # type: ignore[index]
+            data[head][tail] = value
             continue
+        target = data.get(head)
         if head not in data or (tail and (not isinstance(target, dict) or tail not in target)):
             valid = [f for f in _FIELDS if f not in ("intra_node", "inter_node")]
             valid += [f"{tier}.{key}" for tier in ("intra_node", "inter_node") for key in _LINK_FIELDS]
             valid += ["op_transfer_factors.<op>", "kernels.<field>", "kernels.<class>.<field>", "storage.<field>"]
             raise ProfileError(f"override: unknown field `{dotted}`; valid fields: {', '.join(valid)}")
-        if tail:
+        if tail and isinstance(target, dict):  # with a tail, a dict holding it (checked above)
             target[tail] = value
         else:
             data[head] = value

@@ -166,7 +166,7 @@ def _timeline(it: TracedIteration) -> tuple[list[_Event], list[float], list[floa
 
 
 def _signature(it: TracedIteration, events: list[_Event], resolve: Any) -> tuple[Any, ...]:
-    sig = []
+    sig: list[tuple[object, ...]] = []
     for what, j in events:
         op = it.ops[j]
         if what == "w":

@@ -74,6 +74,9 @@ def compile_program(space: ActorSpace, actor: Actor, cost: CostModel, cache: dic
     roles: dict[str, tuple[tuple[int, ...], int, Any]] = {}  # role -> (instance, expected, placement)
     channels: dict[tuple[NodeKind, str, int], tuple[tuple[int, ...], float, int]] = {}
     link_of: dict[str, float] = {}
+    key: tuple[object, ...] | None  # comm: the rendezvous key
+    ckey: tuple[object, ...]  # comm: the cost cache's key
+    prefix: tuple[int, ...]  # p2p: the channel's (sender, receiver, axis, offset)
     for node in nodes:
         kind, key, expected, value = node.kind, None, 0, 0.0
         if kind is NodeKind.COMPUTE:

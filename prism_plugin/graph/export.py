@@ -66,7 +66,7 @@ def chrome_trace(result: ReplayResult, ranks: Iterable[int]) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": "prism_plugin replay"}}
 
 
-def _x(pid: int, tid: int, name: str, cat: str, begin_us: float, end_us: float, args: dict[str, Any]) -> dict:
+def _x(pid: int, tid: int, name: str, cat: str, begin_us: float, end_us: float, args: dict[str, Any]) -> dict[str, Any]:
     return {"ph": "X", "pid": pid, "tid": tid, "name": name, "cat": cat, "ts": begin_us,
             "dur": end_us - begin_us, "args": args}  # fmt: skip
 

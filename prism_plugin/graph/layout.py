@@ -59,7 +59,7 @@ class WorldLayout:
         axes = []
         for name in names:
             size = sizes[name]
-            stride = m.rank_at(**{**zero, name: 1}) if size > 1 else 1
+            stride = m.rank_at(expert=False, **{**zero, name: 1}) if size > 1 else 1
             axes.append(AxisSpec(name=name, size=size, stride=stride))
         object.__setattr__(self, "axes", tuple(axes))
         object.__setattr__(self, "_index", MappingProxyType({a.name: i for i, a in enumerate(axes)}))

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import cast
 
 from prism_plugin.config.errors import int_at_least, positive_int
 from prism_plugin.config.kinds import OpKind
@@ -108,7 +109,8 @@ def _stage_trace(job: SyntheticJob, stage: int) -> TraceBuilder:
     b = TraceBuilder(axis_sizes={"pp": job.pp})
     first, last = stage == 0, stage == job.pp - 1
     m, act = job.num_microbatches, job.activation_bytes
-    fwd_us, bwd_us = job.fwd_us[stage], job.bwd_us[stage]  # type: ignore[index]
+    # per-stage tuples: `SyntheticJob.__post_init__` made them so
+    fwd_us, bwd_us = cast(tuple[float, ...], job.fwd_us)[stage], cast(tuple[float, ...], job.bwd_us)[stage]
 
     def run_pass(what: str, mb: int, duration_us: float) -> None:
         if job.tp == 1:

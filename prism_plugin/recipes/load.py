@@ -50,7 +50,7 @@ def _build(cls: Any, data: Any, where: str) -> Any:
         raise RecipeError(f"{where} must be a mapping of field: value, got {data!r}")
     known = _fields(cls)
     for key in data:
-        if key not in known:
+        if key not in known and not (cls is Emulation and key == "timeout_s"):
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"did you mean `{close[0]}`?" if close else f"known fields: {', '.join(known)}"
             raise RecipeError(f"{where}: unknown field `{key}`; {hint}")
@@ -58,6 +58,10 @@ def _build(cls: Any, data: Any, where: str) -> Any:
         if key not in data:
             raise RecipeError(f"{where}: missing field `{key}` (see prism_plugin/recipes/schema.py, {cls.__name__})")
     kwargs = dict(data)
+    if cls is Emulation and "timeout_s" in kwargs:  # the older key of the setting `timeout`
+        if "timeout" in kwargs:
+            raise RecipeError(f"{where}: timeout and timeout_s (its older key) are both given; keep timeout")
+        kwargs["timeout"] = kwargs.pop("timeout_s")
     if cls is Tolerances and kwargs.get("noise") is not None:
         kwargs["noise"] = _build(Noise, kwargs["noise"], f"{where}.noise")
     if cls is Emulation and kwargs.get("tolerances") is not None:

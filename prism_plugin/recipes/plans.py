@@ -20,7 +20,7 @@ A ``device: virtual-gpu`` emulation (program: llama, ``prism_plugin/programs/lla
 (`virtual_gpu_plan`); its figures are prism's summary.
 
 An emulation's `faults` travel as ``prism run --fault SPEC`` (torch), ``--prism-fault SPEC`` (megatron) or
-the section's ``"faults": [...]`` (deepspeed), each repeated per spec; its `timeout_s` as ``--timeout`` /
+the section's ``"faults": [...]`` (deepspeed), each repeated per spec; its `timeout` as ``--timeout`` /
 ``--prism-timeout`` (a DeepSpeed program sets its own).
 
 Derived numbers: dp = world_size / (tp x pp x cp); Megatron's global batch = micro x
@@ -126,8 +126,8 @@ def virtual_gpu_plan(recipe: Recipe, emu: Emulation, index: int, out: Path) -> R
            "--device", emu.device.value, "--output", str(summary_dir)]
     if emu.gpu is not None:
         cmd += ["--gpu", emu.gpu]
-    if emu.timeout_s is not None:
-        cmd += ["--timeout", f"{emu.timeout_s:g}"]
+    if emu.timeout is not None:
+        cmd += ["--timeout", f"{emu.timeout:g}"]
     cmd += ["--", *llama_args(recipe)]
     env = {"PRISM_VIRTUAL_GPU_OOM": emu.oom.value, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = ProcessSpec(argv=tuple(cmd), env=env, log=out / "launcher.log")
@@ -258,7 +258,7 @@ def emulation_plan(recipe: Recipe, emu: Emulation, index: int, out: Path, replay
     return _prism_plan(recipe, f"{emu.name}/run{index}", out, emu.world_size, emu.runs[index],
                        profile=recipe.resolve_profile(emu), gpus_per_node=emu.gpus_per_node, policy=policy,
                        record_dir=None, replay_dir=replay_dir if policy is DataPolicy.RECORDED else None,
-                       faults=emu.faults, timeout_s=emu.timeout_s)
+                       faults=emu.faults, timeout_s=emu.timeout)
 
 
 def _prism_plan(recipe: Recipe, label: str, out: Path, world_size: int, ranks: tuple[int, ...], *, profile: str,

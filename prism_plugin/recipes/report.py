@@ -272,7 +272,7 @@ def write_summary(result: RecipeResult, plots: Sequence[Path]) -> Path:
                      + (", step time adjusted by modelled communication" if emu.step_time_adjust.value != "none"
                         else "") + ("" if emu.tolerances is None else f"; tolerances {_tol_text(emu.tolerances)}")
                      + (f"; faults `{'`, `'.join(emu.faults)}`" if emu.faults else "")
-                     + ("" if emu.timeout_s is None else f"; timeout {emu.timeout_s:g} s"))
+                     + ("" if emu.timeout is None else f"; timeout {emu.timeout:g} s"))
     lines += ["", *(_md_rows(result) if result.comparisons else ["(nothing compared: every emulation was expected "
                                                                  "to fail or states its own figures)"]), ""]
     if result.memory:

@@ -236,8 +236,9 @@ class Emulation:
     """Replaces the recipe's tolerances for this emulation's comparisons (None: the recipe's)."""
     faults: tuple[str, ...] = ()
     """Fault specs (`prism_plugin.config.faults`), passed as ``--fault`` / ``--prism-fault`` / ds ``"faults"``."""
-    timeout_s: float | None = None
-    """The job's collective timeout (``--timeout`` / ``--prism-timeout``; None: the launcher's default)."""
+    timeout: float | None = None
+    """The job's collective timeout, seconds: the setting ``timeout`` (``--timeout`` / ``--prism-timeout``; the
+    older key ``timeout_s`` is read too); None: the launcher's default."""
     expect: Expect | None = None
     """What the faults (or a virtual GPU) must produce (`Expect`); None: the run must succeed, compared as usual."""
     device: DeviceMode = DeviceMode.REAL
@@ -299,10 +300,10 @@ class Emulation:
         except ConfigError as exc:
             raise RecipeError(f"{where}.faults: {exc}") from None
         object.__setattr__(self, "faults", faults)
-        if self.timeout_s is not None:
-            object.__setattr__(self, "timeout_s", _fraction(self.timeout_s, f"{where}.timeout_s"))
-            if not self.timeout_s:
-                raise RecipeError(f"{where}.timeout_s must be > 0 seconds, e.g. 3")
+        if self.timeout is not None:
+            object.__setattr__(self, "timeout", _fraction(self.timeout, f"{where}.timeout"))
+            if not self.timeout:
+                raise RecipeError(f"{where}.timeout must be > 0 seconds, e.g. 3")
         if self.expect is None:
             return
         if not isinstance(self.expect, Expect):
@@ -455,9 +456,9 @@ class Recipe:
                 raise RecipeError(f"{where}.data_policy=recorded replays the real run's payloads: it needs "
                                   "compare_with: real, real.launcher: prism (the recording run) and the real run's "
                                   "world_size")
-        if emu.timeout_s is not None and self.framework is Framework.DEEPSPEED:
-            raise RecipeError(f"{where}.timeout_s: a DeepSpeed job's timeout is init_distributed(timeout=...) in its "
-                              "program; remove timeout_s (recipes set it for torch and megatron)")
+        if emu.timeout is not None and self.framework is Framework.DEEPSPEED:
+            raise RecipeError(f"{where}.timeout: a DeepSpeed job's timeout is init_distributed(timeout=...) in its "
+                              "program; remove timeout (recipes set it for torch and megatron)")
         if emu.data_policy is DataPolicy.ZEROS:
             raise RecipeError(f"{where}.data_policy=zeros gives meaningless losses; use mirror or recorded")
 

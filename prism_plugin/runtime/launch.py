@@ -15,12 +15,14 @@ megatron``): each real rank is its own process group; signals to the launcher re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from prism_plugin.config.emulation import EmulationConfig
@@ -31,43 +33,35 @@ from prism_plugin.runtime.preflight import check_launch
 __all__ = ["LaunchSpec", "config_to_env", "config_from_env", "launch"]
 
 
+def _jsonable(value: object) -> object:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
+
+
 def config_to_env(config: EmulationConfig) -> str:
-    w = config.world
-    return json.dumps({
-        "world_size": w.world_size,
-        "real_ranks": list(w.real_ranks),
-        "gpus_per_node": w.gpus_per_node,
-        "devices": list(w.devices) if w.devices is not None else None,
-        "profile": config.profile,
-        "data_policy": config.data_policy.value,
-        "record_dir": str(config.record_dir) if config.record_dir else None,
-        "replay_dir": str(config.replay_dir) if config.replay_dir else None,
-        "timing": config.timing,
-        "timeout_s": config.timeout_s,
-        "output_dir": str(config.output_dir) if config.output_dir else None,
-        "trace_dir": str(config.trace_dir) if config.trace_dir else None,
-        "trace_max_iterations": config.trace_max_iterations,
-        "graph": str(config.graph) if config.graph else None,
-        "iteration_marker": config.iteration_marker.value,
-        "faults": [f.to_text() for f in config.faults],
-        "device": config.device.value,
-        "gpu": config.gpu,
-    })
+    """The launcher-to-rank channel: every field of `config` as JSON (derived from the dataclass, faults as their
+    spec strings), read back by `config_from_env`."""
+    data = _jsonable(config)
+    assert isinstance(data, dict)
+    data["faults"] = [f.to_text() for f in config.faults]
+    return json.dumps(data)
 
 
 def config_from_env(text: str) -> EmulationConfig:
+    """The `EmulationConfig` `config_to_env` wrote (checked again by its constructors)."""
     from prism_plugin.config.emulation import VirtualWorld
 
     data = json.loads(text)
-    devices = data.pop("devices")
-    world = VirtualWorld(
-        world_size=data.pop("world_size"),
-        real_ranks=tuple(data.pop("real_ranks")),
-        gpus_per_node=data.pop("gpus_per_node"),
-        devices=tuple(devices) if devices is not None else None,
-    )
+    world = {k: tuple(v) if isinstance(v, list) else v for k, v in data.pop("world").items()}
     data["faults"] = tuple(data.get("faults") or ())
-    return EmulationConfig(world=world, **data)
+    return EmulationConfig(world=VirtualWorld(**world), **data)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

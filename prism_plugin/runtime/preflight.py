@@ -31,76 +31,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from prism_plugin.config.emulation import ConfigError, EmulationConfig
+from prism_plugin.config.respell import DEFAULT_PROFILE, RUN_FLAGS, default_profile_note, respell, spell
+from prism_plugin.config.settings import SETTINGS, Entry
 from prism_plugin.graph.errors import GraphError
 
-__all__ = ["DEFAULT_PROFILE", "ENVIRONMENT", "OUTPUT_MARKER", "RUN_FLAGS", "TIME_FLAGS", "check_directories",
+__all__ = ["DEFAULT_PROFILE", "ENVIRONMENT", "OUTPUT_MARKER", "RUN_FLAGS", "check_directories",
            "check_directory", "check_environment", "check_file_output", "check_graph", "check_launch", "check_program",
            "check_recording", "claim_output", "default_profile_note", "respell", "spell"]
-
-RUN_FLAGS: Mapping[str, str] = {
-    "world_size": "--world-size", "output_dir": "--output", "record_dir": "--record", "replay_dir": "--replay",
-    "trace_dir": "--trace", "graph": "--graph", "real_ranks": "--real-ranks", "gpus_per_node": "--gpus-per-node",
-    "profile": "--profile", "gpu": "--gpu", "device": "--device", "data_policy": "--data-policy",
-}
-"""How `prism run` spells each EmulationConfig field (the default of every check). Messages of the layers below
-the entry points name settings this way; an entry point that spells them otherwise passes its own mapping or
-re-spells the message (`respell`)."""
-
-
-TIME_FLAGS = {"PRISM_VIRTUAL_TIME": "--virtual-time", "PRISM_KERNEL_MODEL": "--kernel-model",
-              "PRISM_KERNEL_TABLE": "--kernel-table", "PRISM_KERNEL_FIT": "--kernel-fit",
-              "PRISM_PROGRAM_TIME": "--program-time"}
-"""The virtual-time flags of `prism run` and `prism emulate`, by the variable that carries each to the ranks."""
-
-
-def spell(flags: Mapping[str, str], field: str, value: object | None = None) -> str:
-    """How the entry point of `flags` writes `field` (set to `value`): a flag, or a key of a config section.
-
-    Example: ``spell(RUN_FLAGS, "profile", "dgx-h100") == "--profile dgx-h100"``; with the DeepSpeed section's
-    mapping (``'"prism.profile"'``): ``'"prism.profile": "dgx-h100"'``.
-    """
-    name = flags.get(field, RUN_FLAGS.get(field, field))
-    if value is None:
-        return name
-    if name.startswith("-"):
-        return f"{name} {value}"
-    return f"{name}: {value}" if isinstance(value, int | float) else f'{name}: "{value}"'
-
-
-DEFAULT_PROFILE = "dgx-h100"
-"""The hardware profile of a virtual-GPU launch that names neither a profile nor a GPU model: a policy default
-(H100 SXM, 8 per node: the GPU of Megatron-LM's own functional tests and most published large training runs)."""
-
-
-def default_profile_note(flags: Mapping[str, str]) -> str:
-    """The one line a launcher says when `DEFAULT_PROFILE` applies, the settings spelled as `flags` spells them."""
-    return (f"prism: {spell(flags, 'device', 'virtual-gpu')} without {spell(flags, 'profile')} or "
-            f"{spell(flags, 'gpu')}: running on profile {DEFAULT_PROFILE} (8 H100 SXM per node, its links and "
-            f"kernel figures); name another with {spell(flags, 'profile', '<name>')}")
-
-
-def respell(message: str, flags: Mapping[str, str]) -> str:
-    """`message` with each of `prism run`'s flags (`RUN_FLAGS`) written as the entry point of `flags` writes it,
-    a value right after the flag kept with it.
-
-    Example: ``respell("e.g. --world-size 8192", {"world_size": "--prism-world-size"}) == "e.g.
-    --prism-world-size 8192"``; with ``'"prism.world_size"'``: ``'e.g. "prism.world_size": 8192'``.
-    """
-    import re
-
-    for field, run_flag in RUN_FLAGS.items():
-        if field not in flags or flags[field] == run_flag:
-            continue
-
-        def one(match: re.Match[str], field: str = field) -> str:
-            value = match.group(1)
-            if value is None:
-                return spell(flags, field)
-            return spell(flags, field, int(value) if value.isdigit() else value)
-
-        message = re.sub(rf"(?<![\w-]){re.escape(run_flag)}(?![\w-])(?: ([\w./:-]*\w))?", one, message)
-    return message
-
 
 _RUN_USAGE = "give the training script's path: -- script.py args, or a module: -m module args"
 
@@ -275,70 +212,36 @@ def check_directories(config: EmulationConfig, flags: Mapping[str, str] = RUN_FL
 
 
 # -- settings given as environment variables ---------------------------------------------------------------------
-ENVIRONMENT: Mapping[str, str] = {
-    "PRISM_TIMELINE": "a directory for each real rank's Chrome/Perfetto timeline (default <output>/timeline with "
-                      "an output directory), or off",
-    "PRISM_KINETO": "a directory for each real rank's Kineto trace (virtual time)",
-    "PRISM_MEMORY_SNAPSHOT": "a file for each real rank's memory snapshot; {rank} is replaced by the rank",
-    "PRISM_MEMORY_SNAPSHOT_MAX_ENTRIES": "trace entries a memory snapshot keeps (default 100000)",
-    "PRISM_VIRTUAL_GPU_OOM": "raise (torch's OutOfMemoryError, the default) or report (count it, go on)",
-    "PRISM_VIRTUAL_TIME": "on (default) or off", "PRISM_KERNEL_MODEL": "roofline (default), table or fit",
-    "PRISM_KERNEL_TABLE": "the table of the table kernel model", "PRISM_KERNEL_FIT": "the fit model's overlay",
-    "PRISM_PROGRAM_TIME": "wall (default) or emulated",
-    "PRISM_ATTENTION": "local (default) or flash", "PRISM_MOE_ROUTING": "balanced (default) or skew:SEED[,ALPHA]",
-}
-"""The settings a user may give a launch as environment variables, with what each takes (`check_environment`)."""
-
-
-def _check_snapshot_template(template: str, real_ranks: Sequence[int]) -> None:
-    import re
-
-    name = "PRISM_MEMORY_SNAPSHOT"
-    unknown = sorted({m for m in re.findall(r"\{([^{}]*)\}", template) if m != "rank"})
-    if unknown:
-        raise ConfigError(f"{name}={template!r}: unknown placeholder {{{unknown[0]}}}; the one placeholder is {{rank}}")
-    if len(real_ranks) > 1 and "{rank}" not in template:
-        raise ConfigError(f"{name}={template!r}: the {len(real_ranks)} real ranks would all write this one file; put "
-                          "{rank} in the name, e.g. snapshots/rank{rank}.pickle")
-    for rank in real_ranks[:1] or (0,):
-        path = Path(template.replace("{rank}", str(rank)))
-        if path.is_dir():
-            raise ConfigError(f"{name}={template!r} is a directory; name the snapshot file, e.g. "
-                              f"{path / 'rank{rank}.pickle'}")
-        check_directory(f"{name}={template!r}: the directory", path.parent)
+ENVIRONMENT: Mapping[str, str] = {s.env: s.help for s in SETTINGS if s.env}
+"""The settings a user may give a launch as environment variables (their documented aliases), with what each takes
+(`check_environment`; the table is `prism_plugin.config.settings`)."""
 
 
 def check_environment(real_ranks: Sequence[int], environ: Mapping[str, str] | None = None) -> None:
     """Every `ENVIRONMENT` setting present in `environ` (default ``os.environ``) is valid for a launch of these real
-    ranks (processes that share the environment): a `ConfigError` naming the variable and the fix, before any
-    process starts."""
+    ranks (processes that share the environment): each value by its setting's parser, their combinations, and the
+    files they name; a `ConfigError` naming the variable and the fix, before any process starts."""
+    from prism_plugin.config.resolve import resolve
+
     env = os.environ if environ is None else environ
-    for name in ("PRISM_TIMELINE", "PRISM_KINETO"):
-        if env.get(name) and not (name == "PRISM_TIMELINE" and env[name] == "off"):
-            check_directory(name, env[name])
-    if env.get("PRISM_MEMORY_SNAPSHOT"):
-        _check_snapshot_template(env["PRISM_MEMORY_SNAPSHOT"], tuple(real_ranks))
-    entries = env.get("PRISM_MEMORY_SNAPSHOT_MAX_ENTRIES")
-    if entries is not None and (not entries.isdigit() or int(entries) < 1):
-        raise ConfigError(f"PRISM_MEMORY_SNAPSHOT_MAX_ENTRIES={entries!r}: give a positive number of trace entries, "
-                          "e.g. 100000")
-    oom = env.get("PRISM_VIRTUAL_GPU_OOM")
-    if oom is not None and oom not in ("raise", "report"):
-        raise ConfigError(f"PRISM_VIRTUAL_GPU_OOM={oom!r}: use raise (torch's OutOfMemoryError, the default) or "
-                          "report (count the allocation and go on)")
-    from prism_plugin.config.program_options import ATTENTION_ENV, ROUTING_ENV, parse_attention, parse_routing
-    from prism_plugin.config.virtual_time import TIME_VARIABLES, VirtualTimeOptions
+    ranks = tuple(real_ranks) or (0,)
+    settings = resolve({"world_size": max(ranks) + 1, "real_ranks": list(ranks), "gpus_per_node": 1}, Entry.ENVIRONMENT,
+                       environ=env)
+    outputs = settings.outputs
+    for name, value in (("PRISM_TIMELINE", outputs.timeline), ("PRISM_KINETO", outputs.kineto)):
+        if value is not None and value != "off":
+            check_directory(name, value)
+    if outputs.memory_snapshot is not None:
+        template = outputs.memory_snapshot
+        path = Path(template.replace("{rank}", str(ranks[0])))
+        if path.is_dir():
+            raise ConfigError(f"PRISM_MEMORY_SNAPSHOT={template!r} is a directory; name the snapshot file, e.g. "
+                              f"{path / 'rank{rank}.pickle'}")
+        check_directory(f"PRISM_MEMORY_SNAPSHOT={template!r}: the directory", path.parent)
+    if settings.time.kernel_fit is not None:  # a malformed overlay would fail in every profiling run
+        from prism_plugin.cost.kernel_fit import load_fit
 
-    if any(env.get(name) for name in TIME_VARIABLES):
-        options = VirtualTimeOptions.from_env(env)
-        if options.kernel_fit is not None:  # a malformed overlay failed in every profiling run
-            from prism_plugin.cost.kernel_fit import load_fit
-
-            load_fit(options.kernel_fit)
-    if env.get(ATTENTION_ENV):
-        parse_attention(env[ATTENTION_ENV])
-    if env.get(ROUTING_ENV):
-        parse_routing(env[ROUTING_ENV])
+        load_fit(settings.time.kernel_fit)
 
 
 # -- the graph and the recording ---------------------------------------------------------------------------------

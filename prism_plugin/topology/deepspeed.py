@@ -18,7 +18,7 @@ from prism_plugin.topology.grid import mixed_radix_offsets as _mixed_radix_offse
 
 
 @cache
-def _coord_type(axes: tuple[str, ...]) -> type[tuple[int, ...]]:
+def _coord_type(axes: tuple[str, ...]) -> Callable[..., tuple[int, ...]]:
     """DeepSpeed's `ProcessCoord` namedtuple for these axes (supports `._replace` and `._asdict`)."""
     return namedtuple("ProcessCoord", axes)
 

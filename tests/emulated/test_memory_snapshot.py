@@ -223,5 +223,5 @@ def test_install_patches_torchs_api_until_uninstall_and_reads_the_legacy_form(tm
     assert path == tmp_path / "r5.pickle" and models[0].history.entries.maxlen == 7
     with pytest.raises(ValueError, match="no rank"):
         snapshot.from_env(models, environ={snapshot.ENV: "snap-{rank}.pickle"})
-    with pytest.raises(ValueError, match="positive number"):
+    with pytest.raises(ValueError, match="PRISM_MEMORY_SNAPSHOT_MAX_ENTRIES=.lots.: give an integer >= 1"):
         snapshot.from_env(models, environ={snapshot.ENV: "snap.pickle", snapshot.ENV_MAX_ENTRIES: "lots"})

@@ -63,10 +63,10 @@ def test_the_default_is_said_in_one_line_spelled_for_the_entry_point() -> None:
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (("--prism-world-size", "0"), "world_size=0 must be a positive int: give the job's total rank count, e.g. "
-                                  "--prism-world-size 8192"),
-    (("--prism-world-size", "12"), "or the cluster's ranks per node (--prism-gpus-per-node)"),
-    (("--prism-data-policy", "recorded"), "(run it with record_dir=DIR / --prism-record DIR first)"),
+    (("--prism-world-size", "0"), "--prism-world-size 0: give an integer >= 1, e.g. 8192"),
+        (("--prism-world-size", "12"), "or the cluster's ranks per node (--prism-gpus-per-node)"),
+    (("--prism-data-policy", "recorded"), "needs --prism-replay DIR: the directory a recording run wrote "
+                                              "(run it with --prism-record DIR first)"),
 ])
 def test_drop_in_messages_name_the_prism_flags(flags: tuple[str, ...], message: str) -> None:
     from prism_plugin.adapters.megatron.wrapper import split_prism_flags

@@ -28,12 +28,13 @@ def _cases(tmp: Path) -> list[tuple[dict[str, str], tuple[int, ...], str]]:
         ({"PRISM_MEMORY_SNAPSHOT": str(tmp / "r{rnak}.pickle")}, (0,), "unknown placeholder {rnak}; the one"),
         ({"PRISM_MEMORY_SNAPSHOT": str(tmp)}, (0,), "is a directory; name the snapshot file"),
         ({"PRISM_MEMORY_SNAPSHOT": str(afile / "r{rank}.pickle")}, (0,), f"the directory {str(afile)!r} is a file"),
-        ({"PRISM_MEMORY_SNAPSHOT_MAX_ENTRIES": "lots"}, (0,), "give a positive number of trace entries"),
-        ({"PRISM_VIRTUAL_GPU_OOM": "ignore"}, (0,), "PRISM_VIRTUAL_GPU_OOM='ignore': use raise"),
+        ({"PRISM_MEMORY_SNAPSHOT_MAX_ENTRIES": "lots"}, (0,),
+         "PRISM_MEMORY_SNAPSHOT_MAX_ENTRIES='lots': give an integer >= 1"),
+        ({"PRISM_VIRTUAL_GPU_OOM": "ignore"}, (0,), "PRISM_VIRTUAL_GPU_OOM='ignore': use one of raise, report"),
         ({"PRISM_KERNEL_MODEL": "bogus"}, (0,), "PRISM_KERNEL_MODEL='bogus': use one of roofline, table, fit"),
         ({"PRISM_VIRTUAL_TIME": "off", "PRISM_PROGRAM_TIME": "emulated"}, (0,), "keeps no time"),
-        ({"PRISM_ATTENTION": "fast"}, (0,), "--prism-attention / PRISM_ATTENTION 'fast': choose flash"),
-        ({"PRISM_MOE_ROUTING": "skew:7,inf"}, (0,), "--prism-moe-routing 'skew:7,inf': expected"),
+        ({"PRISM_ATTENTION": "fast"}, (0,), "PRISM_ATTENTION='fast': use one of local, flash"),
+        ({"PRISM_MOE_ROUTING": "skew:7,inf"}, (0,), "PRISM_MOE_ROUTING='skew:7,inf': expected 'balanced'"),
         ({"PRISM_KERNEL_MODEL": "fit", "PRISM_KERNEL_FIT": str(afile)}, (0,), str(afile)),  # not an overlay
     ]
 

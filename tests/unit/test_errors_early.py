@@ -171,16 +171,16 @@ def _ds(batch: dict[str, object] | None = None, **prism: object) -> dict[str, ob
 
 
 DS_CASES = [
-    (_ds(output=5), r'"prism.output"=5 must be a path \(a string\)'),
-    (_ds(record_dir=["a"]), r'"prism.record_dir"=\[\'a\'\] must be a path'),
-    (_ds(trace=True), '"prism.trace"=True must be a path'),
-    (_ds(graph=3), '"prism.graph"=3 must be a path'),
-    (_ds(faults=5), '"prism.faults"=5 must be a list of fault strings'),
-    (_ds(trace_iterations="x"), "\"prism.trace_iterations\"='x' must be a positive integer"),
+    (_ds(output=5), r'"prism.output": 5: give a path \(a string\)'),
+    (_ds(record_dir=["a"]), r'"prism.record": \[\'a\'\]: give a path'),  # the older key, named as now
+    (_ds(trace=True), '"prism.trace": True: give a path'),
+    (_ds(graph=3), '"prism.graph": 3: give a path'),
+    (_ds(faults=5), '"prism.faults": 5: give fault specs'),
+    (_ds(trace_iterations="x"), '"prism.trace_iterations": "x": give an integer >= 1'),
     (_ds(output="notes.txt"), "\"prism.output\" 'notes.txt' is a file, not a directory"),
-    (_ds(record_dir="notes.txt/r"), "\"prism.record_dir\" 'notes.txt/r': its parent 'notes.txt' is a file"),
-    (_ds(world_size=8, data_policy="recorded", replay_dir="rec2"),
-     "\"prism.replay_dir\" 'rec2': rank0.pt was recorded at world size 2 but \"prism.world_size\" is 8"),
+    (_ds(record="notes.txt/r"), "\"prism.record\" 'notes.txt/r': its parent 'notes.txt' is a file"),
+    (_ds(world_size=8, data_policy="recorded", replay="rec2"),
+     "\"prism.replay\" 'rec2': rank0.pt was recorded at world size 2 but \"prism.world_size\" is 8"),
     (_ds(graph="bad.graph"), "\"prism.graph\" 'bad.graph' cannot be read: not JSON"),
     (_ds(graph="n4.graph"), "\"prism.graph\" 'n4.graph' describes 4 ranks but \"prism.world_size\" is 16"),
 ]

@@ -1,4 +1,4 @@
-"""Fault recipes: the schema's `faults` / `timeout_s` / `expect`, their command lines, the expectation checks.
+"""Fault recipes: the schema's `faults` / `timeout` / `expect`, their command lines, the expectation checks.
 
 Tier (a): pure, no process is started (integration_tests/recipes/test_fault_recipes_end_to_end.py runs the shipped
 recipes/fault-*.yaml end to end).
@@ -53,7 +53,7 @@ def _recipe(**emu: Any) -> Recipe:
 def test_faults_timeout_and_expect_are_read() -> None:
     emu = _recipe(timeout_s=3).emulated[0]
     assert emu.faults == ("straggler:ranks=1,factor=3,from_step=3",)
-    assert emu.timeout_s == 3.0
+    assert emu.timeout == 3.0  # the older key timeout_s, read as the setting timeout
     assert emu.expect is not None and emu.expect.wait_ms == (5.0, 500.0) and emu.expect.from_step == 3
     assert not emu.expects_failure
     hang = _recipe(faults=["hang:rank=1,op=1"], expect={"failure": "Timed out", "within_s": 20, "after_s": 3})
@@ -64,7 +64,7 @@ def test_faults_timeout_and_expect_are_read() -> None:
     ({"faults": ["straggler:ranks=1,factr=3"]}, "emulated[n2].faults"),
     ({"faults": ["straggler:ranks=5,factor=3"], "expect": None}, "emulated[n2].faults: fault"),
     ({"faults": "hang:rank=1"}, "emulated[n2].faults must be a list"),
-    ({"timeout_s": 0}, "emulated[n2].timeout_s must be > 0"),
+    ({"timeout": 0}, "emulated[n2].timeout must be > 0"),
     ({"faults": [], "expect": {"failure": "x", "within_s": 5}}, "expect needs faults"),
     ({"expect": {"failure": "Timed out"}}, "within_s is required with failure"),
     ({"expect": {"failure": "Timed out", "within_s": 3, "after_s": 3}}, "within_s=3 must exceed after_s=3"),
@@ -87,8 +87,8 @@ def test_bad_fault_fields_name_field_and_fix(emu: dict[str, Any], message: str) 
 def test_deepspeed_timeout_and_comparing_with_a_failing_run_are_refused() -> None:
     data = copy.deepcopy(BASE)
     data.update(framework="deepspeed", layout={"zero_stage": 1})
-    data["emulated"][0]["timeout_s"] = 3
-    with pytest.raises(RecipeError, match=r"emulated\[n2\].timeout_s: a DeepSpeed job's timeout"):
+    data["emulated"][0]["timeout"] = 3
+    with pytest.raises(RecipeError, match=r"emulated\[n2\].timeout: a DeepSpeed job's timeout"):
         recipe_from_mapping(data)
     data = copy.deepcopy(BASE)
     data["emulated"][0].update(faults=["crash:rank=1,step=2"], expect={"failure": "reset", "within_s": 9})
@@ -118,7 +118,7 @@ def test_shipped_fault_recipes() -> None:
 
 def test_faults_and_timeout_reach_every_framework(tmp_path: Path) -> None:
     two = ["straggler:ranks=1,factor=2", "jitter:sigma=0.1,seed=3"]
-    r = _recipe(faults=two, timeout_s=2.5, expect=None)
+    r = _recipe(faults=two, timeout=2.5, expect=None)
     argv = emulation_plan(r, r.emulated[0], 0, tmp_path, None).processes[0].argv
     i = argv.index("--fault")
     assert argv[i:i + 4] == ("--fault", two[0], "--fault", two[1])
@@ -127,7 +127,7 @@ def test_faults_and_timeout_reach_every_framework(tmp_path: Path) -> None:
     data = copy.deepcopy(BASE)
     data.update(framework="megatron", real={"world_size": 1, "launcher": "prism"},
                 model={"hidden_size": 64, "num_attention_heads": 2, "seq_length": 16, "vocab_size": 64})
-    data["emulated"][0].update(faults=two, timeout_s=4, expect=None)
+    data["emulated"][0].update(faults=two, timeout=4, expect=None)
     meg = recipe_from_mapping(data)
     argv = emulation_plan(meg, meg.emulated[0], 0, tmp_path, None).processes[0].argv
     assert [argv[k + 1] for k, a in enumerate(argv) if a == "--prism-fault"] == two
@@ -148,7 +148,7 @@ def test_faults_and_timeout_reach_every_framework(tmp_path: Path) -> None:
 
 
 def _failing(**expect: Any) -> Recipe:
-    return _recipe(faults=["hang:rank=1,op=1"], timeout_s=3, expect={"failure": "Timed out waiting", **expect})
+    return _recipe(faults=["hang:rank=1,op=1"], timeout=3, expect={"failure": "Timed out waiting", **expect})
 
 
 @pytest.mark.parametrize(("codes", "wall", "output", "ok", "says"), [

@@ -226,22 +226,23 @@ def test_the_cli_says_what_is_wrong_with_a_measured_time(value: str, message: st
 
 
 def test_time_settings_are_named_as_the_entry_point_spells_them(tmp_path: Path) -> None:
-    from prism_plugin.runtime.preflight import TIME_FLAGS
+    from prism_plugin.config.resolve import resolve
+    from prism_plugin.config.settings import Entry
     from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions
 
     table = tmp_path / "t.json"
     table.write_text("{}")
-    cases = [({"PRISM_KERNEL_MODEL": "roofline", "PRISM_KERNEL_TABLE": str(table)},
+    cases = [({"kernel_model": "roofline", "kernel_table": str(table)},
               f"--kernel-table {table} is read by the table kernel model, not by --kernel-model roofline: add "
               "--kernel-model table or drop --kernel-table"),
-             ({"PRISM_KERNEL_MODEL": "table"}, "--kernel-model table needs --kernel-table <file>"),
-             ({"PRISM_VIRTUAL_TIME": "off", "PRISM_KERNEL_MODEL": "table", "PRISM_KERNEL_TABLE": str(table)},
+             ({"kernel_model": "table"}, "--kernel-model table needs --kernel-table <file>"),
+             ({"virtual_time": "off", "kernel_model": "table", "kernel_table": str(table)},
               "--virtual-time off keeps no time, so --kernel-model table and --kernel-table"),
-             ({"PRISM_VIRTUAL_TIME": "off", "PRISM_PROGRAM_TIME": "emulated"},
+             ({"virtual_time": "off", "program_time": "emulated"},
               "--virtual-time off keeps no time, so --program-time emulated would do nothing"),
-             ({"PRISM_VIRTUAL_TIME": "maybe"}, "--virtual-time maybe: use one of on, off")]
-    for env, message in cases:
+             ({"virtual_time": "maybe"}, "--virtual-time maybe: use one of on, off")]
+    for values, message in cases:  # prism run's flags, through the one validator
         with pytest.raises(ConfigError) as exc:
-            VirtualTimeOptions.from_env(env, names=TIME_FLAGS)
+            resolve({"world_size": 1, "real_ranks": "0", "device": "virtual-gpu", **values}, Entry.RUN, environ={})
         assert message in str(exc.value)
     assert VirtualTimeOptions.from_env({"PRISM_VIRTUAL_TIME": "off"}).enabled is False

@@ -40,7 +40,7 @@ def test_replay_flag_selects_recorded_policy(tmp_path) -> None:
 @pytest.mark.parametrize("argv,fragment", [
     (["--prism-world-size", "8"], "--prism-real-ranks is required"),
     (["--prism-real-ranks", "0"], "--prism-world-size is required"),
-    (["--prism-world-size", "eight", "--prism-real-ranks", "0"], "must be integers"),
+    (["--prism-world-size", "eight", "--prism-real-ranks", "0"], "--prism-world-size eight: give an integer >= 1"),
     (["--prism-world-size", "8", "--prism-real-ranks", "9"], "out of range"),
 ])
 def test_bad_flags_name_the_flag(argv: list[str], fragment: str) -> None:

@@ -231,6 +231,7 @@ def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, st
         raise ConfigError(f"init_distributed(rank={rank}) but this process plays rank {world.real_ranks[index]}")
     if timeout is not None:
         section = replace(section, emulation=replace(section.emulation, timeout_s=timeout.total_seconds()))
+    os.environ.update(section.environ)  # the section's settings the rank process reads (and a re-executed one)
     vgpu = _virtual_gpu(section, index)
     emulation = DeepSpeedEmulation(section, index, real_store(world.num_real, index, store=store,
                                                               init_method=init_method))

@@ -14,8 +14,8 @@ A DeepSpeed config (a dict, or a path to a JSON/HJSON file) turns emulation on w
         "output": "prism_output",        # where each real rank writes rank<R>.summary.json (default: none)
         "gpus_per_node": 8,              # node layout of the target cluster (default 8)
         "data_policy": "mirror",         # mirror | recorded | zeros (default mirror)
-        "record_dir": null,              # recording run: write every payload received here
-        "replay_dir": null,              # data_policy "recorded": a recording run's record_dir
+        "record": null,                  # recording run: write every payload received here ("record_dir" too)
+        "replay": null,                  # data_policy "recorded": a recording run's record ("replay_dir" too)
         "timing": true,                  # hold each op until its emulated completion time
         "faults": ["straggler:ranks=4-7,factor=1.3"],   # faults and what-ifs (prism_plugin.config.faults), optional
         "topology": {"pipe": 4, "data": 2048, "model": 1},   # optional: checked against world_size
@@ -23,6 +23,10 @@ A DeepSpeed config (a dict, or a path to a JSON/HJSON file) turns emulation on w
         "device": "real",                # real | virtual-gpu: fake cuda tensors on virtual GPUs (`virtual_gpu`)
         "gpu": null                      # virtual-gpu: the GPU model (default: the profile's), e.g. "h100-sxm"
     }
+
+plus every other setting of the table (`prism_plugin.config.settings`; ``docs/configuration.md`` lists them all),
+e.g. ``"virtual_time": "off"``, ``"kernel_model": "table"``, ``"timeline": "off"``, ``"memory_snapshot":
+"snap/rank{rank}.pickle"``: one key per setting, checked by the same validator as every entry point's.
 
 Checks (each a `ConfigError` naming the key and the fix): unknown keys; missing world_size/real_ranks;
 ranks out of range or repeated; a path key (`output`, `record_dir`, `replay_dir`, `trace`, `graph`) that is
@@ -45,24 +49,22 @@ No torch.distributed, no DeepSpeed import (torch itself only to read a recording
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prism_plugin.config.emulation import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list
-from prism_plugin.config.kinds import DataPolicy
-from prism_plugin.runtime.preflight import DEFAULT_PROFILE, respell
+from prism_plugin.config.emulation import ConfigError, EmulationConfig
+from prism_plugin.config.resolve import resolve, spellings
+from prism_plugin.config.settings import Entry, section_keys
 
 __all__ = ["PrismSection", "TensorSpec", "load_ds_config", "parse_section", "SECTION_KEY", "ALLOWED_KEYS",
            "KEY_NAMES"]
 
 SECTION_KEY = "prism"
-ALLOWED_KEYS: tuple[str, ...] = (
-    "world_size", "real_ranks", "profile", "graph", "output", "gpus_per_node", "data_policy",
-    "record_dir", "replay_dir", "timing", "topology", "pipe_activations", "trace", "trace_iterations",
-    "iteration_marker", "faults", "device", "gpu",
-)
+ALLOWED_KEYS: tuple[str, ...] = tuple(section_keys())
+"""Every key of the section (`prism_plugin.config.settings`: one per setting, older spellings kept)."""
 _TOPOLOGY_AXES = ("pipe", "data", "model")
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -91,6 +93,8 @@ class PrismSection:
     policy_defaults: tuple[dict[str, str], ...] = ()
     """Keys the section left to a policy default (``setting``, ``value``, ``reason``): the profile of a virtual GPU
     named by neither ``"profile"`` nor ``"gpu"`` (`preflight.DEFAULT_PROFILE`)."""
+    environ: Mapping[str, str] = field(default_factory=dict)
+    """The variables the rank process reads for the settings the section gave (`Settings.environ`)."""
 
     @property
     def world_size(self) -> int:
@@ -122,27 +126,6 @@ def load_ds_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
             return dict(hjson.loads(text))
         except Exception as exc:  # hjson's own error types
             raise ConfigError(f"{path}: not valid JSON/HJSON ({exc})") from None
-
-
-def _int(section: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    value = section.get(key, default)
-    if value is None:
-        raise ConfigError(f'"prism": {{"{key}": ...}} is required; e.g. "{key}": 8192')
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f'"prism.{key}"={value!r} must be a positive integer')
-    return value
-
-
-def _ranks(value: Any) -> tuple[int, ...]:
-    if value is None:
-        raise ConfigError('"prism.real_ranks" is required: the virtual ranks the real processes play, e.g. [0, 5]')
-    if isinstance(value, str):
-        return parse_rank_list(value, field_name="prism.real_ranks")
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
-    if isinstance(value, (list, tuple)) and all(isinstance(r, int) and not isinstance(r, bool) for r in value):
-        return tuple(value)
-    raise ConfigError(f'"prism.real_ranks"={value!r} must be a list of integers or a string like "0,5,8-11"')
 
 
 def _tensor_spec(value: Any, where: str) -> TensorSpec:
@@ -279,30 +262,8 @@ def _check_batch(ds_config: Mapping[str, Any], world_size: int, topology: dict[s
         )
 
 
-_PATH_KEYS = ("output", "record_dir", "replay_dir", "trace", "graph")
-KEY_NAMES = {"world_size": '"prism.world_size"', "output_dir": '"prism.output"', "record_dir": '"prism.record_dir"',
-             "replay_dir": '"prism.replay_dir"', "trace_dir": '"prism.trace"', "graph": '"prism.graph"',
-             "real_ranks": '"prism.real_ranks"', "gpus_per_node": '"prism.gpus_per_node"',
-             "profile": '"prism.profile"', "gpu": '"prism.gpu"', "device": '"prism.device"',
-             "data_policy": '"prism.data_policy"'}
-"""How the section spells each EmulationConfig field (`runtime.preflight`'s messages, `preflight.respell`)."""
-
-
-def _check_value_types(section: Mapping[str, Any]) -> None:
-    """Keys whose wrong JSON type would otherwise fail deep inside the config as a TypeError."""
-    for key in _PATH_KEYS:
-        value = section.get(key)
-        if value is not None and not isinstance(value, str | Path):
-            raise ConfigError(f'"prism.{key}"={value!r} must be a path (a string), e.g. "{key}": "prism_{key}"; '
-                              "or omit it")
-    faults = section.get("faults")
-    if faults is not None and not isinstance(faults, list | tuple):
-        raise ConfigError(f'"prism.faults"={faults!r} must be a list of fault strings, e.g. '
-                          '"faults": ["straggler:ranks=4-7,factor=1.3"]')
-    iterations = section.get("trace_iterations", 64)
-    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-        raise ConfigError(f'"prism.trace_iterations"={iterations!r} must be a positive integer: the iterations to '
-                          "trace")
+KEY_NAMES = spellings(Entry.DEEPSPEED)
+"""How the section spells each EmulationConfig field (`runtime.preflight`'s messages, `respell`)."""
 
 
 def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool = True) -> PrismSection | None:
@@ -316,51 +277,35 @@ def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool =
         return None
     if not isinstance(section, Mapping):
         raise ConfigError(f'"prism" must be an object like {{"world_size": 8192, "real_ranks": [0]}}, got {section!r}')
-    unknown = sorted(set(section) - set(ALLOWED_KEYS))
+    keys = section_keys()
+    unknown = sorted(set(section) - set(keys))
     if unknown:
         raise ConfigError(f'"prism" has unknown keys {unknown}; allowed keys: {list(ALLOWED_KEYS)}')
-    world_size = _int(section, "world_size")
-    real_ranks = _ranks(section.get("real_ranks"))
-    try:
-        world = VirtualWorld(world_size=world_size, real_ranks=real_ranks,
-                             gpus_per_node=_int(section, "gpus_per_node", 8))
-    except ConfigError as exc:
-        raise ConfigError(f'"prism" section: {respell(str(exc), KEY_NAMES)}') from None
-    topology = _topology(section.get("topology"), world_size)
+    values: dict[str, object] = {}
+    for key, value in section.items():
+        name = keys[key].name
+        if name in values and value is not None:
+            raise ConfigError(f'"prism" gives {name} twice ("{name}" and its older spelling "{key}"); keep "{name}"')
+        if value is not None:
+            values[name] = value
+    settings = resolve(values, Entry.DEEPSPEED)
+    world_size = settings.world.world_size
+    topology = _topology(settings.deepspeed.topology, world_size)
     _check_batch(config, world_size, topology)
-    _check_value_types(section)
-    graph = section.get("graph")
-    if graph is not None:
-        if not Path(graph).is_file():
-            raise ConfigError(f'"prism.graph"={graph!r} does not exist; give an execution graph file or omit it')
-    timing = section.get("timing", True)
-    if not isinstance(timing, bool):
-        raise ConfigError(f'"prism.timing"={timing!r} must be true or false')
-    defaults: tuple[dict[str, str], ...] = ()
-    if section.get("device") == "virtual-gpu" and "profile" not in section and "gpu" not in section:
-        defaults = ({"setting": KEY_NAMES["profile"], "value": DEFAULT_PROFILE,
-                     "reason": '"prism.device": "virtual-gpu" without "prism.profile" or "prism.gpu"'},)
-    profile = section.get("profile", DEFAULT_PROFILE if defaults else "local-cpu-gloo")
-    policy = section.get("data_policy", DataPolicy.MIRROR.value)
-    if policy not in [p.value for p in DataPolicy]:
-        raise ConfigError(f'"prism.data_policy"={policy!r} is unknown; use one of {[p.value for p in DataPolicy]}')
+    graph = settings.time.graph
+    if graph is not None and not graph.is_file():
+        raise ConfigError(f'"prism.graph"={str(graph)!r} does not exist; give an execution graph file or omit it')
     try:
-        emulation = EmulationConfig(
-            world=world, profile=profile, data_policy=DataPolicy(policy), record_dir=section.get("record_dir"),
-            replay_dir=section.get("replay_dir"), timing=timing, output_dir=section.get("output"),
-            graph=graph, trace_dir=section.get("trace"), trace_max_iterations=section.get("trace_iterations", 64),
-            iteration_marker=section.get("iteration_marker", "auto"), faults=section.get("faults") or (),
-            device=section.get("device", "real"), gpu=section.get("gpu"),
-        )
+        emulation = settings.emulation()
     except ConfigError as exc:
-        raise ConfigError(f'"prism" section: {respell(str(exc), KEY_NAMES)}') from None
+        raise ConfigError(f'"prism" section: {exc}') from None
     from prism_plugin.runtime.preflight import check_directories, check_environment, check_graph, check_recording
 
     check_directories(emulation, KEY_NAMES)  # each real process checks its section before any process group
-    check_environment(emulation.world.real_ranks)
+    check_environment(emulation.world.real_ranks, {**os.environ, **settings.environ()})
     check_graph(emulation, KEY_NAMES)
     check_recording(emulation, KEY_NAMES)
     return PrismSection(emulation=emulation, topology=topology,
                         pipe_activations=_pipe_activations(section.get("pipe_activations")),
-                        graph=Path(graph) if graph is not None else None, ds_config=config,
-                        policy_defaults=defaults)
+                        graph=graph, ds_config=config, policy_defaults=settings.policy_defaults,
+                        environ=settings.environ())

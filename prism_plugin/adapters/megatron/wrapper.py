@@ -61,25 +61,23 @@ if os.environ.get("PRISM_VIRTUAL_CUDA_LIB") and "torch" not in sys.modules:  # -
     _PRELOADED = True
 
 import tempfile  # noqa: E402
+from collections.abc import Mapping  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
 from prism_plugin.adapters.megatron.refusals import Refusal  # noqa: E402
-from prism_plugin.config.emulation import ConfigError, EmulationConfig, VirtualWorld, parse_rank_list  # noqa: E402
+from prism_plugin.config.emulation import ConfigError, EmulationConfig  # noqa: E402
 from prism_plugin.config.kinds import DeviceMode  # noqa: E402
+from prism_plugin.config.resolve import Settings, resolve, spellings  # noqa: E402
+from prism_plugin.config.settings import Entry, flag_names  # noqa: E402
 
 if TYPE_CHECKING:
     from prism_plugin.runtime.lifecycle import EmulatedRun
 
 __all__ = ["PrismFlags", "split_prism_flags", "main"]
 
-_VALUE_FLAGS = ("world-size", "real-ranks", "profile", "graph", "output", "gpus-per-node", "data-policy",
-                "record", "replay", "trace", "trace-iterations", "iteration-marker", "fault", "timeout",
-                "device", "gpu", "moe-routing", "attention")
-_REPEATABLE = ("fault",)  # given several times: joined with ";"
 _MEGATRON_TIMEOUT_MIN = 10.0  # megatron.training.arguments: --distributed-timeout-minutes default
-_BOOL_FLAGS = ("no-timing",)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,68 +87,29 @@ class PrismFlags:
     values: dict[str, str] = field(default_factory=dict)
     switches: frozenset[str] = frozenset()
 
+    def settings(self, environ: Mapping[str, str] | None = None) -> Settings:
+        """The launch's settings (`prism_plugin.config.resolve`): these flags, then the environment aliases and the
+        defaults; a `ConfigError` naming the ``--prism-*`` flag when invalid."""
+        flags = flag_names(Entry.DROP_IN)
+        values: dict[str, object] = {}
+        for name, value in self.values.items():
+            values[flags["prism-" + name].name] = value
+        for name in self.switches:
+            values[flags["prism-" + name].name] = False  # the only switch: --prism-no-timing
+        return resolve(values, Entry.DROP_IN, environ=environ)
+
     def to_config(self) -> EmulationConfig:
         """The EmulationConfig these flags describe (ConfigError naming the flag when invalid)."""
-        v = self.values
-        for required in ("world-size", "real-ranks"):
-            if required not in v:
-                raise ConfigError(f"--prism-{required} is required (e.g. --prism-world-size 8192 "
-                                  "--prism-real-ranks 0,8191)")
-        try:
-            world_size = int(v["world-size"])
-            gpus_per_node = int(v.get("gpus-per-node", "8"))
-            trace_iterations = int(v.get("trace-iterations", "64"))
-        except ValueError as exc:
-            raise ConfigError("--prism-world-size / --prism-gpus-per-node / --prism-trace-iterations must be "
-                              f"integers: {exc}") from None
-        from prism_plugin.runtime.preflight import respell
-
-        try:
-            world = VirtualWorld(world_size=world_size, gpus_per_node=gpus_per_node,
-                                 real_ranks=parse_rank_list(v["real-ranks"], field_name="--prism-real-ranks"))
-        except ConfigError as exc:
-            raise ConfigError(respell(str(exc), FLAG_NAMES)) from None
-        policy = v.get("data-policy", "recorded" if "replay" in v else "mirror")
-        graph = v.get("graph")
-        if graph is not None and not Path(graph).is_file():
+        settings = self.settings()
+        graph = settings.time.graph
+        if graph is not None and not graph.is_file():
             raise ConfigError(f"--prism-graph {graph}: no such file; build one with `prism graph build`")
-        try:
-            return self._config(world, policy, graph, trace_iterations)
-        except ConfigError as exc:
-            raise ConfigError(respell(str(exc), FLAG_NAMES)) from None
-
-    def _config(self, world: VirtualWorld, policy: str, graph: str | None, trace_iterations: int) -> EmulationConfig:
-        v = self.values
-        profile = next((d["value"] for d in self.policy_defaults() if d["setting"] == "--prism-profile"),
-                       v.get("profile", "local-cpu-gloo"))
-        return EmulationConfig(world=world, profile=profile, data_policy=policy,
-                               record_dir=v.get("record"), replay_dir=v.get("replay"),
-                               timing="no-timing" not in self.switches, output_dir=v.get("output"),
-                               trace_dir=v.get("trace"), trace_max_iterations=trace_iterations, graph=graph,
-                               iteration_marker=v.get("iteration-marker", "auto"),
-                               faults=tuple(f for f in v.get("fault", "").split(";") if f.strip()),
-                               timeout_s=_timeout_s(v.get("timeout")), device=v.get("device", "real"),
-                               gpu=v.get("gpu"))
+        return settings.emulation(timeout_s=_MEGATRON_TIMEOUT_MIN * 60.0)
 
     def policy_defaults(self) -> tuple[dict[str, str], ...]:
         """The settings these flags leave to a policy default (``setting``, ``value``, ``reason``): the profile of a
         virtual GPU named by neither ``--prism-profile`` nor ``--prism-gpu``."""
-        v = self.values
-        if v.get("device") != "virtual-gpu" or "profile" in v or "gpu" in v:
-            return ()
-        from prism_plugin.runtime.preflight import DEFAULT_PROFILE
-
-        return ({"setting": "--prism-profile", "value": DEFAULT_PROFILE,
-                 "reason": "--prism-device virtual-gpu without --prism-profile or --prism-gpu"},)
-
-
-def _timeout_s(text: str | None) -> float:
-    if text is None:
-        return _MEGATRON_TIMEOUT_MIN * 60.0
-    try:
-        return float(text)
-    except ValueError:
-        raise ConfigError(f"--prism-timeout {text!r} must be a number of seconds, e.g. 600") from None
+        return self.settings().policy_defaults
 
 
 def job_timeout_s(script_args: list[str]) -> float | None:
@@ -168,6 +127,7 @@ def job_timeout_s(script_args: list[str]) -> float | None:
 
 def split_prism_flags(argv: list[str]) -> tuple[list[str], PrismFlags]:
     """(argv without the ``--prism-*`` flags, the flags). Unknown ``--prism-*`` flags are errors."""
+    flags = flag_names(Entry.DROP_IN)
     rest: list[str] = []
     values: dict[str, str] = {}
     switches: set[str] = set()
@@ -178,22 +138,24 @@ def split_prism_flags(argv: list[str]) -> tuple[list[str], PrismFlags]:
             rest.append(token)
             i += 1
             continue
-        name, eq, value = token[len("--prism-"):].partition("=")
-        if name in _BOOL_FLAGS:
+        flag, eq, value = token[2:].partition("=")
+        setting = flags.get(flag)
+        name = flag[len("prism-"):]
+        if setting is None:
+            known = ", ".join(f"--{n}" for n in flags)
+            raise ConfigError(f"unknown flag --{flag}; the prism flags are {known}")
+        if flag == f"prism-{setting.switch}":
             if eq:
-                raise ConfigError(f"--prism-{name} takes no value")
+                raise ConfigError(f"--{flag} takes no value")
             switches.add(name)
             i += 1
             continue
-        if name not in _VALUE_FLAGS:
-            known = ", ".join(f"--prism-{n}" for n in (*_VALUE_FLAGS, *_BOOL_FLAGS))
-            raise ConfigError(f"unknown flag --prism-{name}; the prism flags are {known}")
         if not eq:
             if i + 1 >= len(argv):
-                raise ConfigError(f"--prism-{name} needs a value")
+                raise ConfigError(f"--{flag} needs a value")
             value = argv[i + 1]
             i += 1
-        values[name] = values[name] + ";" + value if name in _REPEATABLE and name in values else value
+        values[name] = values[name] + ";" + value if setting.repeatable and name in values else value
         i += 1
     return rest, PrismFlags(values=values, switches=frozenset(switches))
 
@@ -253,11 +215,7 @@ def _check_layout(config: EmulationConfig, ns: Any) -> None:
             raise ConfigError(f"--prism-graph: {exc}") from None
 
 
-FLAG_NAMES = {"world_size": "--prism-world-size", "output_dir": "--prism-output", "record_dir": "--prism-record",
-              "replay_dir": "--prism-replay", "trace_dir": "--prism-trace", "graph": "--prism-graph",
-              "real_ranks": "--prism-real-ranks", "gpus_per_node": "--prism-gpus-per-node",
-              "profile": "--prism-profile", "gpu": "--prism-gpu", "device": "--prism-device",
-              "data_policy": "--prism-data-policy"}
+FLAG_NAMES = spellings(Entry.DROP_IN)
 """How the drop-in spells each EmulationConfig field (`runtime.preflight.RUN_FLAGS` is `prism run`'s)."""
 
 
@@ -398,14 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         script_argv, flags = split_prism_flags(argv)
-        if "moe-routing" in flags.values:  # virtual GPUs' MoE token counts (`moe`), for every process it starts
-            from prism_plugin.adapters.megatron.moe import ENV, parse_routing
-
-            os.environ[ENV] = parse_routing(flags.values["moe-routing"]).name
-        if "attention" in flags.values:  # likewise the attention stand-in's mode (`attention`)
-            from prism_plugin.adapters.megatron import attention
-
-            os.environ[attention.ENV] = attention.attention_mode(flags.values["attention"]).value
+        settings = flags.settings()
+        os.environ.update(settings.environ())  # the settings the rank processes read, for every process it starts
         config = flags.to_config()
         if flags.policy_defaults() and ("RANK" not in os.environ or (os.environ["RANK"] == "0" and not _PRELOADED)):
             from prism_plugin.runtime.preflight import default_profile_note

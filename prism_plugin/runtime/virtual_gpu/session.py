@@ -20,11 +20,12 @@ from typing import Any
 
 from prism_plugin.config.emulation import EmulationConfig
 from prism_plugin.config.errors import ConfigError
+from prism_plugin.config.respell import DEFAULT_PROFILE, RUN_FLAGS, spell
+from prism_plugin.config.settings import from_environ
 from prism_plugin.config.virtual_time import VirtualTimeOptions
 from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import GpuSpec, gpu_spec
 from prism_plugin.cost.profiles import HardwareProfile, load_profile
-from prism_plugin.runtime.preflight import DEFAULT_PROFILE, RUN_FLAGS, spell
 from prism_plugin.runtime.virtual_gpu import cuda_runtime, snapshot
 from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
 from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
@@ -50,10 +51,7 @@ def start_virtual_gpu(config: EmulationConfig, process_index: int) -> VirtualGpu
     num_devices = min(cuda_runtime.MAX_DEVICES, config.world.gpus_per_node)
     device = int(os.environ.get("LOCAL_RANK", process_index)) % num_devices
     allocator = AllocatorConfig.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-    oom = os.environ.get("PRISM_VIRTUAL_GPU_OOM", "raise")
-    if oom not in ("raise", "report"):
-        raise ConfigError(f"PRISM_VIRTUAL_GPU_OOM={oom!r}: use raise (torch's OutOfMemoryError, the default) or "
-                          "report (count each OOM in the summary and run on)")
+    oom = from_environ("oom")  # the table's parser: raise or report
     options = VirtualTimeOptions.from_env()
     profile = load_profile(config.profile)
     vgpu = VirtualGpu(resolve_gpu(config, profile), num_devices=num_devices, device=device, allocator=allocator,

@@ -131,10 +131,10 @@ def from_env(allocators: Sequence[CachingAllocatorModel], *, rank: int | None = 
         return None
     if "{rank}" in template and rank is None:
         raise ValueError(f"{ENV}={template!r} names {{rank}} but this process has no rank")
-    text = env.get(ENV_MAX_ENTRIES, str(DEFAULT_MAX_ENTRIES))
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{ENV_MAX_ENTRIES}={text!r}: give a positive number of trace entries, e.g. 100000")
-    record_memory_history(allocators, "all", "all", max_entries=int(text))
+    from prism_plugin.config.settings import from_environ
+
+    max_entries = int(str(from_environ("memory_snapshot_max_entries", env)))  # the table's parser and default
+    record_memory_history(allocators, "all", "all", max_entries=max_entries)
     return Path(template.replace("{rank}", str(rank)))
 
 
