@@ -63,3 +63,27 @@ def test_prism_emulate_predicts_a_pipelined_job_from_two_virtual_gpu_runs(tmp_pa
 
 
 PINNED_STEP_MS = 10.267  # modelled, the same every run (Megatron's fused kernels one kernel each)
+
+
+def test_the_profiling_runs_run_as_ray_tasks_with_the_same_figures(tmp_path: Path) -> None:
+    """``--ray local``: a Ray instance here with --jobs CPUs; each profiling run is a task (issue 22, item 2). The
+    modelled figures are those of the local runs, to the microsecond; the job's settings travel with the tasks
+    (``--attention`` would change them: here the default, checked in the runs' summaries)."""
+    pytest.importorskip("ray")
+    out = tmp_path / "em"
+    proc = subprocess.run([sys.executable, "-m", "prism_plugin.cli.main", "emulate", "--world-size", "8", "--out",
+                           str(out), "--ray", "local", "--jobs", "2", "--json", "--", str(SCRIPT), *JOB],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["runs_on"] == "ray local" and report["profiling_runs"] == 2
+    assert report["step_ms"] == pytest.approx(PINNED_STEP_MS, abs=1e-3)  # the local runs' figure
+    assert "2 on Ray (local)" in proc.stderr
+
+
+def test_an_unreachable_ray_address_is_refused_before_any_run(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "prism_plugin.cli.main", "emulate", "--world-size", "8", "--out",
+                           str(tmp_path / "em"), "--ray", "127.0.0.1:1", "--", str(SCRIPT), *JOB],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--ray '127.0.0.1:1': no Ray cluster answers there" in proc.stderr
+    assert not (tmp_path / "em").exists()

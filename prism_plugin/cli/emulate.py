@@ -72,6 +72,9 @@ def add_emulate_parser(subparsers: Any) -> None:
     p.add_argument("--out", type=Path, default=Path("prism_emulate"), help="DIR for runs, graph and report")
     p.add_argument("--jobs", type=int, default=1, help="profiling (and hybrid) runs at a time on this machine "
                                                         "(default 1; each run is one process of the job's size)")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="run the profiling (and hybrid) runs as Ray tasks: local (an instance here with --jobs CPUs), "
+                        "auto, HOST:PORT or ray://HOST:PORT; the nodes must share this Python and --out")
     p.add_argument("--overwrite", action="store_true", help="replace a previous emulate output in --out (a used "
                                                              "--out is refused without it)")
     p.add_argument("--warmup", type=int, default=1, help="traced iterations dropped when building the graph")
@@ -182,9 +185,10 @@ class RunFailed(RuntimeError):
 
 
 def _run(command: list[str], run_dir: Path, rank: int, what: str, timeout_s: float,
-         stop: threading.Event | None = None) -> dict[str, Any]:
+         stop: threading.Event | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Run one virtual-GPU process with virtual time; its summary (`RunFailed` naming its log on failure). `stop`
-    set from another thread (a sibling run failed, Ctrl-C): the run's group is killed and `RunFailed` raised."""
+    set from another thread (a sibling run failed, Ctrl-C): the run's group is killed and `RunFailed` raised. `env`:
+    the run's environment (default this process's; a Ray task passes the driver's job variables)."""
     from prism_plugin.runtime.lifecycle import die_with_parent
 
     log = run_dir / "log.txt"
@@ -193,8 +197,9 @@ def _run(command: list[str], run_dir: Path, rank: int, what: str, timeout_s: flo
     with log.open("w") as f:
         # its own process group (Ctrl-C here reaches emulate, which stops the whole group) that dies with emulate
         # (SIGKILL of emulate left its profiling runs running)
-        proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ,
-                                PRISM_VIRTUAL_TIME="on"), start_new_session=True, preexec_fn=die_with_parent())
+        proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(os.environ if env is None else env, PRISM_VIRTUAL_TIME="on"),
+                                start_new_session=True, preexec_fn=die_with_parent())
         try:
             while True:
                 try:
@@ -222,10 +227,16 @@ _POLL_S = 0.2
 
 
 def _run_all(runs: list[tuple[list[str], Path, int, str]], jobs: int, timeout_s: float,
-             progress: Any = None) -> list[dict[str, Any]]:
-    """Every run of `runs` ((command, run_dir, rank, what)), `jobs` at a time; results in order. The first failure
-    (or Ctrl-C / SIGTERM here) stops the others and starts no more, and is raised."""
+             progress: Any = None, ray_address: str | None = None) -> list[dict[str, Any]]:
+    """Every run of `runs` ((command, run_dir, rank, what)), `jobs` at a time (or as Ray tasks: `emulate_ray`);
+    results in order. The first failure (or Ctrl-C / SIGTERM here) stops the others and starts no more, and is
+    raised."""
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    if ray_address is not None and runs:
+        from prism_plugin.cli.emulate_ray import run_on_ray
+
+        return run_on_ray(runs, ray_address, jobs=jobs, timeout_s=timeout_s, progress=progress)
 
     if jobs <= 1 or len(runs) <= 1:
         out = []
@@ -265,7 +276,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
             gpus_per_node: int = 8, warmup: int = 1, timeout_s: float = 3600.0, progress: Any = None,
             framework: str = "auto", seq_length: int | None = None,
             model_flops_per_iteration: float | None = None, hybrid: str | None = None,
-            overwrite: bool = False, jobs: int = 1) -> dict[str, Any]:
+            overwrite: bool = False, jobs: int = 1, ray_address: str | None = None) -> dict[str, Any]:
     """Run the pipeline of the module docstring; returns the report (also written to ``<out>/emulate.json``).
 
     Raises `ConfigError` on bad input (before any process starts) and `RuntimeError` when a profiling run fails
@@ -287,6 +298,12 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
     _check_numbers(world_size=world_size, gpus_per_node=gpus_per_node, warmup=warmup, timeout_s=timeout_s,
                    seq_length=seq_length, model_flops_per_iteration=model_flops_per_iteration)
     positive_int("--jobs", jobs, hint="profiling runs at a time on this machine, e.g. --jobs 2")
+    if ray_address is not None:  # a dead address hung ray.init: refused before any run
+        from prism_plugin.cli.emulate_ray import _import_ray
+        from prism_plugin.cli.sweep import check_ray_address
+
+        check_ray_address(ray_address)
+        _import_ray()
     hw = load_profile(profile)
     if hw.gpu is None:
         raise ConfigError(f"--profile {profile}: names no GPU model; use a GPU profile such as dgx-h100")
@@ -331,7 +348,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
         specs.append((command(ranks[0], run_dir), run_dir, ranks[0], f"profiling run {i}"))
     if progress is not None:
         progress(f"profiling on virtual {gpu.name}s, {min(jobs, len(specs))} run(s) at a time")
-    runs = [{"run": i, **result} for i, result in enumerate(_run_all(specs, jobs, timeout_s, progress))]
+    runs = [{"run": i, **result} for i, result in enumerate(_run_all(specs, jobs, timeout_s, progress, ray_address))]
     if progress is not None:
         progress("building the execution graph and replaying it")
     graph = _build([r_dir / "trace" for r_dir in (out / f"run{i}" for i in range(len(runs)))], plan.job.world,
@@ -347,13 +364,14 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
         figures = {k: first.get(k) for k in ("global_batch_size", "seq_length", "model_flops_per_iteration")}
     report = _report(runs, prediction, plan, layout, gpu, world_size, profile, figures)
     report["framework"] = framework
+    report["runs_on"] = f"ray {ray_address}" if ray_address is not None else f"local, {jobs} at a time"
     if hybrid_ranks:
         hybrid_specs = []
         for rank in hybrid_ranks:
             run_dir = out / "hybrid" / f"rank{rank}"
             run_dir.mkdir(parents=True, exist_ok=True)
             hybrid_specs.append((command(rank, run_dir, graph_path), run_dir, rank, "hybrid run"))
-        hybrid_runs = _run_all(hybrid_specs, jobs, timeout_s, progress)
+        hybrid_runs = _run_all(hybrid_specs, jobs, timeout_s, progress, ray_address)
         report["hybrid"] = _hybrid_rows(hybrid_runs, prediction, state, runs)
     (out / "emulate.json").write_text(json.dumps(report, indent=1))
     return report
@@ -484,7 +502,8 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
                              gpus_per_node=args.gpus_per_node, warmup=args.warmup, timeout_s=args.timeout,
                              progress=progress, framework=args.framework,
                              seq_length=args.seq_length, model_flops_per_iteration=args.model_flops_per_iteration,
-                             hybrid=args.hybrid, overwrite=args.overwrite, jobs=args.jobs)
+                             hybrid=args.hybrid, overwrite=args.overwrite, jobs=args.jobs,
+                             ray_address=args.ray)
     except RunFailed as exc:  # one message naming the run's log, no traceback
         console.print(str(exc), markup=False, highlight=False, soft_wrap=True)
         return 1
