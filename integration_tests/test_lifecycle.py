@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from integration_tests.summary_schema import assert_published_schema
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.runtime.launch import LaunchSpec, launch
 
@@ -115,6 +116,7 @@ def test_sigterm_to_prism_run_ends_both_ranks_and_their_children(tmp_path: Path)
     assert elapsed < 8.0  # measured 0.2-1 s: the ranks' SystemExit path, well inside the 5 s grace
     for rank in (0, 1):  # each terminated rank still wrote its summary, and flushed its stdout
         summary = json.loads((tmp_path / "out" / f"rank{rank}.summary.json").read_text())
+        assert_published_schema(summary)
         assert summary["rank"] == rank and summary["exit_code"] == 143
         assert f"rank {rank} ready" in out
     assert out.count("PRISM_SUMMARY ") == 2

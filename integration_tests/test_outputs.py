@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from integration_tests.summary_schema import assert_published_schema
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.graph import ExecutionGraph, TraceBuilder, WorldLayout
 from prism_plugin.runtime.lifecycle import GRAPH_MISMATCH_EXIT_CODE
@@ -89,6 +90,7 @@ def test_a_script_that_never_initializes_is_reported_and_temporary_stores_are_re
     assert rc == 0, stderr  # nothing distributed ran: reported, not an error
     assert "prism: rank 3: the program never called torch.distributed.init_process_group" in stderr
     summary = json.loads((out / "rank3.summary.json").read_text())
+    assert_published_schema(summary)
     assert summary["emulated"] is False and summary["exit_code"] == 0 and summary["run_id"]
     assert _rows(stderr) == [(3, 8)] and "PRISM_SUMMARY" in stdout
     # no --output: the store lives in a temporary directory, removed at exit (two real ranks use the FileStore)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from integration_tests.summary_schema import assert_published_schema
 from prism_plugin.cost.allocator_config import round_size
 
 pytestmark = pytest.mark.slow
@@ -61,6 +62,7 @@ def test_a_cuda_data_parallel_script_runs_as_rank_5_of_8192_on_a_virtual_h100(tm
     assert [(s[1], s[2], int(s[3])) for s in steps] == [("0", "1.0", expected), ("1", "1.0", expected)]
     assert all(" ".join(s[4:]) == "NVIDIA H100 80GB HBM3" for s in steps)
     summary = json.loads((out / "rank5.summary.json").read_text())
+    assert_published_schema(summary)
     assert summary["device_mode"] == "virtual-gpu" and summary["exit_code"] == 0
     assert summary["op_counts"] == {"all_reduce": 4, "all_gather": 1, "barrier": 1}
     assert summary["op_bytes"]["all_reduce"] == 2 * (weight + bias)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from integration_tests.summary_schema import assert_published_schema
 from prism_plugin.cost.allocator_config import round_size
 
 pytestmark = pytest.mark.slow
@@ -85,6 +86,7 @@ def test_zero2_billion_parameter_mlp_as_rank_5_of_1024_on_a_virtual_h100(tmp_pat
     assert estimate - 6 * p // DP <= model_states <= estimate - 6 * p // DP + 2 * (flat - p) + 12 * DP + 3 * 512
 
     summary = json.loads((tmp_path / "out" / "rank5.summary.json").read_text())
+    assert_published_schema(summary)  # DeepSpeed's: the policy defaults at the top, the virtual GPU's
     assert summary["device_mode"] == "virtual-gpu" and summary["exit_code"] == 0
     vgpu = summary["virtual_gpu"]
     assert vgpu["gpu"] == "NVIDIA H100 80GB HBM3"
@@ -128,6 +130,7 @@ def test_zero3_with_zero_init_as_rank_5_of_1024_on_a_virtual_h100(tmp_path: Path
     assert lower <= int(lines["MEM init"][0]) <= lower + 2**20
     assert lines["LOSS 0"] == lines["LOSS 1"] == ["1.0"]
     summary = json.loads((tmp_path / "out" / "rank5.summary.json").read_text())
+    assert_published_schema(summary)  # DeepSpeed's: the policy defaults at the top, the virtual GPU's
     assert summary["device_mode"] == "virtual-gpu" and summary["exit_code"] == 0
     reads = {s["value"] for s in summary["virtual_gpu"]["values"]["by_site"]}
     assert "rank 0's list = this rank's (mirror)" in reads  # ZeRO-3's order checks with a virtual rank 0

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from integration_tests.summary_schema import assert_published_schema
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,6 +77,7 @@ def test_pretrain_gpt_trains_llama3_8b_width_tp8_on_a_virtual_h100(tmp_path: Pat
                         r"\| reserved: ([\d.]+) \| max reserved: ([\d.]+)", log)
     assert [m[0] for m in memory] == (["1", "2"] if rank == 7 else [])
     summary = json.loads((tmp_path / "out" / f"rank{rank}.summary.json").read_text())
+    assert_published_schema(summary)  # the drop-in's: the megatron section, the virtual GPU's
     assert summary["device_mode"] == "virtual-gpu" and summary["exit_code"] == 0
     assert summary["iterations_marked"] == 2
     device = summary["virtual_gpu"]["devices"][0]

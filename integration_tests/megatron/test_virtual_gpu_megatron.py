@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from integration_tests.summary_schema import assert_published_schema
 from prism_plugin.cost.allocator_config import round_size
 
 pytestmark = pytest.mark.slow
@@ -77,6 +78,7 @@ def test_llama3_8b_width_gpt_layers_run_forward_and_backward_on_a_virtual_h100(t
     assert result["grad_bytes"] == result["param_bytes"] and result["grad_dtypes"] == result["dtypes"]
     assert result["dtypes"].count("torch.float32") == 4
     summary = json.loads((out / "rank0.summary.json").read_text())
+    assert_published_schema(summary)  # the drop-in's summary: its megatron section, the virtual GPU's
     device0 = summary["virtual_gpu"]["devices"][0]
     params = sum(round_size(b) for b in result["param_bytes"])
     logits = 4096 * (vocab // tp) * 2  # one sequence's bf16 logits shard, alive between forward and backward

@@ -171,6 +171,12 @@ def write_summary(summary: Mapping[str, Any], output_dir: str | Path | None, *, 
     run_id = os.environ.get(RUN_ID_ENV)
     if run_id and "run_id" not in summary:
         summary = {**summary, "run_id": run_id}
+    from prism_plugin.runtime.summary import check
+
+    mismatch = check(summary)  # the published schema (docs/summary.schema.json): said, never fatal
+    if mismatch is not None:
+        print(f"prism: the summary of rank {summary.get('rank', rank)} does not match its schema "
+              f"(prism_plugin.runtime.summary): {mismatch}", file=sys.stderr, flush=True)
     if stdout:
         print("PRISM_SUMMARY " + json.dumps(summary, default=str), flush=True)
     if output_dir is None:
