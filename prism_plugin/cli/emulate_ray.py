@@ -1,6 +1,6 @@
 """``prism emulate --ray ADDRESS``: the profiling and hybrid runs as Ray tasks (issue 22, item 2).
 
-Each run is one task (``num_cpus=1``) that starts the same command the local path starts (`emulate._run`: one
+Each run is one task (``num_cpus=1``) that starts the same command the local path starts (`emulate_runs.run_one`: one
 virtual-GPU process in its own process group, dying with its parent), on whichever node Ray picks. ``--ray
 local`` starts a Ray instance on this machine with ``--jobs`` CPUs; ``--ray HOST:PORT`` / ``ray://HOST:PORT`` /
 ``auto`` joins a cluster (checked to answer before any run: `prism_plugin.cli.sweep.check_ray_address`).
@@ -38,12 +38,12 @@ def _job_environment(driver: Mapping[str, str], worker: Mapping[str, str]) -> di
 
 def _remote_run(command: list[str], run_dir: str, rank: int, what: str, timeout_s: float,
                 driver_env: dict[str, str]) -> dict[str, Any]:
-    """One run on a Ray worker (`emulate._run`), in the driver's job environment."""
-    from prism_plugin.cli.emulate import _run
+    """One run on a Ray worker (`emulate_runs.run_one`), in the driver's job environment."""
+    from prism_plugin.cli.emulate_runs import run_one
 
     folder = Path(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    return _run(command, folder, rank, what, timeout_s, env=_job_environment(driver_env, os.environ))
+    return run_one(command, folder, rank, what, timeout_s, env=_job_environment(driver_env, os.environ))
 
 
 def _import_ray() -> Any:
@@ -59,7 +59,7 @@ def _import_ray() -> Any:
 def run_on_ray(runs: list[tuple[list[str], Path, int, str]], address: str, *, jobs: int, timeout_s: float,
                progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Every run of `runs` ((command, run_dir, rank, what)) as a Ray task; results in order (as `emulate._run_all`)."""
-    from prism_plugin.cli.emulate import RunFailed
+    from prism_plugin.cli.emulate_runs import RunFailed
 
     ray = _import_ray()
     started_here = not ray.is_initialized()
