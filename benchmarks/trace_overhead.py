@@ -59,8 +59,8 @@ def _toy(steps: int, trace_dir: str | None) -> tuple[float, list[float]]:
     """(CPU seconds of the child, its printed step times in ms)."""
     import resource
 
+    from prism_plugin.config.channel import config_to_env
     from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
-    from prism_plugin.runtime.launch import config_to_env
 
     config = EmulationConfig(world=VirtualWorld(world_size=8192, real_ranks=(0,)), profile="dgx-h100",
                              trace_dir=trace_dir, trace_max_iterations=10**6)

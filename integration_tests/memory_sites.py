@@ -2,7 +2,7 @@
 
     python memory_sites.py [--tracker] -m module args...   (or script.py args...)
 
-It wraps `prism_plugin.runtime.memory.StorageTracker._register` (the virtual GPU's allocator tracker and the CPU
+It wraps `prism_plugin.device.memory.StorageTracker._register` (the virtual GPU's allocator tracker and the CPU
 tracker alike) and, when the program returns, prints one ``MEMORY_SITES {json}`` line: per site (``file:line`` of
 the innermost frame in ``prism_plugin/programs/``, else the innermost frame outside torch and prism_plugin; a thread
 with neither, as autograd's device thread, is ``(none)``) the count and bytes of the storages registered there, and
@@ -15,7 +15,7 @@ import sys
 import traceback
 from collections import defaultdict
 
-from prism_plugin.runtime import memory
+from prism_plugin.device import memory
 from prism_plugin.runtime.lifecycle import run_target
 
 sites: dict = defaultdict(lambda: [0, 0, []])

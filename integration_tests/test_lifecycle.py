@@ -20,7 +20,7 @@ import pytest
 
 from integration_tests.summary_schema import assert_published_schema
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
-from prism_plugin.runtime.launch import LaunchSpec, launch
+from prism_plugin.launch.launcher import LaunchSpec, launch
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ Each case is a recipe's own emulated run of one rank (`prism_plugin.recipes.plan
 program under the metrics probe, through its framework's launcher, mirror data policy), run twice: as planned
 (real CPU tensors) and with ``-m prism_plugin.runtime.fake_cpu`` before the probe (fake CPU tensors: no storage, no
 compute; data-dependent reads answered by the value policy). The probe's tensor-storage tracker
-(`prism_plugin.runtime.memory.StorageTracker`) measures both the same way; each step's peak and the bytes live at
+(`prism_plugin.device.memory.StorageTracker`) measures both the same way; each step's peak and the bytes live at
 its end, the run's peak and its final figure must be equal. This checks fake execution itself: the virtual GPU's
 memory is the same fake execution on ``cuda`` tensors, which no real run here can check.
 
@@ -67,7 +67,7 @@ def _compare(tmp_path: Path, name: str, steps: int, prefix: tuple[str, ...] = FA
     emu = dataclasses.replace(recipe.emulated[0], data_policy=DataPolicy.MIRROR)
     real = _run(emulation_plan(recipe, emu, 0, tmp_path / "real", None), fake=False)
     fake = _run(emulation_plan(recipe, emu, 0, tmp_path / "fake", None), fake=True, prefix=prefix)
-    assert real["memory_source"] == fake["memory_source"] == "cpu tensor-storage tracker (prism_plugin.runtime.memory)"
+    assert real["memory_source"] == fake["memory_source"] == "cpu tensor-storage tracker (prism_plugin.device.memory)"
     assert len(real["steps"]) == len(fake["steps"]) == steps
     by_step = [(s["peak_bytes"], s["live_bytes"]) for s in real["steps"]]
     assert [(s["peak_bytes"], s["live_bytes"]) for s in fake["steps"]] == by_step  # step by step, to the byte

@@ -14,13 +14,12 @@ a process through for ``"device": "virtual-gpu"`` (`prism_plugin.adapters.deepsp
 CUDA device library before torch is imported.
 """
 
-import os
 import sys
 
-if __name__ == "__main__" and os.environ.get("PRISM_VIRTUAL_CUDA_LIB"):  # before anything imports torch
-    from prism_plugin.runtime.virtual_gpu import cuda_runtime
+if __name__ == "__main__":  # the virtual-GPU entry: the device library before anything imports torch
+    from prism_plugin.device import cuda_runtime
 
-    cuda_runtime.preload()
+    cuda_runtime.preload_if_launched()
 
 from prism_plugin.adapters.deepspeed import (  # noqa: E402
     ALLOWED_KEYS,

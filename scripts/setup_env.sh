@@ -25,7 +25,7 @@ P="$V/bin/pip"
 # 4. the project itself, editable, with every extra this machine can run (not the GPU extra).
 "$P" install -q -c "$C" --ignore-requires-python -e ".[megatron,deepspeed,dev,trace,cluster]"
 # 5. TransformerEngine's pure-Python layer for virtual GPUs, in a private folder that only virtual-GPU processes
-#    put on sys.path (prism_plugin/runtime/virtual_gpu/te): no CUDA extension, none of TE's GPU libraries, and not
+#    put on sys.path (prism_plugin/device/te): no CUDA extension, none of TE's GPU libraries, and not
 #    onnxscript (TE's ONNX export, which virtual GPUs refuse: a stand-in module answers TE's import of it).
 "$P" install -q -c "$C" --no-deps --upgrade --target "$V/share/prism_plugin/te" transformer-engine
 echo "$want" > "$stamp"

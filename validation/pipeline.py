@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.graph.rank_trace import RankTrace, load_rank_traces
-from prism_plugin.runtime.launch import LaunchSpec, launch
+from prism_plugin.launch.launcher import LaunchSpec, launch
 
 if TYPE_CHECKING:
     from prism_plugin.config.kinds import OpKind

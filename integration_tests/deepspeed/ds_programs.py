@@ -3,7 +3,7 @@
 Each job brings up its own world through `prism_plugin.deepspeed.init_distributed` (the drop-in the
 adapter documents), trains a tiny model for a few steps with plain DeepSpeed calls, and returns what
 the tests compare: the losses (exact floats), the peak and live tensor-storage bytes over the
-training (`prism_plugin.runtime.memory.StorageTracker`, the project's deterministic CPU tracker; Python's
+training (`prism_plugin.device.memory.StorageTracker`, the project's deterministic CPU tracker; Python's
 cyclic GC is off during the measured region so no storage is freed at a collector-dependent moment),
 and the emulator's summary.
 
@@ -133,7 +133,7 @@ def _batch(rank: int, step: int, micro: int, d_in: int, d_out: int) -> tuple[tor
 
 
 def _measured(body: Any, emulation: Any) -> dict[str, Any]:
-    from prism_plugin.runtime.memory import StorageTracker
+    from prism_plugin.device.memory import StorageTracker
 
     gc.collect()
     gc.disable()

@@ -36,10 +36,10 @@ BUCKET = 256  # reduce_bucket_size in ds_programs.ds_config
 
 
 def tracker_sees_torch_tensor() -> bool:
-    """Whether `prism_plugin.runtime.memory.StorageTracker` counts a tensor made by ``torch.tensor(data)``."""
+    """Whether `prism_plugin.device.memory.StorageTracker` counts a tensor made by ``torch.tensor(data)``."""
     import torch
 
-    from prism_plugin.runtime.memory import StorageTracker
+    from prism_plugin.device.memory import StorageTracker
 
     with StorageTracker() as tracker:
         t = torch.tensor([1.0, 2.0])

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
-from prism_plugin.runtime.launch import LaunchSpec, launch
+from prism_plugin.launch.launcher import LaunchSpec, launch
 
 TIMEOUT_S = 3.0
 PROGRAM = """

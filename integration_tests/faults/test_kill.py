@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from prism_plugin.config.channel import config_to_env
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
-from prism_plugin.runtime.launch import LaunchSpec, config_to_env, launch
+from prism_plugin.launch.launcher import LaunchSpec, launch
 
 TIMEOUT_S = 5.0
 PROGRAM = """

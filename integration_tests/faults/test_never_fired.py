@@ -14,7 +14,7 @@ import pytest
 
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.config.faults import parse_fault
-from prism_plugin.runtime.launch import LaunchSpec, launch
+from prism_plugin.launch.launcher import LaunchSpec, launch
 from prism_plugin.runtime.lifecycle import FAULT_NEVER_FIRED_EXIT_CODE
 
 PROGRAM = """

@@ -187,7 +187,7 @@ def train_case(ctx: Ctx, *, tp: int = 1, pp: int = 1, vpp: int | None = None, sp
                microbatches: int = 4, layers: int = 4, distopt: bool = True, track_memory: bool = True,
                moe: dict[str, Any] | None = None, ep: int = 1) -> dict[str, Any]:
     """Train and report losses, grads, params and the peak tensor memory (model build included)."""
-    from prism_plugin.runtime.memory import StorageTracker
+    from prism_plugin.device.memory import StorageTracker
 
     with megatron_world(ctx, tp=tp, pp=pp, vpp=vpp, ep=ep) as adapter:
         tracker = StorageTracker().start() if track_memory else None

@@ -15,7 +15,7 @@ Function's output view in place when they are on), three runs of the same Megatr
 
 Run 3 must equal run 1 for rank r bit for bit (losses, every gradient buffer, every parameter
 after each optimizer step, the grad norm) and in peak tensor memory to the byte (the CPU
-tensor-storage tracker of `prism_plugin.runtime.memory`, model build included; run 1 is the memory
+tensor-storage tracker of `prism_plugin.device.memory`, model build included; run 1 is the memory
 reference because the recorder's own copies count in run 2).
 """
 

@@ -188,7 +188,7 @@ def test_the_allgather_dispatcher_takes_its_counts_from_the_policy(tmp_path_fact
 
 def test_token_dropping_is_refused_at_the_dispatcher_and_a_bad_policy_at_the_flag() -> None:
     from prism_plugin.adapters.megatron.moe import RoutingPolicy, parse_routing
-    from prism_plugin.runtime.virtual_gpu.values import NoValueError
+    from prism_plugin.device.values import NoValueError
 
     dispatcher = SimpleNamespace(config=SimpleNamespace(moe_expert_capacity_factor=1.25,
                                                         moe_router_padding_for_quantization=False))
@@ -198,4 +198,4 @@ def test_token_dropping_is_refused_at_the_dispatcher_and_a_bad_policy_at_the_fla
     proc = subprocess.run([sys.executable, "-m", "prism_plugin.megatron", str(SCRIPT), "--prism-world-size", "8",
                            "--prism-real-ranks", "0", "--prism-moe-routing", "skew:x"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 2 and "--prism-moe-routing 'skew:x': expected 'balanced' or 'skew:SEED" in proc.stderr
+    assert proc.returncode == 2 and "--prism-moe-routing skew:x: expected 'balanced' or 'skew:SEED" in proc.stderr

@@ -14,7 +14,7 @@ config, the figures it can and cannot give); the steps below are the same.
    classes of ranks and one profiling run per class;
 2. **profile**: each run is the unmodified script as one real rank of N on a virtual GPU of the profile's model
    (``python -m prism_plugin.megatron ... --prism-device virtual-gpu --prism-trace``), with virtual time
-   (`prism_plugin.runtime.virtual_gpu.clock`): its trace holds the modelled kernel time between its ops, its
+   (`prism_plugin.device.clock`): its trace holds the modelled kernel time between its ops, its
    summary the exact per-rank memory;
 3. **graph**: the traces become the N-rank execution graph (``<out>/job.graph``);
 4. **replay**: the graph's replay on the profile gives every class's step time, compute, exposed communication
@@ -242,7 +242,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
     from prism_plugin.cost import load_profile
     from prism_plugin.cost.gpu import gpu_spec
     from prism_plugin.graph.slicing import make_plan, parse_layout
-    from prism_plugin.runtime.preflight import check_environment, claim_output
+    from prism_plugin.launch.preflight import check_environment, claim_output
 
     if not script_argv or not script_argv[0].endswith(".py") or not Path(script_argv[0]).is_file():
         raise ConfigError("prism emulate: name the job's script and its arguments after `--`, e.g. "

@@ -27,7 +27,7 @@ def run_one(command: list[str], run_dir: Path, rank: int, what: str, timeout_s: 
     """Run one virtual-GPU process with virtual time; its summary (`RunFailed` naming its log on failure). `stop`
     set from another thread (a sibling run failed, Ctrl-C): the run's group is killed and `RunFailed` raised. `env`:
     the run's environment (default this process's; a Ray task passes the driver's job variables)."""
-    from prism_plugin.runtime.lifecycle import die_with_parent
+    from prism_plugin.launch.processes import die_with_parent
 
     log = run_dir / "log.txt"
     t0 = time.perf_counter()

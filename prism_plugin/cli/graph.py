@@ -82,7 +82,7 @@ def _cmd_slice(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from prism_plugin.graph.slicing import make_plan, parse_layout, plan_rows
-    from prism_plugin.runtime.preflight import check_file_output
+    from prism_plugin.launch.preflight import check_file_output
 
     if args.out is not None:
         check_file_output("--out", args.out)
@@ -129,8 +129,8 @@ def profile_plan(plan_path: Path, out: Path, target: list[str], *, profile: str 
     `progress(text)`, when given, hears which run starts."""
     from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
     from prism_plugin.graph.slicing import SlicingPlan
-    from prism_plugin.runtime.launch import LaunchSpec, launch
-    from prism_plugin.runtime.preflight import check_directory, check_program
+    from prism_plugin.launch.launcher import LaunchSpec, launch
+    from prism_plugin.launch.preflight import check_directory, check_program
 
     plan = SlicingPlan.load(plan_path)
     check_program(target)  # once, before run 0 creates its directory
@@ -178,7 +178,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     plan = SlicingPlan.load(args.plan)
     if args.json is not None:
-        from prism_plugin.runtime.preflight import check_file_output
+        from prism_plugin.launch.preflight import check_file_output
 
         check_file_output("--json", args.json)
     err = Console(stderr=True)
@@ -243,7 +243,7 @@ def _build(paths: list[Path], layout: Any, class_axes: tuple[str, ...], warmup: 
 def _cmd_graph_build(args: argparse.Namespace) -> int:
     from prism_plugin.graph.rank_trace import load_rank_traces
     from prism_plugin.graph.slicing import SlicingPlan, parse_layout
-    from prism_plugin.runtime.preflight import check_file_output
+    from prism_plugin.launch.preflight import check_file_output
 
     if (args.plan is None) == (args.layout is None):
         raise ConfigError("graph build: give the layout with exactly one of --plan FILE or --layout SIZES")
@@ -374,7 +374,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     from prism_plugin.config.errors import parse_rank_list
     from prism_plugin.graph.export import write_chrome_trace
-    from prism_plugin.runtime.preflight import check_file_output
+    from prism_plugin.launch.preflight import check_file_output
 
     for flag, path in (("--chrome-trace", args.chrome_trace), ("--blame-plot", args.blame_plot)):
         if path is not None:  # before the replay runs

@@ -54,7 +54,7 @@ def build_settings(args: argparse.Namespace) -> Settings:
     config = settings.emulation()
     profile = load_profile(config.profile)  # an unknown profile fails here, before any process starts
     if config.device is DeviceMode.VIRTUAL_GPU:
-        from prism_plugin.runtime.virtual_gpu.session import resolve_gpu
+        from prism_plugin.runtime.device_session import resolve_gpu
 
         resolve_gpu(config, profile)  # the GPU model: named, or the profile's; refused before any process
     return settings
@@ -159,7 +159,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import os
     import uuid
 
-    from prism_plugin.runtime.launch import LaunchSpec, launch
+    from prism_plugin.launch.launcher import LaunchSpec, launch
     from prism_plugin.runtime.lifecycle import RUN_ID_ENV, check_memory
 
     target = run_target_args(args)
@@ -167,7 +167,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config = settings.emulation()
     check_memory(config.world, config.world.num_real)  # N too large for this machine: refused before any process
     if args.json is not None:
-        from prism_plugin.runtime.preflight import check_file_output
+        from prism_plugin.launch.preflight import check_file_output
 
         if config.output_dir is None:
             raise ConfigError("--json PATH writes this run's summaries, which the ranks write into --output DIR: "

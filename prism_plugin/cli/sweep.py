@@ -30,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from prism_plugin.cli.recipes import find_recipe
 from prism_plugin.config.errors import ConfigError
+from prism_plugin.launch.preflight import claim_output
 from prism_plugin.recipes.load import load_recipe
 from prism_plugin.recipes.sweep import (
     PointResult,
@@ -45,7 +46,6 @@ from prism_plugin.recipes.sweep import (
 )
 from prism_plugin.recipes.sweep_report import plot_sweep, rich_table, write_markdown
 from prism_plugin.recipes.virtual_gpu import OomMode
-from prism_plugin.runtime.preflight import claim_output
 
 __all__ = ["add_sweep_parser"]
 

@@ -10,7 +10,7 @@ recorded for (group, sequence number). Issue times come from the context's clock
 
 Fake tensors (virtual GPUs) hold no values: an op on them exchanges no data among the real members (each
 writes what a lone real member would: shapes and memory are all there is); their emulated issue times travel
-instead, exchanged by the emulated clock (`prism_plugin.runtime.virtual_gpu.clock`).
+instead, exchanged by the emulated clock (`prism_plugin.device.clock`).
 
 Temporaries: none when this rank is the group's only real member. With 2+ real members, a
 reduce-scatter needs one chunk-sized temporary per other real member, and PRODUCT/BXOR one

@@ -31,7 +31,7 @@ The session's order, and why:
   (their ``on_issued`` sees every ``on_op`` done, the clock's included); read-only;
 - counters (the session's op counts, bytes, modelled communication, communicator use): read-only;
 - the clock, when it observes (an emulated clock places the op on its stream); last, with the op final.
-  The wall clock (`prism_plugin.runtime.clock.WallClock`) observes nothing and is not in the list.
+  The wall clock (`prism_plugin.device.op_clock.WallClock`) observes nothing and is not in the list.
 
 Cost on the hot path (one real member, no graph, tracer or faults): the one `OpEvent`, two calls per
 observer; ``device_type`` and ``numel`` are computed only when an observer reads them.

@@ -109,7 +109,7 @@ class VirtualGroup:
             self._inner[key] = pg
         return pg
 
-    # -- emulated times of the real members (virtual time: `prism_plugin.runtime.virtual_gpu.clock`) ----------
+    # -- emulated times of the real members (virtual time: `prism_plugin.device.clock`) ----------
     def exchange_max(self, values: Sequence[float]) -> list[float]:
         """The element-wise max of `values` over the real members: one float64 all-reduce (MAX: exact, the same
         on every member whatever the order) on the inner gloo group; blocks until every real member gave its."""

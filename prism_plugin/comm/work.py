@@ -171,7 +171,7 @@ class TimedWork(dist.Work):
         on_future = getattr(self._clock, "on_future", None)
         if on_future is not None and self.failure is None:
             # an emulated clock: the host never waits for the op; the clock makes the stream wait for it where
-            # the future's consumer would (`prism_plugin.runtime.virtual_gpu.clock.VirtualTime.on_future`)
+            # the future's consumer would (`prism_plugin.device.clock.VirtualTime.on_future`)
             if self._lock is not None:
                 with self._lock:
                     self._complete_inner()

@@ -168,7 +168,7 @@ class EmulationConfig:
     device: DeviceMode = DeviceMode.REAL
     """REAL: the program's tensors on the host's devices; VIRTUAL_GPU: fake cuda tensors on virtual GPUs (nothing
     sleeps: `timing` is off, and the session turns modelled time back on when the virtual GPU has virtual time,
-    ``PRISM_VIRTUAL_TIME=on``, the default: `prism_plugin.runtime.virtual_gpu.clock`)."""
+    ``PRISM_VIRTUAL_TIME=on``, the default: `prism_plugin.device.clock`)."""
     gpu: str | None = None
     """GPU model of the virtual GPUs (`prism_plugin.cost.gpu.GPUS`); None: the profile's ``gpu``."""
 

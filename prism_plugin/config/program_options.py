@@ -5,7 +5,7 @@
 - ``--prism-attention`` / ``PRISM_ATTENTION``: Megatron's local attention as written, or the fused stand-in
   (`parse_attention`; the stand-in is `prism_plugin.adapters.megatron.attention`).
 
-Both are parsed here so that a launcher checks them before any process starts (`prism_plugin.runtime.preflight.
+Both are parsed here so that a launcher checks them before any process starts (`prism_plugin.launch.preflight.
 check_environment`), whatever program runs.
 """
 

@@ -4,7 +4,7 @@ They reach each rank as environment variables (``PRISM_VIRTUAL_TIME``, ``PRISM_K
 ``PRISM_KERNEL_FIT``, ``PRISM_PROGRAM_TIME``; `prism run` and `prism emulate` set them from their flags), and a
 launcher checks them with `VirtualTimeOptions.from_env` before any process starts, naming each as its entry point
 spells it. The rank process starts its virtual time from the same options
-(`prism_plugin.runtime.virtual_gpu.session.start_virtual_time`).
+(`prism_plugin.runtime.device_session.start_virtual_time`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 In virtual-GPU mode each ATen op on a device tensor becomes a kernel on an emulated CUDA stream; its
 duration comes from a `KernelModel` applied to the op's `KernelCost` (class, FLOPs, bytes moved, dtype,
-problem shape; made by `prism_plugin.runtime.virtual_gpu.kernels`). Two models, named in every summary:
+problem shape; made by `prism_plugin.device.kernels`). Two models, named in every summary:
 
 - `RooflineModel` (``roofline``): ``max(flops / (peak_flops[dtype] * compute_eff), bytes / (hbm * memory_eff),
   min_kernel)``, with the GPU's datasheet peaks (`prism_plugin.cost.gpu`) and per-class efficiencies from the
@@ -17,7 +17,7 @@ field and the fix otherwise).
 
 Limitations: a kernel's time does not depend on what else runs (no contention between streams, no L2 reuse
 across kernels, no clock throttling); FLOPs are what `torch.utils.flop_counter` counts (fused causal attention:
-its unmasked pairs only, see `prism_plugin.runtime.virtual_gpu.kernels`); every efficiency figure is an
+its unmasked pairs only, see `prism_plugin.device.kernels`); every efficiency figure is an
 estimate until calibrated (``fit``, or a `table` recorded on the target GPU); ``defaults_used`` names the ones no
 profile set. Non-goals: host launch overhead and stream ordering (the clock's, `runtime.virtual_gpu.clock`);
 collectives (`prism_plugin.cost.model`). Pure: stdlib only, no torch.

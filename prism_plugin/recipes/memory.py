@@ -1,6 +1,6 @@
 """Virtual-GPU memory of a recipe's runs: one row per rank and device, and the checks of `Expect`'s figures.
 
-From each real rank's prism summary (``virtual_gpu.devices``, `prism_plugin.runtime.virtual_gpu`): the
+From each real rank's prism summary (``virtual_gpu.devices``, `prism_plugin.device`): the
 devices the rank used (peak reserved > 0) and always its own device (``LOCAL_RANK`` = its index in its
 real-rank set, modulo the devices per process). The stated figures (``peak_allocated_bytes``,
 ``peak_reserved_bytes``, ``fits``, ``ooms``) are checked exactly on the rank's own device. Pure: stdlib only.

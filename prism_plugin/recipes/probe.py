@@ -21,7 +21,7 @@ What it measures, identically in real and emulated runs (so the two compare like
   those tensors from run to run; this way it is reproducible to the byte (a program whose cycles would
   have been collected mid-step shows a higher, but deterministic, peak). ``PRISM_PROBE_GC=auto`` keeps
   the collector as it is.
-- **Memory**: on CPU a `prism_plugin.runtime.memory.StorageTracker` started before the program, extended with
+- **Memory**: on CPU a `prism_plugin.device.memory.StorageTracker` started before the program, extended with
   a timeline and per-step peaks: bytes of live tensor storage created by ATen ops (see that module's
   limitations). On GPU: ``torch.cuda.max_memory_allocated`` of the current device, peak reset at
   each step end. ``peak_bytes`` is the maximum from the program's start to the end of its last step.
@@ -68,8 +68,8 @@ from typing import Any
 
 import torch
 
-from prism_plugin.runtime.memory import StorageTracker
-from prism_plugin.runtime.undo import Patches
+from prism_plugin.device.memory import StorageTracker
+from prism_plugin.device.undo import Patches
 
 __all__ = ["METRICS_SCHEMA", "Probe", "TimelineTracker", "main"]
 
@@ -342,7 +342,7 @@ class Probe:
         peaks = [p for p in self.step_peaks if p is not None]
         faults = self._faults if self._faults is not None else getattr(_prism_session(), "faults", None)
         if self.tracker is not None:
-            source = "cpu tensor-storage tracker (prism_plugin.runtime.memory)"
+            source = "cpu tensor-storage tracker (prism_plugin.device.memory)"
             t, v = _decimate(self.tracker.times_s, self.tracker.values, _MAX_TIMELINE)
             if self.step_ends_s:  # the timeline up to the last step end, as the peak
                 keep = [i for i, x in enumerate(t) if x <= self.step_ends_s[-1]]
@@ -412,7 +412,7 @@ def _prism_session() -> Any:
 
 
 def _tracker_stack() -> list[Any]:
-    from prism_plugin.runtime import memory
+    from prism_plugin.device import memory
 
     return list(memory._CURRENT)
 

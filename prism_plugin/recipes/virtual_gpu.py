@@ -1,7 +1,7 @@
 """The recipe schema's virtual-GPU concept: emulation-only recipes whose expected memory figures are stated.
 
 An emulation with ``device: virtual-gpu`` runs its program under ``prism run --device virtual-gpu`` (fake
-cuda tensors on virtual GPUs of the profile's model, or of ``gpu:``; `prism_plugin.runtime.virtual_gpu`). This
+cuda tensors on virtual GPUs of the profile's model, or of ``gpu:``; `prism_plugin.device`). This
 host has no GPU, so there is no real run of the same job to compare with: such an emulation has
 ``compare_with: none`` and its `expect` states the exact figures the allocator model must produce on the
 device each real rank uses (``peak_allocated_bytes``, ``peak_reserved_bytes``, ``fits``, ``ooms``); a recipe

@@ -33,12 +33,12 @@ from prism_plugin.config.errors import ConfigError
 from prism_plugin.config.faults import Straggler
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.cost import CostModel
+from prism_plugin.device.op_clock import EmulationClock
 from prism_plugin.graph.convert import group_role
 from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.replay import ReplayDeadlock
 from prism_plugin.graph.schema import ExecutionGraph
 from prism_plugin.graph.steady import ArrivalTable, steady_state
-from prism_plugin.runtime.clock import EmulationClock
 
 __all__ = ["DEFAULT_MAX_OUTSIDE_FRACTION", "MAX_OUTSIDE_ENV", "GraphMismatchError", "ReplayedArrivals",
            "check_graph_match", "fault_phases", "load_arrivals", "load_job_graph", "max_outside_fraction"]

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import os
 
-if os.environ.get("PRISM_VIRTUAL_CUDA_LIB"):  # device virtual-gpu: the CUDA device library loads before torch
-    from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.device import cuda_runtime
 
-    cuda_runtime.preload()
+cuda_runtime.preload_if_launched()  # device virtual-gpu: the CUDA device library loads before torch
 
 import atexit  # noqa: E402
 import functools  # noqa: E402
@@ -32,8 +31,8 @@ from typing import Any  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.distributed_c10d as c10d  # noqa: E402
 
+from prism_plugin.config.channel import config_from_env  # noqa: E402
 from prism_plugin.config.kinds import DeviceMode  # noqa: E402
-from prism_plugin.runtime.launch import config_from_env  # noqa: E402
 from prism_plugin.runtime.lifecycle import EmulatedRun, real_store, run_target, write_summary  # noqa: E402
 
 __all__ = ["install_init_hook", "main", "run_target"]
@@ -116,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
 def _run_on_virtual_gpu(run: EmulatedRun, args: list[str]) -> None:
     """The program on virtual GPUs; the summary carries their memory; the process ends with ``os._exit``
     (`cuda_runtime.exit_now`: the program's own atexit handlers do not run)."""
-    from prism_plugin.runtime.virtual_gpu import cuda_runtime
-    from prism_plugin.runtime.virtual_gpu.session import start_virtual_gpu
+    from prism_plugin.device import cuda_runtime
+    from prism_plugin.runtime.device_session import start_virtual_gpu
 
     vgpu = start_virtual_gpu(run.config, run.process_index)
     run.add_summary(lambda: {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary(run.session)})

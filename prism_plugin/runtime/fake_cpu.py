@@ -2,14 +2,14 @@
 
 The validation of fake execution itself (issue 12, item 5a): the virtual GPU runs programs on fake ``cuda``
 tensors, whose memory can be checked against no real run on a host without GPUs. The same program on fake
-``cpu`` tensors can: its storages, counted by the same `prism_plugin.runtime.memory.StorageTracker` a real CPU
+``cpu`` tensors can: its storages, counted by the same `prism_plugin.device.memory.StorageTracker` a real CPU
 run uses, must be the real run's to the byte, step by step. What this mode adds to ``FakeTensorMode``:
 
 - every tensor made while it is active is fake (``allow_non_fake_inputs``: tensors made before are real inputs);
 - object collectives (``all_gather_object``, ``broadcast_object_list``, ...) run outside the fake modes on real
   pickled bytes, as on a virtual GPU (their temporaries are not counted: they are the real run's only at set-up);
 - a data-dependent read (``aten._local_scalar_dense``: ``.item()``, ``float(t)``, ``if t:``) is answered by the
-  virtual GPU's value policy (`prism_plugin.runtime.virtual_gpu.values.ValuePolicy`: finite losses, no inf/NaN
+  virtual GPU's value policy (`prism_plugin.device.values.ValuePolicy`: finite losses, no inf/NaN
   found), counted per call site; the answers feed no allocation of the tiny recipe programs; a small tensor made
   from data (``torch.tensor``) keeps its real values for such reads (Megatron's broadcast run flags), and a small
   ``random_`` fill is drawn for real (DataLoader's seed);
@@ -43,8 +43,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from prism_plugin.runtime.undo import Patches
-from prism_plugin.runtime.virtual_gpu.values import ValuePolicy
+from prism_plugin.device.undo import Patches
+from prism_plugin.device.values import ValuePolicy
 
 __all__ = ["FakeCpu", "main"]
 
@@ -149,8 +149,8 @@ class FakeCpu:
 
     def start(self) -> FakeCpu:
         assert not self._started, "fake CPU execution already started"
-        from prism_plugin.runtime.undo import Patches
-        from prism_plugin.runtime.virtual_gpu.device import _object_collectives_on_cpu
+        from prism_plugin.device.device import _object_collectives_on_cpu
+        from prism_plugin.device.undo import Patches
 
         self._original_swap = torch.utils.swap_tensors
         torch.utils.swap_tensors = self._swap_tensors

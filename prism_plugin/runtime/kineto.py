@@ -1,6 +1,6 @@
 """A Kineto-format trace of one virtual-GPU rank: the emulated host, CUDA streams, kernels and NCCL collectives.
 
-In virtual-GPU mode with virtual time (`prism_plugin.runtime.virtual_gpu.clock.VirtualTime`) the session builds a
+In virtual-GPU mode with virtual time (`prism_plugin.device.clock.VirtualTime`) the session builds a
 `KinetoTrace` when ``PRISM_KINETO=<dir>`` is set and writes ``<dir>/rank<R>.kineto.json`` at deactivate, in the
 format ``torch.profiler`` exports and Holistic Trace Analysis loads (``TraceAnalysis(trace_dir=<dir>)``; keep the
 directory for these traces only: HTA reads every trace file in it, so not ``PRISM_TIMELINE``'s):

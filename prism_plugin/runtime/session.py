@@ -23,7 +23,7 @@ Seams owned here (each explicit, each undone by `deactivate`):
   records the emulated name there (default group at activation; subgroups through torch's own
   ``new_group`` bookkeeping, or the helper redirect below), and the backend refuses what that backend
   refuses (`prism_plugin.comm.backend`). ``backend="prism"`` emulates no backend (everything accepted).
-- torch DDP on virtual GPUs: its parameter-shape check on host metadata (`prism_plugin.runtime.virtual_gpu.ddp`).
+- torch DDP on virtual GPUs: its parameter-shape check on host metadata (`prism_plugin.runtime.virtual_ddp`).
 - a failing collective raises its own error: torch's exception logger asks a group named "nccl" for
   ``torch.cuda.nccl.version()``, which a torch built without NCCL answers with an AttributeError.
 - iteration marks of plain scripts: a global ``torch.optim`` step post-hook marks an iteration at the
@@ -55,8 +55,8 @@ from prism_plugin.config.emulation import ConfigError, EmulationConfig
 from prism_plugin.config.kinds import ArrivalAssumption, DataPolicy, DeviceMode, IterationMarker, OpKind
 from prism_plugin.cost import CostModel, load_profile
 from prism_plugin.cost.model import GroupPlacement
-from prism_plugin.runtime.clock import EmulationClock, WakeupStats, WallClock
-from prism_plugin.runtime.undo import Patches
+from prism_plugin.device.op_clock import EmulationClock, WakeupStats, WallClock
+from prism_plugin.device.undo import Patches
 
 __all__ = ["Session", "activate", "deactivate", "current_session", "mark_iteration"]
 
@@ -97,10 +97,10 @@ def emulated_backend(requested: Any, config: EmulationConfig) -> str:
 
 
 def _virtual_time(config: EmulationConfig) -> Any:
-    """The active virtual GPU's emulated clock (`prism_plugin.runtime.virtual_gpu.clock.VirtualTime`), if any."""
+    """The active virtual GPU's emulated clock (`prism_plugin.device.clock.VirtualTime`), if any."""
     if getattr(config, "device", None) is not DeviceMode.VIRTUAL_GPU:
         return None
-    from prism_plugin.runtime.virtual_gpu.shim import CudaShim
+    from prism_plugin.device.shim import CudaShim
 
     shim = CudaShim._ACTIVE
     return None if shim is None else shim.clock
@@ -433,7 +433,7 @@ class Session:
 
             patches.setattr(c10d_logger, "_get_msg_dict", get_msg_dict)
         if getattr(self.config, "device", None) is DeviceMode.VIRTUAL_GPU:  # torch DDP on fake parameters
-            from prism_plugin.runtime.virtual_gpu import ddp
+            from prism_plugin.runtime import virtual_ddp as ddp
 
             ddp.install(patches)
         self.profiler_ranges.install()  # exported profiler traces get the emulated ops' metadata and kernels

@@ -15,5 +15,5 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 @pytest.fixture(scope="session")
 def library() -> None:
     """Build (or find cached) the fake CUDA runtime library once per session."""
-    subprocess.run([sys.executable, "-m", "prism_plugin.runtime.virtual_gpu.cuda_runtime"], check=True,
+    subprocess.run([sys.executable, "-m", "prism_plugin.device.cuda_runtime"], check=True,
                    capture_output=True, timeout=600)

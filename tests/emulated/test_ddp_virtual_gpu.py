@@ -1,6 +1,6 @@
 """torch DDP (``torch.nn.parallel.DistributedDataParallel``) on virtual GPUs, unmodified: its parameter-shape
 check, the broadcast of the module states, the bucketed reducer and its gradient hooks
-(`prism_plugin.runtime.virtual_gpu.ddp`).
+(`prism_plugin.runtime.virtual_ddp`).
 
 The kernel model is the fixed one of ``test_virtual_time.py`` (every ``mm`` takes ``MS`` = 2**-10 s, nothing else is
 a kernel): four bias-free 1024x1024 fp32 layers take 4 MS of forward and 7 MS of backward (the first layer computes
@@ -18,14 +18,14 @@ from prism_plugin.config.kinds import OpKind
 
 PRELUDE = f"""
 import json, sys
-from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.device import cuda_runtime
 cuda_runtime.preload()
 import torch
 import torch.distributed as dist
 import prism_plugin as P
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+from prism_plugin.device.device import VirtualGpu
 MS = {MS!r}
 def model(func, args, kwargs, out):
     return MS if func is torch.ops.aten.mm.default else None

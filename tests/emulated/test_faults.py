@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 
 import prism_plugin as P
+from prism_plugin.config.channel import config_from_env, config_to_env
 from prism_plugin.config.emulation import ConfigError, EmulationConfig, VirtualWorld
 from prism_plugin.config.faults import Crash, Hang, Jitter, Kill, SlowLink, Straggler, parse_fault, parse_faults
 from prism_plugin.cost import CostModel, load_profile
 from prism_plugin.cost.faults import FaultSet, jitter_factor
 from prism_plugin.graph.steady import steady_state
 from prism_plugin.graph.synthetic import SyntheticJob, build_1f1b_graph
-from prism_plugin.runtime.launch import config_from_env, config_to_env
 
 GLOO = CostModel(load_profile("local-cpu-gloo"))
 

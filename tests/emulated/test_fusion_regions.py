@@ -23,15 +23,15 @@ N = 4096  # y: (4096, 4096) bf16 = 32 MiB; bias: (4096,) bf16 = 8 KiB
 
 PRELUDE = f"""
 import json
-from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.device import cuda_runtime
 cuda_runtime.preload()
 import torch
 from prism_plugin.cost.gpu import gpu_spec
 from prism_plugin.cost.kernel_models import kernel_model
 from prism_plugin.cost.profiles import load_profile
-from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
-from prism_plugin.runtime.virtual_gpu.fusion import fused
-from prism_plugin.runtime.virtual_gpu.kernels import KernelTimer
+from prism_plugin.device.device import VirtualGpu
+from prism_plugin.device.fusion import fused
+from prism_plugin.device.kernels import KernelTimer
 out = {{}}
 code = 0
 try:

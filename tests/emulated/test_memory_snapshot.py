@@ -32,13 +32,13 @@ PARAM_BYTES = sum(round_size(b) for b in (4096 * 1024 * 4, 4096 * 4, 1024 * 4096
 
 PROGRAM = """
 import json, os, sys
-from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.device import cuda_runtime
 cuda_runtime.preload()
 import torch
 from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.runtime.virtual_gpu import snapshot
-from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+from prism_plugin.device import snapshot
+from prism_plugin.device.device import VirtualGpu
 folder = os.environ["SNAP_DIR"]
 out = {}
 code = 0
@@ -94,7 +94,7 @@ def _load(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def library() -> None:
-    subprocess.run([sys.executable, "-m", "prism_plugin.runtime.virtual_gpu.cuda_runtime"], check=True,
+    subprocess.run([sys.executable, "-m", "prism_plugin.device.cuda_runtime"], check=True,
                    capture_output=True, timeout=600)
 
 
@@ -192,8 +192,8 @@ def test_install_patches_torchs_api_until_uninstall_and_reads_the_legacy_form(tm
     import torch
 
     from prism_plugin.cost.allocator import CachingAllocatorModel
-    from prism_plugin.runtime.undo import Patches
-    from prism_plugin.runtime.virtual_gpu import snapshot
+    from prism_plugin.device import snapshot
+    from prism_plugin.device.undo import Patches
 
     originals = (torch.cuda.memory._snapshot, torch.cuda.memory._dump_snapshot, torch.cuda.memory_snapshot)
     models = [CachingAllocatorModel(80 << 30, device=i) for i in range(2)]

@@ -83,7 +83,7 @@ def test_an_observer_sees_one_event_per_op_in_order_with_its_figures(session, mo
 
 def test_the_session_orders_its_observers_as_the_seam_documents(tmp_path) -> None:
     from prism_plugin.comm.recording import Recorder
-    from prism_plugin.runtime.clock import WallClock
+    from prism_plugin.device.op_clock import WallClock
     from prism_plugin.runtime.live_faults import LiveFaults
     from prism_plugin.runtime.profiler import ProfilerRanges
     from prism_plugin.runtime.session import OpCounters
@@ -228,7 +228,7 @@ def test_comm_loads_nothing_from_the_runtime() -> None:
 
 
 def test_the_wall_clock_records_how_late_completions_woke_and_nothing_else() -> None:
-    from prism_plugin.runtime.clock import EmulationClock, WallClock
+    from prism_plugin.device.op_clock import EmulationClock, WallClock
 
     clock = WallClock()
     clock.sleep_until(clock.now_s() - 1.0)  # already passed: not a wait

@@ -56,13 +56,13 @@ MS_US = 1000.0  # the kernel model's mm, in the replay's microseconds
 
 STAGE = """
 import json
-from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.device import cuda_runtime
 cuda_runtime.preload()
 import torch
 import prism_plugin as P
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+from prism_plugin.device.device import VirtualGpu
 PP, VPP, M, STAGE, TRACE, GRAPH, PROFILE = {pp}, {vpp}, {m}, {stage}, {trace!r}, {graph!r}, {profile!r}
 MS, LAUNCH = 1e-3, 2.0**-17
 S, B, H = 0, 1, 16  # empty activations: transfers of 0 bytes

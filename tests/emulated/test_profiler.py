@@ -132,14 +132,14 @@ def test_augment_is_idempotent_and_a_profile_outside_an_op_records_nothing(emula
 # -- (b) virtual GPU, virtual time, HTA --------------------------------------------------------------------------
 PROGRAM = f"""
 import json, os
-from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.device import cuda_runtime
 cuda_runtime.preload()
 import torch
 import torch.distributed as dist
 import prism_plugin as P
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+from prism_plugin.device.device import VirtualGpu
 MS, SMALL, LAUNCH = {MS!r}, {SMALL!r}, {LAUNCH!r}
 def model(func, args, kwargs, out):
     if func is torch.ops.aten.mm.default:

@@ -183,7 +183,7 @@ def test_summary_reports_how_late_emulated_completions_were_delivered(emulate, t
 
 
 def test_wakeup_stats_keep_a_bounded_uniform_sample() -> None:
-    from prism_plugin.runtime.clock import WakeupStats
+    from prism_plugin.device.op_clock import WakeupStats
 
     stats = WakeupStats()
     assert stats.summary()["waits_slept"] == 0 and stats.summary()["late_median_us"] is None

@@ -15,12 +15,12 @@ MiB = 1 << 20
 
 PRELUDE = """
 import json, sys
-from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.device import cuda_runtime
 cuda_runtime.preload()
 import torch
 from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
-from prism_plugin.runtime.virtual_gpu.kernels import kernel_cost
+from prism_plugin.device.device import VirtualGpu
+from prism_plugin.device.kernels import kernel_cost
 costs = []
 def model(func, args, kwargs, out):
     cost = kernel_cost(func, args, kwargs, out)

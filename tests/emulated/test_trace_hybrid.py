@@ -144,7 +144,7 @@ def test_bad_graph_input_is_refused_before_any_process_group(tmp_path) -> None:
 
 
 def test_trace_and_graph_options_travel_to_launched_processes(tmp_path) -> None:
-    from prism_plugin.runtime.launch import config_from_env, config_to_env
+    from prism_plugin.config.channel import config_from_env, config_to_env
 
     path = tmp_path / "job.graph"
     _two_stage_graph(path, 10.0)

@@ -20,11 +20,11 @@ MiB = 1 << 20
 
 PRELUDE = """
 import json, sys
-from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.device import cuda_runtime
 cuda_runtime.preload()
 import torch
 from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+from prism_plugin.device.device import VirtualGpu
 out = {}
 code = 0
 try:
@@ -150,7 +150,7 @@ def test_starting_without_the_device_library_is_refused() -> None:
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import torch
         from prism_plugin.cost.gpu import gpu_spec
-        from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+        from prism_plugin.device.device import VirtualGpu
         try:
             VirtualGpu(gpu_spec("h100-sxm")).start()
         except RuntimeError as exc:

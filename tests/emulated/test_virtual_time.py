@@ -21,14 +21,14 @@ LAUNCH = 2.0**-17
 
 PRELUDE = f"""
 import json, sys
-from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.device import cuda_runtime
 cuda_runtime.preload()
 import torch
 import torch.distributed as dist
 import prism_plugin as P
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+from prism_plugin.device.device import VirtualGpu
 MS, LAUNCH = {MS!r}, {LAUNCH!r}
 def model(func, args, kwargs, out):
     return MS if func is torch.ops.aten.mm.default else None

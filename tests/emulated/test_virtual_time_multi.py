@@ -1,5 +1,5 @@
 """Several real ranks on virtual GPUs, coupled in emulated time only: each op's arrival travels with it through
-the inner gloo group (`prism_plugin.runtime.virtual_gpu.clock`).
+the inner gloo group (`prism_plugin.device.clock`).
 
 Each case runs two real processes (a FileStore rendezvous) of one 8-rank job on virtual GPUs; each prints one
 JSON line. The kernel model is the fixed one of ``test_virtual_time.py`` (every ``mm`` takes ``MS`` = 2**-10 s,
@@ -24,14 +24,14 @@ LAUNCH = 2.0**-17
 
 PRELUDE = f"""
 import json, sys
-from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.device import cuda_runtime
 cuda_runtime.preload()
 import torch
 import torch.distributed as dist
 import prism_plugin as P
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+from prism_plugin.device.device import VirtualGpu
 MS, LAUNCH = {MS!r}, {LAUNCH!r}
 def model(func, args, kwargs, out):
     return MS if func is torch.ops.aten.mm.default else None

@@ -13,7 +13,7 @@ from prism_plugin.adapters.megatron import attention
 from prism_plugin.adapters.megatron.attention import AttentionMode, attention_mode, check_job
 from prism_plugin.adapters.megatron.refusals import Refusal
 from prism_plugin.config.errors import ConfigError
-from prism_plugin.runtime.virtual_gpu.kernels import _dense_flash_flops
+from prism_plugin.device.kernels import _dense_flash_flops
 
 
 def test_mode_from_the_flag_else_the_environment_else_local(monkeypatch: pytest.MonkeyPatch) -> None:

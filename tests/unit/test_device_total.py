@@ -13,7 +13,7 @@ import pytest
 from prism_plugin.cost.allocator import CachingAllocatorModel
 from prism_plugin.cost.comm_memory import CommUse, NcclBufferModel
 from prism_plugin.cost.gpu import DeviceTotal, cublas_workspace_bytes, gpu_spec
-from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+from prism_plugin.device.device import VirtualGpu
 
 MiB, GiB = 1 << 20, 1 << 30
 

@@ -60,7 +60,7 @@ def test_a_profiling_run_past_its_timeout_is_one_message_naming_the_log(tmp_path
 def test_a_used_out_is_refused_unless_overwrite_replaces_a_previous_emulate(tmp_path: Path,
                                                                             capsys: pytest.CaptureFixture[str],
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from prism_plugin.runtime.preflight import OUTPUT_MARKER
+    from prism_plugin.launch.preflight import OUTPUT_MARKER
 
     monkeypatch.chdir(tmp_path)
     Path("train.py").write_text("import time\ntime.sleep(60)\n")

@@ -10,8 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.config.errors import ConfigError
-from prism_plugin.runtime.preflight import DEFAULT_PROFILE, RUN_FLAGS, default_profile_note, respell, spell
-from prism_plugin.runtime.virtual_gpu.values import NoValueError, SiteAnswer, ValuePolicy
+from prism_plugin.device.values import NoValueError, SiteAnswer, ValuePolicy
+from prism_plugin.launch.preflight import DEFAULT_PROFILE, RUN_FLAGS, default_profile_note, respell, spell
 
 DROP_IN = ["x.py", "--prism-world-size", "8", "--prism-real-ranks", "1"]
 
@@ -81,7 +81,7 @@ def test_drop_in_messages_name_the_prism_flags(flags: tuple[str, ...], message: 
 def test_a_profile_without_a_gpu_is_refused_naming_each_entry_points_settings() -> None:
     from prism_plugin.adapters.deepspeed.section import KEY_NAMES
     from prism_plugin.adapters.megatron.wrapper import FLAG_NAMES
-    from prism_plugin.runtime.virtual_gpu.session import resolve_gpu
+    from prism_plugin.runtime.device_session import resolve_gpu
 
     config = EmulationConfig(world=VirtualWorld(world_size=8, real_ranks=(0,)), profile="local-cpu-gloo",
                              device="virtual-gpu")

@@ -14,7 +14,7 @@ import pytest
 
 from prism_plugin.cli.main import main
 from prism_plugin.config.errors import ConfigError
-from prism_plugin.runtime.preflight import ENVIRONMENT, check_environment
+from prism_plugin.launch.preflight import ENVIRONMENT, check_environment
 
 
 def _cases(tmp: Path) -> list[tuple[dict[str, str], tuple[int, ...], str]]:

@@ -20,7 +20,7 @@ from prism_plugin.comm.recording import FORMAT_VERSION
 from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
 from prism_plugin.config.errors import ConfigError
 from prism_plugin.graph import GraphError, SyntheticJob, build_1f1b_graph
-from prism_plugin.runtime import preflight
+from prism_plugin.launch import preflight
 
 
 @pytest.fixture

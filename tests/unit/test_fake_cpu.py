@@ -15,7 +15,7 @@ def _bytes(body: str, fake: bool) -> list[int]:
     code = textwrap.dedent(f"""
         import torch, torch.nn.functional as F
         from prism_plugin.runtime.fake_cpu import FakeCpu
-        from prism_plugin.runtime.memory import StorageTracker
+        from prism_plugin.device.memory import StorageTracker
         if {fake}:
             fc = FakeCpu().start()
         t = StorageTracker().start()

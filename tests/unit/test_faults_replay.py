@@ -189,9 +189,9 @@ def test_nccl_watchdog_message_on_cuda_ops() -> None:
 
 
 def test_hybrid_straggler_from_step_changes_the_replayed_arrivals_at_that_mark(tmp_path: Path) -> None:
+    from prism_plugin.device.op_clock import EmulationClock
     from prism_plugin.graph.steady import ArrivalTable
     from prism_plugin.runtime.arrivals import fault_phases, load_arrivals
-    from prism_plugin.runtime.clock import EmulationClock
 
     faults = parse_faults(["straggler:ranks=2,factor=1.5,from_step=2", "link:ranks=0/2,bandwidth=0.5"])
     phases = fault_phases(faults)

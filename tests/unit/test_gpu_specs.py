@@ -3,7 +3,7 @@ roofline durations of a bf16 and an fp8 GEMM, the B200's datasheet figures, the 
 ``prism profiles dgx-b200``.
 
 The fp8 GEMM is costed as the virtual GPU costs it: ``aten._scaled_mm`` on CPU fake tensors through
-`prism_plugin.runtime.virtual_gpu.kernels.kernel_cost`, whose dtype (torch's ``float8_e4m3fn``) the roofline maps
+`prism_plugin.device.kernels.kernel_cost`, whose dtype (torch's ``float8_e4m3fn``) the roofline maps
 to the float8 peak."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prism_plugin.config.errors import ConfigError
 from prism_plugin.cost.gpu import GPU_ALIASES, GPUS, MiB, gpu_name, gpu_spec
 from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel, peak_dtype
 from prism_plugin.cost.profiles import ProfileError, load_profile, profile_from_yaml, profile_to_yaml
-from prism_plugin.runtime.virtual_gpu.kernels import kernel_cost
+from prism_plugin.device.kernels import kernel_cost
 
 aten = torch.ops.aten
 M = N = K = 4096

@@ -1,4 +1,4 @@
-"""What each ATen op costs as a kernel (prism_plugin.runtime.virtual_gpu.kernels): FLOPs against torch's own
+"""What each ATen op costs as a kernel (prism_plugin.device.kernels): FLOPs against torch's own
 ``FlopCounterMode``, bytes by hand, class and shape, no kernel for views; and the `KernelTimer` tallies.
 
 CPU fake tensors under ``FakeTensorMode`` (no values, no virtual-GPU runtime), costed with
@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from prism_plugin.cost.gpu import gpu_spec
 from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel, TableModel
 from prism_plugin.cost.profiles import load_profile
-from prism_plugin.runtime.virtual_gpu.kernels import KernelTimer, kernel_cost
+from prism_plugin.device.kernels import KernelTimer, kernel_cost
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16
@@ -210,6 +210,6 @@ def test_a_fusion_region_is_one_tallied_kernel_and_a_table_without_it_sums_its_o
 def test_doctests() -> None:
     import doctest
 
-    import prism_plugin.runtime.virtual_gpu.kernels as module
+    import prism_plugin.device.kernels as module
 
     assert doctest.testmod(module).failed == 0

@@ -175,7 +175,7 @@ def test_job_keys_ignore_output_locations_not_arguments() -> None:
 
 
 def test_options_take_the_fit_from_the_environment(tmp_path: Path) -> None:
-    from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions
+    from prism_plugin.runtime.device_session import VirtualTimeOptions
 
     path = _overlay(tmp_path)
     options = VirtualTimeOptions.from_env({"PRISM_KERNEL_MODEL": "fit", "PRISM_KERNEL_FIT": str(path)})
@@ -228,7 +228,7 @@ def test_the_cli_says_what_is_wrong_with_a_measured_time(value: str, message: st
 def test_time_settings_are_named_as_the_entry_point_spells_them(tmp_path: Path) -> None:
     from prism_plugin.config.resolve import resolve
     from prism_plugin.config.settings import Entry
-    from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions
+    from prism_plugin.runtime.device_session import VirtualTimeOptions
 
     table = tmp_path / "t.json"
     table.write_text("{}")

@@ -13,7 +13,7 @@ import torch
 from prism_plugin.cli.main import main
 from prism_plugin.cost.gpu import gpu_spec
 from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel, TableModel
-from prism_plugin.runtime.virtual_gpu.record import KernelRecorder, KeySamples, run_program, table_data
+from prism_plugin.device.record import KernelRecorder, KeySamples, run_program, table_data
 
 ENTRY_KEYS = {"op", "kernel_class", "shape", "dtype", "device", "flops", "bytes", "duration_us", "count"}
 METADATA_KEYS = {"torch_version", "threads", "host", "machine", "processor", "program", "device_type", "device",
@@ -226,8 +226,8 @@ def test_cli_refuses_a_program_that_steps_no_optimizer(tmp_path: Path, capsys: p
 
 def test_cuda_launch_blocking_makes_host_and_device_run_one_after_the_other() -> None:
     """The clock of the CPU check: each launch returns at its kernel's end, then the host pays the overhead."""
-    from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
-    from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions, _block_each_launch
+    from prism_plugin.device.clock import VirtualTime
+    from prism_plugin.runtime.device_session import VirtualTimeOptions, _block_each_launch
 
     assert VirtualTimeOptions.from_env({"CUDA_LAUNCH_BLOCKING": "1"}).launch_blocking
     assert not VirtualTimeOptions.from_env({}).launch_blocking

@@ -1,7 +1,8 @@
 """The package's layers (DESIGN.md section 3), checked on the import statements of every module.
 
 Floors, bottom up: config and topology (pure value objects), cost and graph (pure models), comm (the
-backend), runtime (one real process), adapters (the only code that imports Megatron or DeepSpeed), then
+backend), device (the virtual GPU, the memory tracker, the op clock), runtime (the rank process) beside launch
+(the parent process: preflight, spawn, watch), adapters (the only code that imports Megatron or DeepSpeed), then
 recipes and programs, and on top the cli (user-facing). An import may run sideways or down, never up; config does not
 import topology, cost does not import graph, and no two modules outside an adapter import each other in a
 circle. Every import counts, also one inside a function or under ``TYPE_CHECKING``: each is an arrow a
@@ -17,9 +18,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "prism_plugin"
 
 FLOOR = {
-    "config": 0, "topology": 0, "cost": 1, "graph": 1, "comm": 2, "runtime": 3, "adapters": 4,
-    "megatron": 4, "deepspeed": 4,  # prism_plugin.megatron / .deepspeed: the adapters' public entry points
-    "recipes": 5, "programs": 5, "cli": 6,
+    "config": 0, "topology": 0, "cost": 1, "graph": 1, "comm": 2, "device": 3, "runtime": 4, "launch": 4,
+    "adapters": 5, "megatron": 5, "deepspeed": 5,  # prism_plugin.megatron / .deepspeed: the adapters' entry points
+    "recipes": 6, "programs": 6, "cli": 7,
 }
 """Layer of each top-level room of the package (module or folder)."""
 ALLOWED_SIDEWAYS = {("topology", "config"), ("graph", "cost"), ("megatron", "adapters"), ("deepspeed", "adapters")}

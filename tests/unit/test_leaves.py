@@ -1,4 +1,4 @@
-"""`prism_plugin.runtime.leaves.leaves` gives pytree's leaves, in pytree's order, for what ATen calls carry."""
+"""`prism_plugin.device.leaves.leaves` gives pytree's leaves, in pytree's order, for what ATen calls carry."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 
-from prism_plugin.runtime.leaves import leaves
+from prism_plugin.device.leaves import leaves
 
 Pair = namedtuple("Pair", "a b")
 t1, t2, t3 = torch.zeros(1), torch.ones(2), torch.empty(0)

@@ -14,15 +14,9 @@ import pytest
 import torch.distributed as dist
 
 from prism_plugin.config.emulation import ConfigError, EmulationConfig, VirtualWorld
+from prism_plugin.launch.processes import RealProcess, exit_code_of, launch_processes
 from prism_plugin.runtime import lifecycle
-from prism_plugin.runtime.lifecycle import (
-    EmulatedRun,
-    RealProcess,
-    exit_code_of,
-    launch_processes,
-    real_store,
-    write_summary,
-)
+from prism_plugin.runtime.lifecycle import EmulatedRun, real_store, write_summary
 
 _STORE_ENV = ("PRISM_STORE_FILE", "MASTER_ADDR", "MASTER_PORT")
 

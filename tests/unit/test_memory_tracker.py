@@ -1,10 +1,10 @@
-"""The CPU tensor-storage tracker (prism_plugin.runtime.memory): exact, deterministic byte counts."""
+"""The CPU tensor-storage tracker (prism_plugin.device.memory): exact, deterministic byte counts."""
 
 from __future__ import annotations
 
 import torch
 
-from prism_plugin.runtime.memory import StorageTracker, current_tracker
+from prism_plugin.device.memory import StorageTracker, current_tracker
 
 
 def test_counts_allocations_frees_and_peak_exactly() -> None:
@@ -71,7 +71,7 @@ def test_the_cpu_trackers_history_opens_in_torchs_memory_viz() -> None:
 
     from torch.cuda import _memory_viz
 
-    from prism_plugin.runtime.memory import StorageTracker
+    from prism_plugin.device.memory import StorageTracker
 
     tracker = StorageTracker()
     tracker.record_history(max_entries=3)

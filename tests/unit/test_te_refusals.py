@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from prism_plugin.adapters.megatron.refusals import cpu_switch_offs, virtual_gpu_refusals
-from prism_plugin.runtime.virtual_gpu import te
+from prism_plugin.device import te
 
 TE_JOB = {"transformer_impl": "transformer_engine", "position_embedding_type": "rope"}
 

@@ -95,7 +95,7 @@ def _stage_param_counts(module: Any) -> list[tuple[int, int]]:
 
 def _engine_frame() -> Any | None:
     """The first frame outside torch and prism_plugin when it is in DeepSpeed's pipeline engine, else None."""
-    from prism_plugin.runtime.virtual_gpu import values as values_mod
+    from prism_plugin.device import values as values_mod
 
     frame = sys._getframe(2)
     while frame is not None:
@@ -152,7 +152,7 @@ def _tuple_length(values: list[int]) -> int:
 
 def install(patches: Any, vgpu: Any) -> None:
     """Answer the pipeline engine's reads (module docstring); installed before the ZeRO answers capture ``read``."""
-    from prism_plugin.runtime.virtual_gpu import values as values_mod
+    from prism_plugin.device import values as values_mod
 
     policy = vgpu.values
     read = policy.read

@@ -266,7 +266,7 @@ def _virtual_gpu(section: PrismSection, index: int = 0) -> Any | None:
     if vgpu is None:
         if section.policy_defaults and index == 0:
             from prism_plugin.adapters.deepspeed.section import KEY_NAMES
-            from prism_plugin.runtime.preflight import default_profile_note
+            from prism_plugin.launch.preflight import default_profile_note
 
             print(default_profile_note(KEY_NAMES), file=sys.stderr, flush=True)
         virtual_gpu.reexec(section.emulation)

@@ -35,7 +35,7 @@ train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp``, the missing
 derives them) against the emulated world: with `topology`, dp = world_size / (pipe * model) exactly, without
 it some dp dividing world_size; an `output` / `record_dir` / `trace` that is (or lies under) a file; a graph
 of another world size; a `replay_dir` recorded at another world size or lacking a real rank's recording
-(`prism_plugin.runtime.preflight`, the checks `prism run` makes in its launcher).
+(`prism_plugin.launch.preflight`, the checks `prism run` makes in its launcher).
 
 `pipe_activations` describes what a pipeline stage receives from a *virtual* previous stage in its
 tensor-meta handshake under the mirror policy (a dict: one tensor; a list of dicts: a tuple of
@@ -263,7 +263,7 @@ def _check_batch(ds_config: Mapping[str, Any], world_size: int, topology: dict[s
 
 
 KEY_NAMES = spellings(Entry.DEEPSPEED)
-"""How the section spells each EmulationConfig field (`runtime.preflight`'s messages, `respell`)."""
+"""How the section spells each EmulationConfig field (`launch.preflight`'s messages, `respell`)."""
 
 
 def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool = True) -> PrismSection | None:
@@ -299,7 +299,7 @@ def parse_section(ds_config: Mapping[str, Any] | str | Path, *, required: bool =
         emulation = settings.emulation()
     except ConfigError as exc:
         raise ConfigError(f'"prism" section: {exc}') from None
-    from prism_plugin.runtime.preflight import check_directories, check_environment, check_graph, check_recording
+    from prism_plugin.launch.preflight import check_directories, check_environment, check_graph, check_recording
 
     check_directories(emulation, KEY_NAMES)  # each real process checks its section before any process group
     check_environment(emulation.world.real_ranks, {**os.environ, **settings.environ()})

@@ -89,8 +89,8 @@ def check_config(ds_config: Mapping[str, Any]) -> None:
 
 def reexec(config: EmulationConfig) -> None:
     """Start this process again through the entry, with the device library named (does not return)."""
-    from prism_plugin.runtime.virtual_gpu import cuda_runtime
-    from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions, resolve_gpu
+    from prism_plugin.device import cuda_runtime
+    from prism_plugin.runtime.device_session import VirtualTimeOptions, resolve_gpu
 
     if "PRISM_CONFIG" in os.environ:
         raise ConfigError('"prism.device": "virtual-gpu" in a script started by `prism run`: prism run emulates '
@@ -104,29 +104,21 @@ def reexec(config: EmulationConfig) -> None:
 
     gpu = resolve_gpu(config, flags=KEY_NAMES)  # no GPU model: refused before the exec, naming the keys
     model = next(key for key, spec in GPUS.items() if spec == gpu)
-    path = cuda_runtime.library_path()
-    if path is None or not path.exists():
-        path = cuda_runtime.build()
     num_devices = min(cuda_runtime.MAX_DEVICES, config.world.gpus_per_node)
     VirtualTimeOptions.from_env()  # bad PRISM_VIRTUAL_TIME / PRISM_KERNEL_* input: refused before the exec
     index = int(os.environ.get("RANK", "0"))
     rank = config.world.real_ranks[index] if index < config.world.num_real else index
-    env = dict(os.environ, PRISM_VIRTUAL_CUDA_LIB=str(path),
-               **{ENTRY_ENV: json.dumps({"gpu": model, "num_devices": num_devices, "profile": config.profile,
-                                         "rank": rank})})
-    argv = [sys.executable, "-m", _ENTRY_MODULE, *_target_argv()]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, argv, env)
+    cuda_runtime.reexec(_ENTRY_MODULE, _target_argv(), {ENTRY_ENV: json.dumps(
+        {"gpu": model, "num_devices": num_devices, "profile": config.profile, "rank": rank})})
 
 
 def _start_gpu() -> Any:
     from prism_plugin.cost.allocator_config import AllocatorConfig
     from prism_plugin.cost.gpu import gpu_spec
     from prism_plugin.cost.profiles import load_profile
-    from prism_plugin.runtime.virtual_gpu import snapshot
-    from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
-    from prism_plugin.runtime.virtual_gpu.session import VirtualTimeOptions, start_virtual_time
+    from prism_plugin.device import snapshot
+    from prism_plugin.device.device import VirtualGpu
+    from prism_plugin.runtime.device_session import VirtualTimeOptions, start_virtual_time
 
     spec = json.loads(os.environ[ENTRY_ENV])
     num_devices = int(spec["num_devices"])
@@ -193,7 +185,7 @@ def install(patches: Any, vgpu: Any) -> None:
     from deepspeed.runtime.zero import stage3, stage_1_and_2
 
     from prism_plugin.adapters.deepspeed import pipe_values
-    from prism_plugin.runtime.virtual_gpu import values as values_mod
+    from prism_plugin.device import values as values_mod
 
     pipe_values.install(patches, vgpu)  # the pipeline engine's reads; first: the answers below restore to it
     policy = vgpu.values
@@ -232,7 +224,7 @@ def _answer_rank0_lists(patches: Any, policy: Any, read: Any) -> None:
     GPUs a real rank 0 that traced another order is not detected."""
     from deepspeed.runtime.zero import utils as zero_utils
 
-    from prism_plugin.runtime.virtual_gpu import values as values_mod
+    from prism_plugin.device import values as values_mod
 
     def answering(original: Any, answers_of: Any) -> Any:
         def call(lst: list[int]) -> Any:
@@ -263,7 +255,7 @@ def summary_part(vgpu: Any, session: Any = None) -> dict[str, Any]:
 def main(args: list[str]) -> None:
     """The entry (after `cuda_runtime.preload`): the script on a virtual GPU, then the summary and ``os._exit``."""
     from prism_plugin.adapters.deepspeed import runtime
-    from prism_plugin.runtime.virtual_gpu import cuda_runtime
+    from prism_plugin.device import cuda_runtime
 
     if not args:
         raise SystemExit("usage: python -m prism_plugin.deepspeed script.py [args] | -m module [args]")

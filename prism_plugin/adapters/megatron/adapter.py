@@ -50,7 +50,7 @@ import torch
 
 from prism_plugin.adapters.megatron import compat
 from prism_plugin.adapters.megatron.cpu_shim import CpuShim
-from prism_plugin.runtime.undo import Patches
+from prism_plugin.device.undo import Patches
 
 __all__ = ["MegatronAdapter", "rebind_everywhere", "current_adapter"]
 

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from prism_plugin.config.program_options import ATTENTION_ENV, AttentionMode, parse_attention
-from prism_plugin.runtime.undo import Patches
+from prism_plugin.device.undo import Patches
 
 __all__ = ["ENV", "AttentionMode", "AttentionNotSupported", "FlashAttentionStandin", "attention_mode",
            "check_job", "install"]

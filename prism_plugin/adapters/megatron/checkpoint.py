@@ -43,7 +43,7 @@ import torch
 from prism_plugin.adapters.megatron import checkpoint_bytes as cb
 from prism_plugin.config.errors import ConfigError
 from prism_plugin.cost.storage import StorageSpec
-from prism_plugin.runtime.undo import Patches
+from prism_plugin.device.undo import Patches
 
 __all__ = ["CheckpointSeams", "LoadRecord", "SaveRecord", "install"]
 

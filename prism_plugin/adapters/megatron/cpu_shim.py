@@ -47,7 +47,7 @@ Patches (the numbers are stable; `skip=` leaves some out, for ablation):
    with CUDA enabled``); they answer for a "cpu" device (capability 0.0) instead. The memory
    statistics (``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``,
    ``max_memory_reserved``, ``memory_stats``), which silently report 0 there, report the CPU
-   tensor-storage tracker of `prism_plugin.runtime.memory` when one runs, so Megatron's own memory report
+   tensor-storage tracker of `prism_plugin.device.memory` when one runs, so Megatron's own memory report
    prints the emulated rank's figures.
 9. ``torch.compile`` runs eagerly (``torch._dynamo.config.disable``): megatron.training's
    ``_warmup_jit_function`` and the ``jit_fuser`` fused bias-gelu/bias-dropout kernels would
@@ -80,7 +80,7 @@ from typing import Any
 import torch
 import torch.overrides
 
-from prism_plugin.runtime.undo import Patches
+from prism_plugin.device.undo import Patches
 
 __all__ = ["CpuPatch", "CpuShim", "PATCHES", "active_shim", "install_sp_norm", "sp_norm_new"]
 
@@ -210,7 +210,7 @@ def _mode_active(mode: torch.overrides.TorchFunctionMode) -> bool:
 
 
 def _cuda_memory_stats() -> dict[str, int]:
-    from prism_plugin.runtime import memory
+    from prism_plugin.device import memory
 
     tracker = memory.current_tracker()
     current = tracker.current_bytes if tracker is not None else 0
@@ -398,7 +398,7 @@ class CpuShim:
 
 
 def _reset_peak() -> None:
-    from prism_plugin.runtime import memory
+    from prism_plugin.device import memory
 
     tracker = memory.current_tracker()
     if tracker is not None:

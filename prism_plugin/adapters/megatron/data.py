@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from prism_plugin.config.kinds import DataPolicy
-from prism_plugin.runtime.undo import Patches
+from prism_plugin.device.undo import Patches
 
 __all__ = ["install", "fill_valid_batch"]
 

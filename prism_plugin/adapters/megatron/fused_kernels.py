@@ -5,7 +5,7 @@ On a GPU, megatron-core runs as one kernel each: the functions it decorates with
 cross-entropy pieces, ...), apex's gradient-accumulation GEMM (``fused_weight_gradient_mlp_cuda``) and its masked
 softmax extensions (``scaled_masked_softmax_cuda``, ``scaled_upper_triang_masked_softmax_cuda``,
 ``scaled_softmax_cuda``). On virtual GPUs (fake tensors on a CPU host) nothing compiles and no extension loads;
-`install` makes each of them a fusion region of the virtual GPU (`prism_plugin.runtime.virtual_gpu.fusion`): one
+`install` makes each of them a fusion region of the virtual GPU (`prism_plugin.device.fusion`): one
 kernel of its FLOPs and of the bytes of its inputs and outputs, its intermediates never allocated. Undone by the
 `Patches` given:
 
@@ -47,8 +47,8 @@ from typing import Any
 import torch
 
 from prism_plugin.cost.kernels import KernelClass
-from prism_plugin.runtime.undo import Patches
-from prism_plugin.runtime.virtual_gpu import fusion
+from prism_plugin.device import fusion
+from prism_plugin.device.undo import Patches
 
 __all__ = ["EXTENSIONS", "extensions", "install", "install_for_process", "mend_imported"]
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from prism_plugin.runtime.virtual_gpu.values import SiteAnswer, ValuePolicy
+from prism_plugin.device.values import SiteAnswer, ValuePolicy
 
 __all__ = ["COUNT_ZEROS", "SINKHORN", "WEIGHT_HASH", "answer_weight_hash_check", "state_answers", "tensorboard_note"]
 

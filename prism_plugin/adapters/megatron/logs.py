@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from prism_plugin.runtime.undo import Patches
+from prism_plugin.device.undo import Patches
 
 __all__ = ["install", "log_rank_for"]
 

@@ -172,7 +172,7 @@ class RoutingPolicy:
                           config.moe_expert_capacity_factor is not None),
                          ("--moe-router-padding-for-quantization", config.moe_router_padding_for_quantization)):
             if on:
-                from prism_plugin.runtime.virtual_gpu.values import NoValueError
+                from prism_plugin.device.values import NoValueError
 
                 raise NoValueError(
                     f"prism virtual GPU: {site} ({seam}) reads the number of tokens kept per expert under {flag}, "

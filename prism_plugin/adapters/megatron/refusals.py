@@ -6,7 +6,7 @@ names the feature, why no torch backend can see it, and the flag to change.
 
 Always refused (no torch.distributed backend sees this traffic):
 - ``--tp-comm-overlap`` (except on virtual GPUs with TransformerEngine, whose userbuffers are emulated there:
-  `prism_plugin.runtime.virtual_gpu.te.userbuffers`): TE userbuffers move TP data over CUDA IPC / NVSHMEM.
+  `prism_plugin.device.te.userbuffers`): TE userbuffers move TP data over CUDA IPC / NVSHMEM.
 - ``--moe-token-dispatcher-type flex`` / ``--moe-enable-deepep``: DeepEP / HybridEP / NCCL-EP
   kernels talk over NVSHMEM / their own communicators.
 - ``--use-nccl-ub``: NCCL user-buffer registration (window memory) on NCCL communicators.
@@ -37,7 +37,7 @@ arguments before Megatron builds anything, prints one line each and lists them i
 - RoPE fusion (default on) with ``--position-embedding-type rope``: TransformerEngine's fused RoPE
   (``ValueError: apply_rope_fusion is not available``); as ``--no-rope-fusion``.
 Device mode virtual-gpu (`virtual_gpu_refusals`): the GPU is fake tensors. TransformerEngine runs there (its
-own Python layer over fake kernels: `prism_plugin.runtime.virtual_gpu.te`; refused only when TE's Python package
+own Python layer over fake kernels: `prism_plugin.device.te`; refused only when TE's Python package
 is not installed, naming the set-up command), and with it ``--moe-grouped-gemm`` (TEGroupedLinear); refused are
 ``--attention-backend flash`` with TE (the flash-attn package), CUDA graphs and the other GPU-only opt-ins above
 (``--save`` / ``--load`` run: nothing is written and no tensor value read, `checkpoint`; refused are the
@@ -63,8 +63,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from prism_plugin.config.errors import ConfigError
-from prism_plugin.runtime.virtual_gpu.te import available as te_available
-from prism_plugin.runtime.virtual_gpu.te import missing_message as te_missing_message
+from prism_plugin.device.te import available as te_available
+from prism_plugin.device.te import missing_message as te_missing_message
 
 __all__ = ["Refusal", "SwitchOff", "refusals_for", "virtual_gpu_refusals", "checkpoint_refusals", "cpu_switch_offs",
            "check_args",
@@ -151,7 +151,7 @@ def virtual_gpu_refusals(options: Mapping[str, Any] | argparse.Namespace) -> lis
     te_runs = _get(options, "transformer_impl", "transformer_engine") == "transformer_engine"
     for dest, flag, kernel in _GPU_ONLY_OPT_INS:
         if dest == "moe_grouped_gemm" and te_runs:
-            continue  # TEGroupedLinear: TE's grouped GEMM is a fake kernel (runtime/virtual_gpu/te)
+            continue  # TEGroupedLinear: TE's grouped GEMM is a fake kernel (device/te)
         if _get(options, dest):
             out.append(f"{flag}: {kernel}, which virtual GPUs (fake tensors) cannot run; drop {flag}")
     out.extend(checkpoint_refusals(options))

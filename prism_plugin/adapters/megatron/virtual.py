@@ -1,6 +1,6 @@
 """The drop-in on virtual GPUs: ``--prism-device virtual-gpu [--prism-gpu MODEL]`` (DESIGN §10).
 
-Megatron then trains on fake ``cuda`` tensors (`prism_plugin.runtime.virtual_gpu`): no CPU shim, Megatron's GPU
+Megatron then trains on fake ``cuda`` tensors (`prism_plugin.device`): no CPU shim, Megatron's GPU
 code paths, exact per-device memory from the caching-allocator model (``torch.cuda.memory_allocated`` and
 Megatron's ``memory (MB)`` log line read it), data-dependent reads answered by the value policy. The adapter's
 other seams (TP valid-batch fill, rank N-1 logs, iteration marks) stay.
@@ -14,7 +14,7 @@ The device library must load before torch is imported, so the process that runs 
   watches it) with the variable set; nothing of Megatron has run before.
 
 TransformerEngine (Megatron's default ``--transformer-impl``) runs its own layer over fake kernels
-(`prism_plugin.runtime.virtual_gpu.te`, installed by the device library's preload before Megatron is imported).
+(`prism_plugin.device.te`, installed by the device library's preload before Megatron is imported).
 Refused up front in this mode (`refusals.virtual_gpu_refusals`): CUDA graphs, GPU-only opt-in kernels TE does not
 provide, checkpoint kinds the virtual-GPU checkpoint path does not model (``--save`` / ``--load`` themselves run:
 `checkpoint`). Switched off (as in CPU mode, one line each): RoPE fusion with the local spec. Megatron's other
@@ -41,28 +41,25 @@ from prism_plugin.config.kinds import DeviceMode
 
 __all__ = ["library_env", "reexec", "run_script"]
 
-_ENV = "PRISM_VIRTUAL_CUDA_LIB"
-
 
 def library_env(config: EmulationConfig) -> dict[str, str]:
     """The environment a fresh Megatron process needs: the device library (built once, cached). Checks first
     that the run names a GPU model (`session.resolve_gpu`: a `ConfigError` naming the ``--prism-*`` fix)."""
     from prism_plugin.adapters.megatron.wrapper import FLAG_NAMES
-    from prism_plugin.runtime.virtual_gpu import cuda_runtime
-    from prism_plugin.runtime.virtual_gpu.session import resolve_gpu
+    from prism_plugin.device import cuda_runtime
+    from prism_plugin.runtime.device_session import resolve_gpu
 
     resolve_gpu(config, flags=FLAG_NAMES)
-    path = os.environ.get(_ENV) or str(cuda_runtime.library_path() or cuda_runtime.build())
-    return {_ENV: path}
+    return cuda_runtime.library_env()
 
 
 def reexec(argv: list[str], config: EmulationConfig) -> None:
     """Replace this process by ``python -m prism_plugin.megatron argv`` with the device library named (never
     returns). Used under torchrun, whose process imported nothing of torch yet only by accident."""
-    env = dict(os.environ, **library_env(config))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "prism_plugin.megatron", *argv], env)
+    from prism_plugin.device import cuda_runtime
+
+    library_env(config)  # the GPU model first: refused naming the --prism-* flags
+    cuda_runtime.reexec("prism_plugin.megatron", argv)
 
 
 def run_script(config: EmulationConfig, script_argv: list[str], process_index: int, k: int, *,
@@ -71,9 +68,9 @@ def run_script(config: EmulationConfig, script_argv: list[str], process_index: i
     `policy_defaults`: the settings the launch left to a policy default (the summary lists them)."""
     from prism_plugin.adapters.megatron import log_values
     from prism_plugin.adapters.megatron.wrapper import FLAG_NAMES, start_run
-    from prism_plugin.runtime.preflight import spell
-    from prism_plugin.runtime.virtual_gpu import cuda_runtime
-    from prism_plugin.runtime.virtual_gpu.session import start_virtual_gpu
+    from prism_plugin.device import cuda_runtime
+    from prism_plugin.launch.preflight import spell
+    from prism_plugin.runtime.device_session import start_virtual_gpu
 
     vgpu = start_virtual_gpu(config, process_index)
     vgpu.values.real_device_hint = spell(FLAG_NAMES, "device", "real")

@@ -53,12 +53,9 @@ import os
 import runpy
 import sys
 
-_PRELOADED = False
-if os.environ.get("PRISM_VIRTUAL_CUDA_LIB") and "torch" not in sys.modules:  # --prism-device virtual-gpu
-    from prism_plugin.runtime.virtual_gpu import cuda_runtime
+from prism_plugin.device import cuda_runtime
 
-    cuda_runtime.preload()  # before torch is imported (see `virtual`)
-    _PRELOADED = True
+_PRELOADED = cuda_runtime.preload_if_launched()  # --prism-device virtual-gpu: before torch is imported (`virtual`)
 
 import tempfile  # noqa: E402
 from collections.abc import Mapping  # noqa: E402
@@ -216,17 +213,17 @@ def _check_layout(config: EmulationConfig, ns: Any) -> None:
 
 
 FLAG_NAMES = spellings(Entry.DROP_IN)
-"""How the drop-in spells each EmulationConfig field (`runtime.preflight.RUN_FLAGS` is `prism run`'s)."""
+"""How the drop-in spells each EmulationConfig field (`launch.preflight.RUN_FLAGS` is `prism run`'s)."""
 
 
 def preflight(script_argv: list[str], config: EmulationConfig) -> None:
-    """The launch's pre-checks, named by the ``--prism-*`` flags (`runtime.preflight.check_launch`): the script
+    """The launch's pre-checks, named by the ``--prism-*`` flags (`launch.preflight.check_launch`): the script
     exists, the output / record / trace directories can be created, the graph and the recording describe N.
 
     A self-launching parent runs them once before it starts the K processes; each process runs them again
     (cheap) before Megatron parses the job's arguments.
     """
-    from prism_plugin.runtime.preflight import check_launch
+    from prism_plugin.launch.preflight import check_launch
 
     usage = "name the training script first: python -m prism_plugin.megatron pretrain_gpt.py <args>"
     if not script_argv or script_argv[0].startswith("-"):
@@ -236,8 +233,8 @@ def preflight(script_argv: list[str], config: EmulationConfig) -> None:
 
 def _self_launch(argv: list[str], config: EmulationConfig, extra_env: dict[str, str] | None = None) -> int:
     """Run K copies of this wrapper as local processes (torchrun-like env, FileStore rendezvous) through the
-    shared watch loop (`lifecycle.launch_processes`): signals reach every copy, a failure stops the others."""
-    from prism_plugin.runtime.lifecycle import RealProcess, launch_processes
+    shared watch loop (`launch.processes.launch_processes`): signals reach every copy, a failure stops the others."""
+    from prism_plugin.launch.processes import RealProcess, launch_processes
 
     k = config.world.num_real
     store_dir = Path(tempfile.mkdtemp(prefix="prism-megatron-"))
@@ -266,8 +263,8 @@ def start_run(config: EmulationConfig, process_index: int, k: int, cpu_mode: boo
     import torch
 
     from prism_plugin.adapters.megatron.adapter import MegatronAdapter, current_adapter
+    from prism_plugin.device.memory import StorageTracker
     from prism_plugin.runtime.lifecycle import EmulatedRun, real_store
-    from prism_plugin.runtime.memory import StorageTracker
 
     store = real_store(k, process_index)
     os.environ.update(RANK=str(config.world.virtual_rank_of(process_index)), WORLD_SIZE=str(config.world.world_size),
@@ -360,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(settings.environ())  # the settings the rank processes read, for every process it starts
         config = flags.to_config()
         if flags.policy_defaults() and ("RANK" not in os.environ or (os.environ["RANK"] == "0" and not _PRELOADED)):
-            from prism_plugin.runtime.preflight import default_profile_note
+            from prism_plugin.launch.preflight import default_profile_note
 
             print(default_profile_note(FLAG_NAMES), file=sys.stderr, flush=True)  # once: launcher or process 0
         if config.device is DeviceMode.VIRTUAL_GPU:  # the Megatron process starts fresh with the device library

@@ -1,7 +1,7 @@
 """Kernel-table recording: measured per-op durations of a real run, for the ``table`` kernel model (DESIGN.md §11).
 
 `KernelRecorder` is a ``TorchDispatchMode`` that lets every ATen op run for real and, for each op writing a
-tensor on the recorded device type, keys it by `prism_plugin.runtime.virtual_gpu.kernels.kernel_cost` (op,
+tensor on the recorded device type, keys it by `prism_plugin.device.kernels.kernel_cost` (op,
 shape, dtype: the key virtual time looks up, so a table recorded here answers the same program's kernels
 exactly) and times it:
 
@@ -36,7 +36,7 @@ recorder's bookkeeping stand in, ``step_source`` says which; a negative differen
 as measured in ``host_overhead_raw_us_per_launch``), the figure to give virtual time as the profile's
 ``kernels.launch_overhead_us``. On
 a CPU host and "device" are one thread, so an emulation of such a table runs with ``CUDA_LAUNCH_BLOCKING=1``
-(each launch returns when its kernel ends; `prism_plugin.runtime.virtual_gpu.session.VirtualTimeOptions`).
+(each launch returns when its kernel ends; `prism_plugin.runtime.device_session.VirtualTimeOptions`).
 
 Limitations: an op's timed duration includes the Python -> C++ call below the mode (a few us), so a table's
 kernels are slightly long and the host time per launch short by as much (their sum per step is the plain
@@ -67,7 +67,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from prism_plugin.cost.kernels import TABLE_FORMAT, TABLE_VERSION, KernelCost
-from prism_plugin.runtime.virtual_gpu.kernels import kernel_cost
+from prism_plugin.device.kernels import kernel_cost
 
 __all__ = ["KernelRecorder", "KeySamples", "device_name", "run_program", "table_data"]
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from prism_plugin.runtime.virtual_gpu.te import ops
+from prism_plugin.device.te import ops
 
 __all__ = ["CommOverlap", "CommOverlapHelper", "CommOverlapP2P", "buffer_bytes", "overlapped_gemm"]
 

@@ -9,59 +9,26 @@ Environment the script sees: RANK = its virtual rank, WORLD_SIZE = N, LOCAL_RANK
 physical device index, so ``torch.cuda.set_device(LOCAL_RANK)`` picks real device i),
 LOCAL_WORLD_SIZE = k, plus PRISM_CONFIG (JSON), PRISM_PROCESS_INDEX and PRISM_STORE_FILE.
 
-Start, watch and stop are `prism_plugin.runtime.lifecycle.launch_processes` (shared with ``prism
+Start, watch and stop are `prism_plugin.launch.processes.launch_processes` (shared with ``prism
 megatron``): each real rank is its own process group; signals to the launcher reach every group.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
+from prism_plugin.config.channel import config_to_env
 from prism_plugin.config.emulation import EmulationConfig
 from prism_plugin.config.kinds import DeviceMode
-from prism_plugin.runtime.lifecycle import DEFAULT_GRACE_S, RealProcess, launch_processes
-from prism_plugin.runtime.preflight import check_launch
+from prism_plugin.launch.preflight import check_launch
+from prism_plugin.launch.processes import DEFAULT_GRACE_S, RealProcess, launch_processes
 
-__all__ = ["LaunchSpec", "config_to_env", "config_from_env", "launch"]
-
-
-def _jsonable(value: object) -> object:
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, tuple):
-        return [_jsonable(v) for v in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    return value
-
-
-def config_to_env(config: EmulationConfig) -> str:
-    """The launcher-to-rank channel: every field of `config` as JSON (derived from the dataclass, faults as their
-    spec strings), read back by `config_from_env`."""
-    data = _jsonable(config)
-    assert isinstance(data, dict)
-    data["faults"] = [f.to_text() for f in config.faults]
-    return json.dumps(data)
-
-
-def config_from_env(text: str) -> EmulationConfig:
-    """The `EmulationConfig` `config_to_env` wrote (checked again by its constructors)."""
-    from prism_plugin.config.emulation import VirtualWorld
-
-    data = json.loads(text)
-    world = {k: tuple(v) if isinstance(v, list) else v for k, v in data.pop("world").items()}
-    data["faults"] = tuple(data.get("faults") or ())
-    return EmulationConfig(world=VirtualWorld(**world), **data)
+__all__ = ["LaunchSpec", "launch"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,7 +43,7 @@ class LaunchSpec:
 
 
 def launch(spec: LaunchSpec, *, timeout_s: float | None = None) -> int:
-    """Run the k real processes to completion (`lifecycle.launch_processes`); returns the job's exit code.
+    """Run the k real processes to completion (`processes.launch_processes`); returns the job's exit code.
 
     First, once, the launch's pre-checks (`preflight.check_launch`: the program exists, the output, record and
     trace directories can be created, the graph and the recording describe this N): a `ConfigError` before any
@@ -90,7 +57,7 @@ def launch(spec: LaunchSpec, *, timeout_s: float | None = None) -> int:
     check_launch(config, spec.target)  # once, here: one message, before any process or directory exists
     extra: dict[str, str] = {}
     if config.device is DeviceMode.VIRTUAL_GPU:  # built once here (cached), loaded by each child before torch
-        from prism_plugin.runtime.virtual_gpu import cuda_runtime
+        from prism_plugin.device import cuda_runtime
 
         extra["PRISM_VIRTUAL_CUDA_LIB"] = str(cuda_runtime.build())
     k = config.world.num_real

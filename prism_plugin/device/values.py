@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from prism_plugin.runtime.leaves import leaves
+from prism_plugin.device.leaves import leaves
 
 __all__ = ["NoValueError", "SiteAnswer", "ValuePolicy"]
 
@@ -53,7 +53,7 @@ _FLIP = {aten.logical_not.default, aten.bitwise_not.default}
 _DATA_LIMIT = 4096
 """Largest tensor (elements) whose real values are kept: flags, counters, timestamps; never model tensors."""
 _SKIP_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,) if m.__file__)
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # prism_plugin/
 
 
 class NoValueError(RuntimeError):

@@ -462,7 +462,7 @@ class KernelSummary:
     defaults_used: tuple[str, ...] = ()
     """Kernel-model figures (dotted keys) no profile set: policy defaults."""
     fused: tuple[OpTally, ...] = ()
-    """Every fusion region's kernel (``fused::<name>``, `prism_plugin.runtime.virtual_gpu.fusion`), by op name."""
+    """Every fusion region's kernel (``fused::<name>``, `prism_plugin.device.fusion`), by op name."""
     table: dict[str, Any] | None = None
     """``table`` only: the table's file and device, and how its kernels were answered (``exact``, ``scaled`` from
     a neighbour, ``missed``: the roofline answered) with ``missed_fraction``; `table_warning` says when it is

@@ -57,7 +57,7 @@ class _FakeExtension(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        from prism_plugin.runtime.virtual_gpu.te.extension import _unsupported
+        from prism_plugin.device.te.extension import _unsupported
 
         value = _unsupported(name, "this TransformerEngine kernel has no fake implementation yet")
         setattr(self, name, value)
@@ -280,7 +280,7 @@ def install(*, required: bool = False) -> bool:
         if not required:
             return False
         raise TeNotInstalled(missing_message() + (f"; found {found}" if found else ""))
-    from prism_plugin.runtime.virtual_gpu.te import extension
+    from prism_plugin.device.te import extension
 
     module = _FakeExtension("transformer_engine_torch")
     module.__doc__ = extension.__doc__

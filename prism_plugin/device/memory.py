@@ -22,7 +22,7 @@ Limitations (say them next to any figure):
 
 Example::
 
-    from prism_plugin.runtime.memory import StorageTracker
+    from prism_plugin.device.memory import StorageTracker
     with StorageTracker() as mem:
         train_step()
     print(mem.peak_bytes)
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from prism_plugin.runtime.leaves import leaves
+from prism_plugin.device.leaves import leaves
 
 __all__ = ["StorageTracker", "current_tracker"]
 

@@ -6,7 +6,7 @@ Nothing sleeps and the wall clock is never read, so the same job gives the same 
 host:
 
 - a kernel (an ATen op on a device tensor, `kernel`) starts at max(its launch on the host, the end of its
-  stream's previous kernel) and lasts its modelled duration (`prism_plugin.runtime.virtual_gpu.kernels`); each
+  stream's previous kernel) and lasts its modelled duration (`prism_plugin.device.kernels`); each
   launch advances the host by the profile's per-launch overhead;
 - a stream's position is max(host, the end of its last kernel): an event recorded there completes then;
   ``wait_event`` / ``wait_stream`` hold the stream until that time; ``query`` compares with the host;
@@ -53,7 +53,7 @@ from typing import Any
 
 from prism_plugin.comm.context import OpEvent, OpWork
 from prism_plugin.config.kinds import OpKind
-from prism_plugin.runtime.clock import WakeupStats
+from prism_plugin.device.op_clock import WakeupStats
 
 __all__ = ["KernelRecord", "VirtualTime"]
 

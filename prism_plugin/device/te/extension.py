@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from prism_plugin.cost.kernels import KernelClass
-from prism_plugin.runtime.virtual_gpu.te import ops, quantize, userbuffers
-from prism_plugin.runtime.virtual_gpu.te.dtypes import TORCH_DTYPE, DType
+from prism_plugin.device.te import ops, quantize, userbuffers
+from prism_plugin.device.te.dtypes import TORCH_DTYPE, DType
 
 __all__ = ["CUBLASLT_VERSION", "CUDNN_VERSION", "build_module"]
 

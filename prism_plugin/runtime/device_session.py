@@ -26,9 +26,9 @@ from prism_plugin.config.virtual_time import VirtualTimeOptions
 from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import GpuSpec, gpu_spec
 from prism_plugin.cost.profiles import HardwareProfile, load_profile
-from prism_plugin.runtime.virtual_gpu import cuda_runtime, snapshot
-from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
-from prism_plugin.runtime.virtual_gpu.device import VirtualGpu
+from prism_plugin.device import cuda_runtime, snapshot
+from prism_plugin.device.clock import VirtualTime
+from prism_plugin.device.device import VirtualGpu
 
 __all__ = ["VirtualTimeOptions", "resolve_gpu", "start_virtual_gpu", "start_virtual_time"]
 
@@ -65,8 +65,8 @@ def start_virtual_gpu(config: EmulationConfig, process_index: int) -> VirtualGpu
 def start_virtual_time(vgpu: VirtualGpu, profile: HardwareProfile, options: VirtualTimeOptions) -> None:
     """Give `vgpu` virtual time: the options' kernel model on the profile's GPU figures and efficiencies."""
     from prism_plugin.cost.kernel_models import kernel_model
-    from prism_plugin.runtime.virtual_gpu.kernels import KernelTimer
-    from prism_plugin.runtime.virtual_gpu.step_kernels import attach_step_figures
+    from prism_plugin.device.kernels import KernelTimer
+    from prism_plugin.device.step_kernels import attach_step_figures
 
     model = kernel_model(options.kernel_model, vgpu.gpu, profile.kernels, options.kernel_table,
                          fit_path=options.kernel_fit)

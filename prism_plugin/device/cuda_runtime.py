@@ -24,7 +24,8 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["MAX_DEVICES", "build", "exit_now", "library_path", "preload", "preloaded", "set_device"]
+__all__ = ["MAX_DEVICES", "build", "exit_now", "library_env", "library_path", "preload", "preload_if_launched",
+           "preloaded", "reexec", "set_device"]
 
 MAX_DEVICES = 8
 _NAME = "prism_virtual_cuda"
@@ -88,6 +89,32 @@ def build(verbose: bool = False) -> Path:
     return Path(module.__file__)
 
 
+def library_env() -> dict[str, str]:
+    """The variable that makes a fresh process load the device library before torch (`preload_if_launched`):
+    the one this process was given, else the cached library (built once)."""
+    path = os.environ.get(_ENV) or library_path()
+    if path is None or not Path(path).exists():
+        path = build()
+    return {_ENV: str(path)}
+
+
+def preload_if_launched() -> bool:
+    """The one pre-torch preload every entry runs first thing: load the library when this process was started
+    for a virtual GPU (`library_env` in its environment) and torch is not imported yet; True when it did."""
+    if not os.environ.get(_ENV) or "torch" in sys.modules:
+        return False
+    preload()
+    return True
+
+
+def reexec(module: str, args: list[str], env: dict[str, str] | None = None) -> None:
+    """Replace this process (same pid: a launcher watching it still does) by ``python -m module args`` with the
+    device library named (`library_env`) and `env` added; never returns."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", module, *args], {**os.environ, **library_env(), **(env or {})})
+
+
 def preload(path: Path | None = None) -> None:
     """Load the library and torch's C++ libraries it links, before ``import torch`` (see the module docstring)."""
     if "torch" in sys.modules:
@@ -96,7 +123,7 @@ def preload(path: Path | None = None) -> None:
     path = path or library_path()
     if path is None or not path.exists():
         raise RuntimeError(f"prism virtual GPU: no device library at {path or _build_dir()}; build it with "
-                           "`python -m prism_plugin.runtime.virtual_gpu.cuda_runtime`")
+                           "`python -m prism_plugin.device.cuda_runtime`")
     import importlib.util
 
     spec = importlib.util.find_spec("torch")
@@ -107,7 +134,7 @@ def preload(path: Path | None = None) -> None:
             ctypes.CDLL(str(lib / name), mode=ctypes.RTLD_GLOBAL)
     ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     os.environ[_ENV] = str(path)
-    from prism_plugin.runtime.virtual_gpu import te
+    from prism_plugin.device import te
 
     te.install()  # before the program (or an adapter's argument parsing) imports Megatron, which probes TE once
 

@@ -4,7 +4,7 @@ A region is a stretch of the program whose ATen ops a GPU runs as one fused kern
 `fused` (Megatron's ``@jit_fuser`` functions, the fake kernels of CUDA extensions), a ``torch.compile``d
 function or module (`compile` stands in for ``torch.compile`` on virtual GPUs), or ``with regions.region(name)``.
 While a region runs in the thread that opened it, on this process's virtual GPU (`FusionRegions`, owned by
-`prism_plugin.runtime.virtual_gpu.device.VirtualGpu`):
+`prism_plugin.device.device.VirtualGpu`):
 
 - **time**: its ops launch no kernel; at its end ONE kernel is charged on the current stream of its device,
   named ``fused::<name>`` in the kernel tally: FLOPs the sum of its ops' (`kernels.kernel_cost`); bytes its
@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 import torch
 
 from prism_plugin.cost.kernels import KernelClass, KernelCost
-from prism_plugin.runtime.virtual_gpu.kernels import kernel_cost, tensor_accesses
+from prism_plugin.device.kernels import kernel_cost, tensor_accesses
 
 __all__ = ["FusedModule", "FusionRegions", "RegionEnd", "activate", "active", "compile", "deactivate", "fused"]
 

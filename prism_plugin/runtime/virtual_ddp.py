@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 from prism_plugin.comm.group import host_tensors
-from prism_plugin.runtime.undo import Patches
+from prism_plugin.device.undo import Patches
 
 __all__ = ["install", "refuse_unsupported", "verify_param_shapes"]
 

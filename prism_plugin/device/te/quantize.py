@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from prism_plugin.cost.kernels import KernelClass
-from prism_plugin.runtime.virtual_gpu.te import ops
-from prism_plugin.runtime.virtual_gpu.te.dtypes import TORCH_DTYPE, DType
+from prism_plugin.device.te import ops
+from prism_plugin.device.te.dtypes import TORCH_DTYPE, DType
 
 __all__ = ["is_quantized", "operand", "quantize", "quantized_buffers"]
 

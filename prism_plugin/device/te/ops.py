@@ -20,7 +20,7 @@ import torch
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from prism_plugin.cost.kernels import KernelClass
-from prism_plugin.runtime.virtual_gpu.kernels import CustomKernel, _unmasked_pairs, register_kernel
+from prism_plugin.device.kernels import CustomKernel, _unmasked_pairs, register_kernel
 
 __all__ = ["NAMESPACE", "attention_backward", "attention_forward", "gemm", "pointwise"]
 

@@ -34,13 +34,13 @@ from prism_plugin.cost.allocator import Block, CachingAllocatorModel, DeviceOutO
 from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import DeviceTotal, GpuSpec
 from prism_plugin.cost.kernels import KernelCost
-from prism_plugin.runtime.leaves import leaves
-from prism_plugin.runtime.memory import StorageTracker
-from prism_plugin.runtime.virtual_gpu import cuda_runtime, fusion, snapshot
-from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
-from prism_plugin.runtime.virtual_gpu.kernels import uses_cublas
-from prism_plugin.runtime.virtual_gpu.shim import CudaShim
-from prism_plugin.runtime.virtual_gpu.values import ValuePolicy
+from prism_plugin.device import cuda_runtime, fusion, snapshot
+from prism_plugin.device.clock import VirtualTime
+from prism_plugin.device.kernels import uses_cublas
+from prism_plugin.device.leaves import leaves
+from prism_plugin.device.memory import StorageTracker
+from prism_plugin.device.shim import CudaShim
+from prism_plugin.device.values import ValuePolicy
 
 __all__ = ["VirtualGpu"]
 
@@ -370,7 +370,7 @@ class VirtualGpu:
         """Virtual time (`start_time`): each GPU op a kernel of modelled duration on its stream; None: no time."""
         self.kernel_time: KernelTime | None = None
         self.kernel_summary: Callable[[], Any] | None = None
-        """The kernel model's report (`prism_plugin.runtime.virtual_gpu.kernels.KernelTimer.summary`), if any."""
+        """The kernel model's report (`prism_plugin.device.kernels.KernelTimer.summary`), if any."""
         self.fusion = fusion.FusionRegions(self._region_ended)
         """The fusion regions of these GPUs (`fusion`): one kernel each, intermediates never allocated."""
 
@@ -495,7 +495,7 @@ class VirtualGpu:
         needs (`device_total`), whether it fits, OOMs; and the value policy's answers.
 
         `session`: the emulation session whose groups this rank used (its ``communicator_memory()``, the modelled
-        NCCL buffers); None: the active session, if any (none: no communicator, 0 B)."""
+        NCCL buffers); None: no communicator, 0 B."""
         devices = []
         own = self.shim.current
         nccl = _nccl_buffer_bytes(session)
@@ -531,7 +531,7 @@ class VirtualGpu:
     def device_total(self, peak_reserved_bytes: int, nccl_buffer_bytes: int = 0, *, own: bool = True) -> DeviceTotal:
         """The device total of one of these GPUs (`prism_plugin.cost.gpu.DeviceTotal`): the NCCL buffers and
         userbuffers only on the device this process uses (`own`), the context on each."""
-        from prism_plugin.runtime.virtual_gpu.te.userbuffers import buffer_bytes
+        from prism_plugin.device.te.userbuffers import buffer_bytes
 
         return DeviceTotal(peak_reserved_bytes=peak_reserved_bytes,
                            nccl_buffer_bytes=nccl_buffer_bytes, context_bytes=self.gpu.context_bytes,
@@ -539,11 +539,8 @@ class VirtualGpu:
 
 
 def _nccl_buffer_bytes(session: Any) -> int:
-    """The modelled NCCL buffer bytes of `session`'s groups (the active session's when None; 0 without one)."""
-    if session is None:
-        from prism_plugin.runtime.session import current_session
-
-        session = current_session()
+    """The modelled NCCL buffer bytes of `session`'s groups (its ``communicator_memory()``; 0 without a session:
+    the rank process passes its own, the device does not look one up)."""
     report = getattr(session, "communicator_memory", None)
     return int(report()["modelled_bytes"]) if callable(report) else 0
 

@@ -8,7 +8,7 @@ memory API (``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``,
 ``reset_peak_memory_stats``, ``mem_get_info``, ``empty_cache``, ``memory_snapshot``) answered by
 `prism_plugin.cost.allocator.CachingAllocatorModel`.
 
-Streams and events: with virtual time (`start_clock`, `prism_plugin.runtime.virtual_gpu.clock.VirtualTime`)
+Streams and events: with virtual time (`start_clock`, `prism_plugin.device.clock.VirtualTime`)
 each stream has an emulated clock, events complete when their stream reaches them, ``wait_event`` /
 ``wait_stream`` hold a stream, and ``synchronize`` / ``Event.synchronize`` move the host clock; without it they
 keep their order relations only (``synchronize`` returns at once, ``Event.elapsed_time`` is 0.0).
@@ -26,9 +26,9 @@ import torch
 
 from prism_plugin.cost.allocator import CachingAllocatorModel
 from prism_plugin.cost.gpu import GpuSpec
-from prism_plugin.runtime.undo import Patches
-from prism_plugin.runtime.virtual_gpu import cuda_runtime, snapshot
-from prism_plugin.runtime.virtual_gpu.clock import VirtualTime
+from prism_plugin.device import cuda_runtime, snapshot
+from prism_plugin.device.clock import VirtualTime
+from prism_plugin.device.undo import Patches
 
 __all__ = ["CudaShim", "VirtualEvent", "VirtualStream", "device_index"]
 
@@ -61,7 +61,7 @@ class VirtualStream:
 
     @property
     def key(self) -> tuple[int, int]:
-        """This stream's clock in virtual time (`prism_plugin.runtime.virtual_gpu.clock.VirtualTime`)."""
+        """This stream's clock in virtual time (`prism_plugin.device.clock.VirtualTime`)."""
         return (self.device_index, self.stream_id)
 
     def wait_stream(self, stream: VirtualStream) -> None:
