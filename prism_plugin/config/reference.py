@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prism_plugin.config.settings import SETTINGS, Entry, Group, Setting
 
-__all__ = ["DOC_PATH", "markdown"]
+__all__ = ["DOC_PATH", "markdown", "write_generated"]
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -73,14 +73,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DOC_PATH)
     ap.add_argument("--check", action="store_true", help="exit 1 if --out differs from the table")
     args = ap.parse_args(argv)
-    text = markdown()
-    if args.check:
-        current = args.out.read_text() if args.out.is_file() else ""
-        if current != text:
-            print(f"{args.out} is stale: run python -m prism_plugin.config.reference", file=sys.stderr)
+    return write_generated(args.out, markdown(), check=args.check, command="python -m prism_plugin.config.reference")
+
+
+def write_generated(path: Path, text: str, *, check: bool, command: str) -> int:
+    """Write a generated document (`text`) to `path`, or with `check` compare them: exit status 1 and a line naming
+    `command` when the file is stale (the reference page, the summary schema)."""
+    if check:
+        if not path.is_file() or path.read_text() != text:
+            print(f"{path} is stale: run {command}", file=sys.stderr)
             return 1
         return 0
-    args.out.write_text(text)
+    path.write_text(text)
     return 0
 
 

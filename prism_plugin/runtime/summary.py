@@ -138,14 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=SCHEMA_PATH)
     ap.add_argument("--check", action="store_true", help="exit 1 if --out differs from the model's schema")
     args = ap.parse_args(argv)
-    text = json.dumps(schema(), indent=1, sort_keys=True) + "\n"
-    if args.check:
-        if not args.out.is_file() or args.out.read_text() != text:
-            print(f"{args.out} is stale: run python -m prism_plugin.runtime.summary", file=sys.stderr)
-            return 1
-        return 0
-    args.out.write_text(text)
-    return 0
+    from prism_plugin.config.reference import write_generated
+
+    return write_generated(args.out, json.dumps(schema(), indent=1, sort_keys=True) + "\n", check=args.check,
+                           command="python -m prism_plugin.runtime.summary")
 
 
 if __name__ == "__main__":

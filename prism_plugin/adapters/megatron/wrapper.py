@@ -95,9 +95,10 @@ class PrismFlags:
             values[flags["prism-" + name].name] = False  # the only switch: --prism-no-timing
         return resolve(values, Entry.DROP_IN, environ=environ)
 
-    def to_config(self) -> EmulationConfig:
-        """The EmulationConfig these flags describe (ConfigError naming the flag when invalid)."""
-        settings = self.settings()
+    def to_config(self, settings: Settings | None = None) -> EmulationConfig:
+        """The EmulationConfig these flags describe (ConfigError naming the flag when invalid); `settings`: these
+        flags' `settings()`, when the caller already resolved them."""
+        settings = self.settings() if settings is None else settings
         graph = settings.time.graph
         if graph is not None and not graph.is_file():
             raise ConfigError(f"--prism-graph {graph}: no such file; build one with `prism graph build`")
@@ -355,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         script_argv, flags = split_prism_flags(argv)
         settings = flags.settings()
         os.environ.update(settings.environ())  # the settings the rank processes read, for every process it starts
-        config = flags.to_config()
-        if flags.policy_defaults() and ("RANK" not in os.environ or (os.environ["RANK"] == "0" and not _PRELOADED)):
+        config = flags.to_config(settings)
+        if settings.policy_defaults and ("RANK" not in os.environ or (os.environ["RANK"] == "0" and not _PRELOADED)):
             from prism_plugin.launch.preflight import default_profile_note
 
             print(default_profile_note(FLAG_NAMES), file=sys.stderr, flush=True)  # once: launcher or process 0
