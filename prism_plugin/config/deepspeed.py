@@ -120,7 +120,7 @@ def load_ds_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         return json.loads(text)
     except json.JSONDecodeError:
         try:
-            import hjson  # DeepSpeed's own config reader accepts HJSON
+            import hjson  # type: ignore[import-untyped]  # DeepSpeed's own config reader accepts HJSON
         except ImportError:
             raise ConfigError(f"{path}: not valid JSON") from None
         try:

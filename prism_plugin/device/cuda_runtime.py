@@ -23,6 +23,9 @@ import ctypes
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
+
+from prism_plugin.device.active import Slot, slot
 
 __all__ = ["MAX_DEVICES", "build", "exit_now", "library_env", "library_path", "preload", "preload_if_launched",
            "preloaded", "reexec", "set_device"]
@@ -139,12 +142,14 @@ def preload(path: Path | None = None) -> None:
     te.install()  # before the program (or an adapter's argument parsing) imports Megatron, which probes TE once
 
 
-_MODULE: list = []
+_LIBRARY: Slot[ModuleType] = slot("virtual_cuda_library", permanent=True)
+"""The device library, once loaded into this process (`prism_plugin.device.active`)."""
 
 
 def _module() -> object | None:
-    if _MODULE:
-        return _MODULE[0]
+    loaded = _LIBRARY.current()
+    if loaded is not None:
+        return loaded
     path = library_path()
     if path is None or "torch" not in sys.modules:
         return None
@@ -155,7 +160,7 @@ def _module() -> object | None:
         return None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    _MODULE.append(module)
+    _LIBRARY.enter(module)
     return module
 
 

@@ -52,19 +52,20 @@ from typing import Any, TypeVar
 import torch
 
 from prism_plugin.cost.kernels import KernelClass, KernelCost
+from prism_plugin.device.active import Slot, slot
 from prism_plugin.device.kernels import kernel_cost, tensor_accesses
 
 __all__ = ["FusedModule", "FusionRegions", "RegionEnd", "activate", "active", "compile", "deactivate", "fused"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _PREFIX = "fused::"
-_ACTIVE: list[FusionRegions] = []
-_LOCK = threading.Lock()
+_REGIONS: Slot[FusionRegions] = slot("fusion_regions", stack=True)
+"""The fusion regions of the running virtual GPUs (`prism_plugin.device.active`)."""
 
 
 def active() -> FusionRegions | None:
     """The fusion regions of the virtual GPU running in this process (None: no virtual GPU: regions run eagerly)."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    return _REGIONS.current()
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,12 +335,9 @@ def compile(model: Any = None, *, disable: bool = False, **options: Any) -> Any:
 
 def activate(regions: FusionRegions) -> None:
     """Make `regions` this process's (the virtual GPU starts)."""
-    with _LOCK:
-        _ACTIVE.append(regions)
+    _REGIONS.enter(regions)
 
 
 def deactivate(regions: FusionRegions) -> None:
     """The virtual GPU of `regions` stops: fused functions run eagerly again."""
-    with _LOCK:
-        if regions in _ACTIVE:
-            _ACTIVE.remove(regions)
+    _REGIONS.leave(regions)

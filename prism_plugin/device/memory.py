@@ -39,12 +39,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from prism_plugin.device.active import Slot, slot
 from prism_plugin.device.leaves import leaves
 
 __all__ = ["StorageTracker", "current_tracker"]
 
-_CURRENT: list[StorageTracker] = []
-_LOCK = threading.Lock()
+TRACKERS: Slot[StorageTracker] = slot("storage_tracker", stack=True)
+"""The running trackers of this process, innermost last (`prism_plugin.device.active`)."""
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -78,7 +79,7 @@ def _full_storage_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int |
 
 def current_tracker() -> StorageTracker | None:
     """The innermost running tracker of this process, if any."""
-    return _CURRENT[-1] if _CURRENT else None
+    return TRACKERS.current()
 
 
 class StorageTracker(TorchDispatchMode):
@@ -222,15 +223,12 @@ class StorageTracker(TorchDispatchMode):
     def __enter__(self) -> StorageTracker:
         if self._owner is None:
             self._owner = threading.get_ident()
-        with _LOCK:
-            _CURRENT.append(self)
+        TRACKERS.enter(self)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        with _LOCK:
-            if self in _CURRENT:
-                _CURRENT.remove(self)
+        TRACKERS.leave(self)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

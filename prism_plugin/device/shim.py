@@ -26,7 +26,8 @@ import torch
 
 from prism_plugin.cost.allocator import CachingAllocatorModel
 from prism_plugin.cost.gpu import GpuSpec
-from prism_plugin.device import cuda_runtime, snapshot
+from prism_plugin.device import active, cuda_runtime, snapshot
+from prism_plugin.device.active import Slot
 from prism_plugin.device.clock import VirtualTime
 from prism_plugin.device.undo import Patches
 
@@ -171,10 +172,12 @@ CUDA_VERSION = "12.9"
 """What ``torch.version.cuda`` answers on virtual GPUs (a policy answer: the CUDA 12.9 toolkit)."""
 
 
+SHIM: Slot[CudaShim] = active.slot("cuda_shim")
+"""The virtual GPU that answers ``torch.cuda`` in this process (`prism_plugin.device.active`)."""
+
+
 class CudaShim:
     """``torch.cuda`` of `num_devices` virtual GPUs of model `gpu`; `allocators[i]` models device i's memory."""
-
-    _ACTIVE: CudaShim | None = None
 
     def __init__(self, gpu: GpuSpec, allocators: list[CachingAllocatorModel], *, current: int = 0) -> None:
         self.gpu = gpu
@@ -190,9 +193,10 @@ class CudaShim:
 
     @classmethod
     def active(cls) -> CudaShim:
-        if cls._ACTIVE is None:
+        shim = SHIM.current()
+        if shim is None:
             raise RuntimeError("prism: torch.cuda.Stream/Event need an active virtual GPU (device mode virtual-gpu)")
-        return cls._ACTIVE
+        return shim
 
     # -- devices and streams ------------------------------------------------------------------------
     def _index(self, device: Any = None) -> int:
@@ -300,7 +304,7 @@ class CudaShim:
     # -- install ------------------------------------------------------------------------------------------
     def install(self) -> CudaShim:
         """Patch ``torch.cuda`` (and its submodules' copies) for this process; `uninstall` restores it."""
-        if CudaShim._ACTIVE is not None:
+        if SHIM.current() is not None:
             raise RuntimeError("prism: a virtual GPU is already installed in this process")
         if len(self.allocators) > cuda_runtime.MAX_DEVICES:
             raise RuntimeError(f"prism: a virtual-GPU process has at most {cuda_runtime.MAX_DEVICES} devices")
@@ -354,8 +358,8 @@ class CudaShim:
                   lambda backend: backend.lower() == "nccl" or backend_available(backend))
         self._count_backward_passes()
         snapshot.install(self)  # torch.cuda.memory's history and snapshot API (memory_viz's input)
-        CudaShim._ACTIVE = self
-        p.callback(setattr, CudaShim, "_ACTIVE", None)
+        SHIM.enter(self)
+        p.callback(SHIM.leave, self)
         return self
 
     def _count_backward_passes(self) -> None:

@@ -414,7 +414,7 @@ def _prism_session() -> Any:
 def _tracker_stack() -> list[Any]:
     from prism_plugin.device import memory
 
-    return list(memory._CURRENT)
+    return memory.TRACKERS.all()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,9 @@ the real processes share. From then on the unmodified program's collectives reac
 The session is comm's op context (`prism_plugin.comm.context.OpContext`): every virtual group reads this
 rank, the data policy, the timeout, the op clock (`WallClock`), the cost of an op and the ordered op
 observers from it (replayed arrivals, live faults, replayer, recorder, tracer, the op counters; the
-order and its reasons are in `prism_plugin.comm.context`). comm imports nothing from here.
+order and its reasons are in `prism_plugin.comm.context`). comm imports nothing from here. The session is built
+from its parts (`prism_plugin.runtime.parts`: the clock, the cost model, the observers), made by `activate` from
+the config and injected, and it is held in the process's ``session`` slot (`prism_plugin.device.active`).
 
 Seams owned here (each explicit, each undone by `deactivate`):
 - `new_group` delegation (torch >= 2.13): the default group creates subgroups itself, no
@@ -40,7 +42,6 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,23 +51,25 @@ import torch.distributed.distributed_c10d as c10d
 from prism_plugin.comm.backend import BACKEND_NAME, PrismProcessGroup
 from prism_plugin.comm.context import OpEvent, OpObserver, OpWork
 from prism_plugin.comm.group import VirtualGroup
-from prism_plugin.comm.recording import Recorder, Replayer
 from prism_plugin.config.emulation import ConfigError, EmulationConfig
 from prism_plugin.config.kinds import ArrivalAssumption, DataPolicy, DeviceMode, IterationMarker, OpKind
-from prism_plugin.cost import CostModel, load_profile
 from prism_plugin.cost.model import GroupPlacement
-from prism_plugin.device.op_clock import EmulationClock, WakeupStats, WallClock
+from prism_plugin.device import active
+from prism_plugin.device.active import Slot
+from prism_plugin.device.op_clock import WakeupStats
 from prism_plugin.device.undo import Patches
+from prism_plugin.runtime.parts import SessionParts, build_parts
 
 __all__ = ["Session", "activate", "deactivate", "current_session", "mark_iteration"]
 
-_CURRENT: Session | None = None
+SESSION: Slot[Session] = active.slot("session")
+"""The session of this process (`prism_plugin.device.active`: the owner of process-wide state)."""
 _LOCK = threading.Lock()
 
 
 def current_session() -> Session | None:
     """The active session of this process, if any."""
-    return _CURRENT
+    return SESSION.current()
 
 
 def _delegation_enabled() -> bool:
@@ -94,16 +97,6 @@ def emulated_backend(requested: Any, config: EmulationConfig) -> str:
         return str(dist.Backend(str(requested)))
     except ValueError as exc:
         raise ConfigError(f"backend={requested!r}: {exc}; name the backend the program uses (gloo, nccl)") from None
-
-
-def _virtual_time(config: EmulationConfig) -> Any:
-    """The active virtual GPU's emulated clock (`prism_plugin.device.clock.VirtualTime`), if any."""
-    if getattr(config, "device", None) is not DeviceMode.VIRTUAL_GPU:
-        return None
-    from prism_plugin.device.shim import CudaShim
-
-    shim = CudaShim._ACTIVE
-    return None if shim is None else shim.clock
 
 
 def _record_backend(pg: Any, name: str) -> None:
@@ -155,7 +148,8 @@ class Session:
     context (`prism_plugin.comm.context.OpContext`)."""
 
     def __init__(self, config: EmulationConfig, process_index: int, real_store: dist.Store | None,
-                 backend: str = "gloo") -> None:
+                 parts: SessionParts, backend: str = "gloo") -> None:
+        """The session of real process `process_index` under `config`, made of `parts` (`build_parts`)."""
         world = config.world
         self.config = config
         self.backend_name = backend
@@ -167,105 +161,24 @@ class Session:
         self.real_ranks = world.real_ranks
         self.data_policy = config.data_policy
         self.timeout_s = config.timeout_s
-        if world.num_real > 1 and real_store is None:
-            raise ConfigError(
-                f"{world.num_real} real ranks need a store shared by the real processes: pass real_store=, "
-                "or launch with `prism run` / torchrun (MASTER_ADDR and MASTER_PORT set)"
-            )
-        self.real_store = real_store
-        self.profile = load_profile(config.profile)
-        self.cost_model = CostModel(self.profile)
         self.gpus_per_node = world.gpus_per_node
-        self.arrivals = ArrivalAssumption.SYMMETRIC
-        self.op_clock: Any = WallClock()
-        self.timing = config.timing
+        self.real_store = real_store
+        self.profile, self.cost_model = parts.profile, parts.cost_model
+        self.op_clock, self.virtual_time, self.clock = parts.op_clock, parts.virtual_time, parts.clock
+        self.timing = parts.timing
         """Whether ops take their modelled time (sleeping on the wall clock, advancing a virtual one)."""
-        self.virtual_time = _virtual_time(config)
-        if self.virtual_time is not None:  # virtual GPUs with virtual time: the emulated clock, nothing sleeps
-            # (several real ranks: each op's arrival travels with it through the inner group, the clock's docstring)
-            self.op_clock = self.virtual_time
-            self.timing = True
-        self.clock = EmulationClock(self.op_clock.now_s)
-        self.recorder = Recorder(config.record_dir, self.rank, world.world_size) if config.record_dir else None
-        self.replayer = (
-            Replayer(config.replay_dir, self.rank, world.world_size)
-            if config.data_policy is DataPolicy.RECORDED and config.replay_dir is not None
-            else None
-        )
+        self.recorder, self.replayer, self.tracer = parts.recorder, parts.replayer, parts.tracer
+        self.replayed, self.faults, self.timeline = parts.replayed, parts.faults, parts.timeline
+        self.profiler_ranges, self.kineto = parts.profiler_ranges, parts.kineto
+        self.arrivals = ArrivalAssumption.SYMMETRIC if self.replayed is None else ArrivalAssumption.REPLAYED
         self.counters = OpCounters(self.rank)
+        self.observers: tuple[OpObserver, ...] = parts.observers(self.counters)
+        """The op observers, in the order of `prism_plugin.comm.context` (which says why)."""
         self.groups_created = 0
         self._placements: dict[int, GroupPlacement] = {}
         self._costs: dict[tuple[int, OpKind, int, int | None], float] = {}
         self._patches = Patches()
-        # execution-graph layer: trace capture, replayed arrivals, iteration marks
         self._explicit_marks = False
-        self.tracer = None
-        self.replayed = None
-        if config.trace_dir is not None:
-            from prism_plugin.runtime.tracer import Tracer
-
-            self.tracer = Tracer(self.rank, world.world_size, config.trace_dir, config.trace_max_iterations, {
-                "profile": config.profile, "real_ranks": list(world.real_ranks),
-                "data_policy": config.data_policy.value, "iteration_marker": config.iteration_marker.value,
-                "graph": str(config.graph) if config.graph else None,
-            }, now_s=self.op_clock.now_s)
-        if config.graph is not None:
-            from prism_plugin.runtime.arrivals import load_arrivals
-
-            self.replayed = load_arrivals(config.graph, self.cost_model, self.rank, world.real_ranks,
-                                          world.world_size, self.clock, config.faults)  # GraphError on bad input
-            self.replayed.timing = self.timing
-            self.arrivals = ArrivalAssumption.REPLAYED
-        self.faults = None  # faults and what-ifs (prism_plugin.config.faults), an op observer
-        if config.faults:
-            from prism_plugin.cost.faults import FaultSet
-            from prism_plugin.runtime.live_faults import LiveFaults
-
-            self.faults = LiveFaults(FaultSet(config.faults, world.world_size, world.gpus_per_node), self.rank,
-                                     self.clock, config.timeout_s)
-            self.faults.timing = self.timing
-            if self.replayed is not None:  # the graph's replay already delays virtual stragglers' arrivals
-                self.faults.role_of = self.replayed._role
-                self.faults.live_stragglers = False
-        self.timeline = None  # the per-rank Chrome/Perfetto timeline (`timeline_dir`), an op observer
-        from prism_plugin.runtime.timeline import timeline_dir as timeline_dir_of
-
-        timeline_dir = timeline_dir_of(config.output_dir)
-        if timeline_dir is not None:
-            from prism_plugin.runtime.timeline import Timeline
-
-            self.timeline = Timeline(self.rank, world.world_size, timeline_dir,
-                                     now_s=self.op_clock.now_s,
-                                     time_name="wall" if self.virtual_time is None else "emulated")
-            self.timeline.faults = self.faults  # a delayed op names the straggler blamed for it
-            if self.virtual_time is not None:  # each kernel and op on its emulated stream's row
-                self.virtual_time.record = self.timeline.add_span
-        # torch.profiler: the real backend's ranges of each op while a profile runs (prism_plugin.runtime.profiler)
-        from prism_plugin.runtime.profiler import ProfilerRanges
-
-        self.profiler_ranges = ProfilerRanges(self.rank, backend, wall_now_s=self.op_clock.now_s
-                                              if self.virtual_time is None else None)
-        self.kineto = None  # the virtual-GPU Kineto trace (PRISM_KINETO=<dir>), an op observer
-        if os.environ.get("PRISM_KINETO"):
-            if self.virtual_time is None:
-                import warnings
-
-                warnings.warn("PRISM_KINETO is set but this run has no virtual time (virtual-GPU mode with "
-                              "PRISM_VIRTUAL_TIME=on): no Kineto trace is written", stacklevel=2)
-            else:
-                from prism_plugin.runtime.kineto import KinetoTrace
-
-                self.kineto = KinetoTrace(self.rank, world.world_size, Path(os.environ["PRISM_KINETO"]),
-                                          self.virtual_time, backend=backend)
-                self.kineto.attach()  # chained after the timeline's span recorder
-        # the op observers, in the order of prism_plugin.comm.context (which says why)
-        observers: list[OpObserver] = [o for o in (self.replayed, self.faults, self.replayer, self.recorder,
-                                                   self.tracer, self.timeline, self.profiler_ranges, self.kineto)
-                                      if o is not None]
-        observers.append(self.counters)
-        if isinstance(self.op_clock, OpObserver):  # an emulated clock advances with each op; the wall clock does not
-            observers.append(self.op_clock)
-        self.observers: tuple[OpObserver, ...] = tuple(observers)
 
     # -- figures kept by the op clock and the op counters ---------------------------------------------
     @property
@@ -488,7 +401,7 @@ class Session:
 
 
 def _creator(opts: Any, backend_options: Any) -> PrismProcessGroup:
-    session = _CURRENT
+    session = SESSION.current()
     if session is None:
         raise RuntimeError("prism: the prism backend is only usable through prism_plugin.activate()")
     ranks = list(opts.global_ranks_in_group)
@@ -514,7 +427,6 @@ def activate(config: EmulationConfig, process_index: int = 0, real_store: dist.S
     (a launcher's process count), must equal the number of real ranks. Raises `ConfigError`
     before touching torch.distributed when the input is invalid.
     """
-    global _CURRENT
     if not isinstance(config, EmulationConfig):
         raise ConfigError("activate() needs an EmulationConfig(world=VirtualWorld(...), ...)")
     if num_processes is not None and num_processes != config.world.num_real:
@@ -522,18 +434,25 @@ def activate(config: EmulationConfig, process_index: int = 0, real_store: dist.S
             f"real_ranks lists {config.world.num_real} real ranks but {num_processes} processes were "
             f"launched; launch {config.world.num_real} processes or list {num_processes} real ranks"
         )
+    if config.world.num_real > 1 and real_store is None:
+        raise ConfigError(
+            f"{config.world.num_real} real ranks need a store shared by the real processes: pass real_store=, "
+            "or launch with `prism run` / torchrun (MASTER_ADDR and MASTER_PORT set)"
+        )
     with _LOCK:
-        if _CURRENT is not None or dist.is_initialized():
+        if SESSION.current() is not None or dist.is_initialized():
             raise RuntimeError(
                 "prism: torch.distributed is already initialised; activate() must run before "
                 "init_process_group (or call prism_plugin.deactivate() first)"
             )
-        session = Session(config, process_index, real_store, emulated_backend(backend, config))
+        name = emulated_backend(backend, config)
+        rank = config.world.virtual_rank_of(process_index)
+        session = Session(config, process_index, real_store, build_parts(config, rank, name), name)
         if os.environ.get("TORCH_DIST_INIT_BARRIER", "0") != "0":
             os.environ["TORCH_DIST_INIT_BARRIER"] = "0"  # a store barrier over N ranks would wait forever
         if BACKEND_NAME.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(BACKEND_NAME, _creator, extended_api=True, devices=["cpu", "cuda"])
-        _CURRENT = session
+        SESSION.enter(session)
         session.install()
         try:
             dist.init_process_group(
@@ -545,7 +464,7 @@ def activate(config: EmulationConfig, process_index: int = 0, real_store: dist.S
             )
         except BaseException:
             session.uninstall()
-            _CURRENT = None
+            SESSION.leave(session)
             raise
         if session.backend_name != BACKEND_NAME:
             default_pg = c10d._get_default_group()
@@ -557,9 +476,10 @@ def activate(config: EmulationConfig, process_index: int = 0, real_store: dist.S
 
 def mark_iteration(iteration: int | None = None) -> None:
     """Anchor the emulation clock at the start of a training iteration (adapters call this)."""
-    if _CURRENT is None:
+    session = SESSION.current()
+    if session is None:
         raise RuntimeError("prism: mark_iteration() needs an active emulation (prism_plugin.activate)")
-    _CURRENT.mark_iteration(iteration)
+    session.mark_iteration(iteration)
 
 
 def deactivate() -> dict[str, Any] | None:
@@ -568,9 +488,8 @@ def deactivate() -> dict[str, Any] | None:
     Faults that never fired are said on stderr; when one of them is ``strict=true``,
     `prism_plugin.runtime.live_faults.FaultNeverFiredError` is raised after the teardown, carrying the summary.
     """
-    global _CURRENT
     with _LOCK:
-        session = _CURRENT
+        session = SESSION.current()
         if session is None:
             return None
         try:
@@ -586,7 +505,7 @@ def deactivate() -> dict[str, Any] | None:
                 session.timeline.write()
             if session.kineto is not None:
                 session.kineto.write()
-            _CURRENT = None
+            SESSION.leave(session)
         summary = session.summary()
         if session.faults is not None:
             strict = session.faults.report_never_fired()

@@ -48,17 +48,19 @@ import prism_plugin.runtime.session as session_mod
 from prism_plugin.adapters.deepspeed.section import PrismSection, parse_section
 from prism_plugin.config.emulation import ConfigError
 from prism_plugin.config.kinds import DeviceMode
+from prism_plugin.device.active import Slot, slot
 from prism_plugin.runtime.lifecycle import EmulatedRun, real_store
 
 __all__ = ["DeepSpeedEmulation", "init_distributed", "shutdown", "active", "maybe_init_distributed"]
 
-_ACTIVE: DeepSpeedEmulation | None = None
+_EMULATION: Slot[DeepSpeedEmulation] = slot("deepspeed_emulation")
+"""The emulation this process runs under (`prism_plugin.device.active`)."""
 _ATEXIT_REGISTERED = False
 
 
 def active() -> DeepSpeedEmulation | None:
     """The emulation this process runs under, if any."""
-    return _ACTIVE
+    return _EMULATION.current()
 
 
 class DeepSpeedEmulation:
@@ -199,7 +201,7 @@ def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, st
     and N. `store` (or ``init_method="file://..."``) overrides the real processes' rendezvous; by default
     it is the launcher's MASTER_ADDR:MASTER_PORT. `process_index` overrides the launcher's RANK.
     """
-    global _ACTIVE, _ATEXIT_REGISTERED
+    global _ATEXIT_REGISTERED
     section = parse_section(config, required=False) if config is not None else None
     if section is None:
         import deepspeed
@@ -210,9 +212,10 @@ def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, st
             kwargs["timeout"] = timeout
         deepspeed.init_distributed(**kwargs)
         return None
-    if _ACTIVE is not None:
-        if _ACTIVE.section.emulation == section.emulation:
-            return _ACTIVE  # DeepSpeed scripts may initialise twice
+    running = active()
+    if running is not None:
+        if running.section.emulation == section.emulation:
+            return running  # DeepSpeed scripts may initialise twice
         raise RuntimeError("prism: an emulation with another \"prism\" section is active; call shutdown() first")
     index, launched = _launcher_process()
     if process_index is not None:
@@ -246,7 +249,7 @@ def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, st
     except BaseException:
         emulation.close()
         raise
-    _ACTIVE = emulation
+    _EMULATION.enter(emulation)
     if not _ATEXIT_REGISTERED:
         atexit.register(shutdown)
         _ATEXIT_REGISTERED = True
@@ -280,16 +283,16 @@ def maybe_init_distributed(config: Any) -> bool:
     an emulation is (now) active, False when the config has no section (DeepSpeed proceeds as usual).
     """
     if config is None:
-        return _ACTIVE is not None
+        return active() is not None
     param_dict = getattr(config, "_param_dict", None)
     if isinstance(param_dict, Mapping):
         config = param_dict
     if isinstance(config, Mapping) and "prism" not in config:
-        return _ACTIVE is not None
+        return active() is not None
     section = parse_section(config, required=False)
     if section is None:
-        return _ACTIVE is not None
-    if _ACTIVE is None and dist.is_initialized():
+        return active() is not None
+    if active() is None and dist.is_initialized():
         raise RuntimeError('prism: torch.distributed was initialised before the "prism" section was read; '
                            "pass the config to the first init_distributed call")
     init_distributed(config)
@@ -298,8 +301,8 @@ def maybe_init_distributed(config: Any) -> bool:
 
 def shutdown() -> dict[str, Any] | None:
     """End the emulation: undo the seams, destroy the groups; returns the session summary (None if inactive)."""
-    global _ACTIVE
-    emulation, _ACTIVE = _ACTIVE, None
+    emulation = active()
     if emulation is None:
         return None
+    _EMULATION.leave(emulation)
     return emulation.close()

@@ -33,18 +33,20 @@ from typing import Any
 
 from prism_plugin.config.emulation import ConfigError, EmulationConfig
 from prism_plugin.config.kinds import DeviceMode
+from prism_plugin.device.active import Slot, slot
 
 __all__ = ["ENTRY_ENV", "active_gpu", "main", "reexec"]
 
 ENTRY_ENV = "PRISM_DS_VIRTUAL_GPU"
 """Set by `reexec` for the entry: the GPU model and the devices per process, as JSON."""
 _ENTRY_MODULE = "prism_plugin.deepspeed"
-_GPU: list[Any] = []  # the entry's VirtualGpu (one per process)
+_GPU: Slot[Any] = slot("deepspeed_virtual_gpu", permanent=True)
+"""The entry's `VirtualGpu`: one per process, kept to its exit (`prism_plugin.device.active`)."""
 
 
 def active_gpu() -> Any | None:
     """The `VirtualGpu` the entry started in this process, or None."""
-    return _GPU[0] if _GPU else None
+    return _GPU.current()
 
 
 def _target_argv() -> list[str]:
@@ -132,7 +134,7 @@ def _start_gpu() -> Any:
     if options.enabled and spec.get("profile") is not None:
         start_virtual_time(vgpu, load_profile(spec["profile"]), options)
     _skip_no_op_swaps(vgpu)
-    _GPU.append(vgpu)
+    _GPU.enter(vgpu)
     return vgpu
 
 

@@ -50,11 +50,13 @@ import torch
 
 from prism_plugin.adapters.megatron import compat
 from prism_plugin.adapters.megatron.cpu_shim import CpuShim
+from prism_plugin.device.active import Slot, slot
 from prism_plugin.device.undo import Patches
 
 __all__ = ["MegatronAdapter", "rebind_everywhere", "current_adapter"]
 
-_CURRENT: MegatronAdapter | None = None
+_ADAPTER: Slot[MegatronAdapter] = slot("megatron_adapter")
+"""The installed adapter of this process (`prism_plugin.device.active`)."""
 
 _SCHEDULES = (
     "forward_backward_no_pipelining",
@@ -65,7 +67,7 @@ _SCHEDULES = (
 
 def current_adapter() -> MegatronAdapter | None:
     """The installed adapter of this process, if any."""
-    return _CURRENT
+    return _ADAPTER.current()
 
 
 def rebind_everywhere(original: Any, replacement: Any, patches: Patches,
@@ -123,8 +125,7 @@ class MegatronAdapter:
 
     # -- install / uninstall -------------------------------------------------------------------------
     def install(self) -> MegatronAdapter:
-        global _CURRENT
-        if _CURRENT is not None:
+        if _ADAPTER.current() is not None:
             raise RuntimeError("prism: a Megatron adapter is already installed in this process")
         compat.import_megatron_core()
         training = self.import_training
@@ -174,14 +175,12 @@ class MegatronAdapter:
         except BaseException:
             self._teardown()
             raise
-        _CURRENT = self
+        _ADAPTER.enter(self)
         return self
 
     def uninstall(self) -> None:
-        global _CURRENT
         self._teardown()
-        if _CURRENT is self:
-            _CURRENT = None
+        _ADAPTER.leave(self)
 
     def _teardown(self) -> None:
         self._patches.close()

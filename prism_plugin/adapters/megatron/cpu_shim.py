@@ -80,6 +80,7 @@ from typing import Any
 import torch
 import torch.overrides
 
+from prism_plugin.device.active import Slot, slot
 from prism_plugin.device.undo import Patches
 
 __all__ = ["CpuPatch", "CpuShim", "PATCHES", "active_shim", "install_sp_norm", "sp_norm_new"]
@@ -285,9 +286,8 @@ class CpuShim:
 
     # -- install / uninstall -----------------------------------------------------------------------
     def install(self) -> CpuShim:
-        global _ACTIVE
         with _LOCK:
-            if _ACTIVE is not None:
+            if _SHIM.current() is not None:
                 raise RuntimeError("prism: the Megatron CPU shim is already installed in this process")
             if torch.cuda.is_available():
                 raise RuntimeError(
@@ -295,7 +295,7 @@ class CpuShim:
                     "are used and no shim is needed"
                 )
             self._install()
-            _ACTIVE = self
+            _SHIM.enter(self)
         return self
 
     def _install(self) -> None:
@@ -389,12 +389,10 @@ class CpuShim:
             self._mode = None
 
     def uninstall(self) -> None:
-        global _ACTIVE
         with _LOCK:
             self._patches.close()
             self.applied = []
-            if _ACTIVE is self:
-                _ACTIVE = None
+            _SHIM.leave(self)
 
 
 def _reset_peak() -> None:
@@ -405,10 +403,11 @@ def _reset_peak() -> None:
         tracker.reset_peak()
 
 
-_ACTIVE: CpuShim | None = None
+_SHIM: Slot[CpuShim] = slot("megatron_cpu_shim")
+"""The installed shim of this process (`prism_plugin.device.active`)."""
 _LOCK = threading.Lock()
 
 
 def active_shim() -> CpuShim | None:
     """The installed shim of this process, if any."""
-    return _ACTIVE
+    return _SHIM.current()

@@ -32,6 +32,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+from prism_plugin.device.active import Slot, slot
+
 __all__ = ["TE_VERSION", "TeNotInstalled", "available", "install", "installed", "missing_message", "te_path"]
 
 TE_VERSION = "2.14.0"
@@ -209,7 +211,8 @@ def _load_framework_extension(framework: str) -> None:
         raise ImportError(f"transformer_engine_{framework}: virtual GPUs emulate TE's PyTorch extension only")
 
 
-_INSTALLED = False
+_EXTENSION: Slot[types.ModuleType] = slot("transformer_engine", permanent=True)
+"""The fake ``transformer_engine_torch`` once `install` put it in ``sys.modules`` (`prism_plugin.device.active`)."""
 
 
 def _switch() -> str:
@@ -244,7 +247,7 @@ def missing_message() -> str:
 
 def installed() -> bool:
     """Whether this process runs TE over the fake extension."""
-    return _INSTALLED
+    return _EXTENSION.current() is not None
 
 
 def install(*, required: bool = False) -> bool:
@@ -253,8 +256,7 @@ def install(*, required: bool = False) -> bool:
     Without TE's pure-Python package in `te_path` (and no importable ``transformer_engine`` of release
     `TE_VERSION`) nothing changes and the answer is False, or, `required`, `TeNotInstalled` names the set-up
     command."""
-    global _INSTALLED
-    if _INSTALLED:
+    if installed():
         return True
     switch = _switch()
     if switch not in ("on", "off"):
@@ -292,5 +294,5 @@ def install(*, required: bool = False) -> bool:
 
     # TE compares q/k/v storage pointers to find its layout; a fake storage's pointer is 0 for all, and torch warns
     warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-    _INSTALLED = True
+    _EXTENSION.enter(module)
     return True

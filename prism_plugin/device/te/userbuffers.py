@@ -30,16 +30,18 @@ from typing import Any
 
 import torch
 
+from prism_plugin.device.active import Slot, slot
 from prism_plugin.device.te import ops
 
 __all__ = ["CommOverlap", "CommOverlapHelper", "CommOverlapP2P", "buffer_bytes", "overlapped_gemm"]
 
-_BUFFERS: list[int] = []
+_BUFFERS: Slot[torch.Tensor] = slot("userbuffers", stack=True, permanent=True)
+"""Every userbuffer of this process (TE keeps them to the end; `prism_plugin.device.active`)."""
 
 
 def buffer_bytes() -> int:
     """Device bytes the userbuffers of this process hold (outside the caching allocator)."""
-    return sum(_BUFFERS)
+    return sum(b.numel() * b.element_size() for b in _BUFFERS.all())
 
 
 class CommOverlapHelper:
@@ -83,7 +85,7 @@ class _UserbufferCore:
         reduce_scatter = self.p2p and comm_type is not None and getattr(comm_type, "name", "") == "RS"
         chunks = 2 * self.tp_size - 1 if reduce_scatter else self.tp_size
         self.buffer = _untracked_empty((self.chunk_rows * chunks, cols), buffer_dtype)
-        _BUFFERS.append(self.buffer.numel() * self.buffer.element_size())
+        _BUFFERS.enter(self.buffer)
         self.streams = (torch.cuda.Stream(), torch.cuda.Stream())
 
     def is_fp8_ubuf(self) -> bool:
