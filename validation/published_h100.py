@@ -1,4 +1,4 @@
-"""Re-run the rows of recipes/RESULTS.md "Validation against published H100 throughput (issue 13, 6a)".
+"""Re-run the rows of recipes/RESULTS.md "Validation against published H100 throughput" (issue 13, 6a).
 
 Each row is a published, measured BF16 H100 training throughput of a Megatron-core job (NVIDIA's DGX Cloud
 benchmarking recipes, which run NeMo on Megatron-core) and the `prism emulate` command that reproduces its
@@ -8,6 +8,11 @@ its own efficiency estimates, so every row is a validation row.
     .venv/bin/python validation/published_h100.py                 # every row
     .venv/bin/python validation/published_h100.py nemotron4-15b-16 # one row (see ROWS)
     .venv/bin/python validation/published_h100.py --table          # the table from validation/published/*.json
+    .venv/bin/python validation/published_h100.py [...] --write-results  # also the results document's data
+
+``--write-results`` writes ``validation/results/published_h100.json`` from the reports (`results_data`: every row
+with a report or an out-of-memory record, the per-class figures) and regenerates ``recipes/RESULTS.md`` from it;
+with ``--table`` it keeps the data file's date, host conditions, sources and notes (the reports are that run's).
 
 Each run writes ``validation/published/<row>.emulate.json`` (the report of `prism emulate`); the table compares
 its tokens/s/GPU and model TFLOP/s/GPU with the published figures. One row at a time: a full-depth model
@@ -30,13 +35,20 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from prism_plugin.cli.emulate import emulate
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository's validation package (this file runs as a script)
+from validation.results import DATA_DIR, write_source  # noqa: E402
+
 OUT = ROOT / "validation" / "published"
 PROGRAM = "prism_plugin/programs/pretrain_gpt.py"
+H100_BF16_TFLOPS = 989.0
+"""The published MFU's denominator (the table's since the first run; the predicted MFU is the report's own)."""
 
 _DGXC = "https://github.com/NVIDIA/dgxc-benchmarking/blob/0b71cfda5163540778e2a3d2db59858bf62f96f7"
 _DGXC_340B = "https://github.com/NVIDIA/dgxc-benchmarking/blob/main/nemotron/README_340b.md"
@@ -185,17 +197,109 @@ def table() -> list[str]:
         errors.append(abs(e_tok))
         lines.append(f"| {row['name']} | {row['gpus']} | {row['gbs']} | {pub['tokens_per_s_per_gpu']} | {tok} | "
                      f"{100 * e_tok:+.1f}% | {pub['tflops_per_s_per_gpu']} / {pub_meg:.1f} | {tfl} | "
-                     f"{100 * pub_meg * 1e12 / 989e12:.1f}% / {100 * rep['mfu']:.1f}% |")
+                     f"{100 * pub_meg / H100_BF16_TFLOPS:.1f}% / {100 * rep['mfu']:.1f}% |")
     if errors:
         lines.append(f"\nmean |error| (tokens/s/GPU) over {len(errors)} rows: {100 * sum(errors) / len(errors):.1f}%")
     return lines
 
 
+def _layout_text(row: dict[str, Any]) -> str:
+    """``TP4 PP1 MBS4`` from ``TP4 PP1 CP1 VP- EP1``: TP and PP always, the others where they are not 1."""
+    parts = [p for p in row["layout"].split() if p[:2] in ("TP", "PP") or p[2:] not in ("1", "-")]
+    return " ".join([*parts, f"MBS{row['mbs']}"])
+
+
+def _gib(n: int) -> float:
+    return round(n / 2**30, 2)
+
+
+def results_data(previous: dict[str, Any] | None = None, *, conditions: str | None = None) -> dict[str, Any]:
+    """``validation/results/published_h100.json`` from the reports in `OUT`: one row per row of `ROWS` that has a
+    report (or an out-of-memory record), published vs predicted, and each class of ranks' time and memory.
+    ``conditions`` (the host during the runs) None: the run's date, conditions, sources and notes are kept from
+    ``previous`` (the table alone, from the reports of that run)."""
+    rows: list[dict[str, Any]] = []
+    classes: list[dict[str, Any]] = []
+    for row in ROWS:
+        pub = row["published"]
+        label = f"{row['model'].split()[-1]}, {row['gpus']} GPUs" + ("" if pub else f", GBS {row['gbs']}")
+        entry: dict[str, Any] = {
+            "row": row["name"], "model": row["model"], "role": "validate" if pub else "report", "gpus": row["gpus"],
+            "gbs": row["gbs"], "layout": _layout_text(row),
+            "published_tokens_per_s_per_gpu": pub and pub["tokens_per_s_per_gpu"],
+            "predicted_tokens_per_s_per_gpu": None, "error_pct": None,
+            "published_tflops_recipe": pub and pub["tflops_per_s_per_gpu"], "published_tflops_megatron": None,
+            "predicted_tflops": None, "published_mfu_pct": None, "predicted_mfu_pct": None, "profiling_wall_s": None}
+        report, oom = OUT / f"{row['name']}.emulate.json", OUT / f"{row['name']}.oom.json"
+        if report.is_file():
+            rep = json.loads(report.read_text())
+            tok = rep["tokens_per_s_per_gpu"]
+            entry.update(predicted_tokens_per_s_per_gpu=tok, predicted_tflops=rep["model_tflops_per_s_per_gpu"],
+                         predicted_mfu_pct=round(100 * rep["mfu"], 1),
+                         profiling_wall_s=round(sum(c["profiling_run_wall_s"] for c in rep["classes"])))
+            if pub is not None:
+                per_token = rep["model_flops_per_iteration"] / (rep["global_batch_size"] * rep["seq_length"])
+                megatron = pub["tokens_per_s_per_gpu"] * per_token / 1e12
+                entry.update(error_pct=round(100 * (tok / pub["tokens_per_s_per_gpu"] - 1), 2),
+                             published_tflops_megatron=round(megatron, 1),
+                             published_mfu_pct=round(100 * megatron / H100_BF16_TFLOPS, 1))
+            else:
+                entry["note"] = "no published figure"
+            if rep["profiling_runs"] > 1:
+                entry["profiling_note"] = f"{rep['profiling_runs']} runs"
+            for c in rep["classes"]:
+                classes.append({"row": label, "class": "all" if len(rep["classes"]) == 1 else c["class"],
+                                "step_ms": round(c["step_ms"], 1), "compute_ms": round(c["compute_ms"], 1),
+                                "exposed_comm_ms": round(c["exposed_comm_ms"], 1),
+                                "bubble_ms": round(c["bubble_ms"], 1),
+                                "peak_allocated_gib": _gib(c["peak_allocated_bytes"]),
+                                "peak_reserved_gib": _gib(c["peak_reserved_bytes"]),
+                                "device_total_gib": _gib(c["device_total_bytes"])})
+        elif oom.is_file():
+            record = json.loads(oom.read_text())
+            device = record["device"]
+            failed = device["ooms"][0]["alloc_size"] / 2**20
+            entry.update(note="does not fit", profiling_note=f"OOM in {record['profiling_run'].replace('run', 'run ')}")
+            classes.append({"row": label, "class": f"rank {record['rank']}", "step_ms": None, "compute_ms": None,
+                            "exposed_comm_ms": None, "bubble_ms": None,
+                            "peak_allocated_gib": _gib(device["peak_allocated_bytes"]),
+                            "peak_allocated_note": f"then a {failed:.0f} MiB request fails (iteration "
+                                                   f"{len(record['emulated_step_s_before_the_oom']) + 1})",
+                            "peak_reserved_gib": _gib(device["peak_reserved_bytes"]),
+                            "device_total_gib": _gib(device["device_total_bytes"])})
+        else:
+            continue
+        rows.append(entry)
+    data: dict[str, Any] = {
+        "source": "published_h100", "date": datetime.now(UTC).date().isoformat(),
+        "command": ".venv/bin/python validation/published_h100.py --write-results",
+        "conditions": conditions or "not recorded",
+        "fitting": "Nothing fitted: the dgx-h100 profile's own efficiency estimates; every row with a published "
+                   "figure is a validation row.",
+        "sources": list(dict.fromkeys(f"{r['model']}: {r['source']}" for r in ROWS)), "rows": rows,
+        "classes": classes}
+    if conditions is None and previous:
+        data.update({k: previous[k] for k in ("date", "conditions", "sources", "notes") if k in previous})
+    return data
+
+
+def _write_results(conditions: str | None) -> None:
+    path = DATA_DIR / "published_h100.json"
+    previous = json.loads(path.read_text()) if path.is_file() else None
+    print(f"wrote {write_source('published_h100', results_data(previous, conditions=conditions))} and "
+          "recipes/RESULTS.md", file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
+    write = "--write-results" in argv
+    argv = [a for a in argv if a != "--write-results"]
     if argv == ["--table"]:
         print("\n".join(table()))
+        if write:
+            _write_results(None)
         return 0
     chosen = [r for r in ROWS if not argv or r["name"] in argv]
+    load_before = os.getloadavg()[0]
     for row in chosen:
         try:
             run(row)
@@ -205,6 +309,10 @@ def main(argv: list[str]) -> int:
             if record is not None:
                 print(f"[{row['name']}] out of memory: {record}", file=sys.stderr)
     print("\n".join(table()))
+    if write:
+        _write_results(f"`prism emulate` (one at a time) on a host of {os.cpu_count()} CPU cores, 1-minute load "
+                       f"average {load_before:.2f} before and {os.getloadavg()[0]:.2f} after the runs of "
+                       f"{', '.join(r['name'] for r in chosen)}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Run Megatron-LM's H100 functional-test cases on a virtual H100 and compare with NVIDIA's golden values.
 
     python -m validation.megatron_functional.run [--cases NAME|GLOB ...] [--out DIR] [--timeout S]
-        [--table-only] [--write-results recipes/RESULTS.md] [--prism-root CHECKOUT]
+        [--table-only] [--write-results [RESULTS_MD]] [--prism-root CHECKOUT]
 
 Each case (``cases/<case>.yaml``, written by `collect`) runs its own arguments through the Megatron drop-in
 (``python -m prism_plugin.megatron prism_plugin/programs/pretrain_gpt.py <args> --prism-world-size W
@@ -23,8 +23,10 @@ Predicted figures, both modelled, read from ``<out>/<case>/rank<R>.summary.json`
 A case that does not run records why: the first error line of its log (a refused feature, a TransformerEngine
 kernel the fake extension lacks, ...). Results accumulate in ``<out>/<case>.result.json``; the table (markdown,
 then one line of JSON) is built from every result in ``<out>`` (measured figures read again from the rows) and
-printed on stdout, and written to ``<out>/table.md`` and ``<out>/results.json``; ``--write-results`` also
-replaces its section of the results document. Nothing here is fitted on the golden values.
+printed on stdout, and written to ``<out>/table.md`` and ``<out>/results.json``; ``--write-results`` also writes
+them as ``validation/results/megatron_functional.json`` (`results_data`) and regenerates the results document
+``recipes/RESULTS.md`` from it (`validation.results`; with ``--cases``, of those cases only: write it after a full run
+or with ``--table-only``). Nothing here is fitted on the golden values.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -45,8 +48,9 @@ from typing import Any
 import yaml
 
 from validation.megatron_functional.collect import CASES_DIR
+from validation.results import DOC_PATH, write_source
 
-__all__ = ["CaseResult", "CaseStatus", "load_cases", "command", "run_case", "table_markdown", "main"]
+__all__ = ["CaseResult", "CaseStatus", "load_cases", "command", "run_case", "results_data", "table_markdown", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = "prism_plugin/programs/pretrain_gpt.py"
@@ -255,38 +259,31 @@ def _mean_max(name: str, errors: list[float | None]) -> str:
             f"within 1%: {sum(v <= 1.0 for v in values)} of {len(values)}.")
 
 
-RESULTS_HEADING = "## Megatron-LM functional tests (DGX H100, core_r0.19.0)"
-
-
-def results_section(results: list[CaseResult], prism_commit: str) -> str:
-    """The section of recipes/RESULTS.md: what the figures are, then the table."""
-    return "\n".join([
-        RESULTS_HEADING, "",
-        "Megatron-LM's own functional tests, branch core_r0.19.0: the golden values NVIDIA measured on a DGX H100 "
-        "(8 GPUs; `mem-max-allocated-bytes` and `iteration-time` of the last rank, which logs them) against prism's "
-        "**modelled** figures for the same rank on a virtual H100 (dgx-h100 profile, roofline kernel model, nothing "
-        "fitted: every row is a validate row). Rows, sources and arguments: `validation/megatron_functional/cases/`; "
-        "regenerate with `python -m validation.megatron_functional.run --write-results recipes/RESULTS.md`. "
-        f"prism at {prism_commit}; each case runs `--train-iters 3` as rank 7 of 8.", "",
-        "- measured peak allocated: the golden value at step 3 (the running peak over iterations 1-3; fp16 cases: "
-        "at the first optimizer step dynamic loss scaling applies, step 17 or 18); predicted: the allocator model's "
-        "`allocated_bytes.all.peak` over the 3 iterations, torch's cuBLAS workspaces among them as on a GPU (one "
-        "per cuBLAS handle and stream that ran a torch GEMM: forward and autograd threads, 32 MiB each under "
-        "`CUBLAS_WORKSPACE_CONFIG=:4096:8`, also torch's Hopper default);",
-        "- measured iteration time: the median over Megatron's steady window (steps 30-45, or 5-20 for runs of 25 "
-        "steps or fewer); predicted: the emulated time of the last complete iteration.", "",
-        table_markdown(results), ""])
-
-
-def write_results(path: Path, section: str) -> None:
-    """Replace the section under `RESULTS_HEADING` in ``path`` (up to the next ``## `` heading), or append it."""
-    text = path.read_text()
-    start = text.find(RESULTS_HEADING)
-    if start < 0:
-        path.write_text(text.rstrip("\n") + "\n\n" + section)
-        return
-    end = text.find("\n## ", start + len(RESULTS_HEADING))
-    path.write_text(text[:start] + section + ("" if end < 0 else text[end:]))
+def results_data(results: list[CaseResult], prism_commit: str) -> dict[str, Any]:
+    """The data file of the results document (``validation/results/megatron_functional.json``): the run, then one
+    row per case, every one a validate row (the golden values are measured by NVIDIA; nothing is fitted on them)."""
+    rows: list[dict[str, Any]] = []
+    for r in sorted(results, key=lambda r: r.case):
+        if r.status is CaseStatus.OK and r.predicted_peak_allocated_bytes is not None \
+                and r.predicted_iteration_time_s is not None:
+            rows.append({"case": r.case, "role": "validate", "ran": True,
+                         "measured_peak_allocated_mib": round(r.measured_peak_allocated_bytes / 2**20, 3),
+                         "predicted_peak_allocated_mib": round(r.predicted_peak_allocated_bytes / 2**20, 3),
+                         "predicted_cublas_workspace_mib": round((r.predicted_cublas_workspace_bytes or 0) / 2**20, 3),
+                         "peak_allocated_error_pct": round(r.memory_error_pct or 0.0, 4),
+                         "measured_iteration_time_s": r.measured_iteration_time_s,
+                         "predicted_iteration_time_s": r.predicted_iteration_time_s,
+                         "iteration_time_error_pct": round(r.time_error_pct or 0.0, 4)})
+        else:
+            rows.append({"case": r.case, "role": "validate", "ran": False, "reason": r.reason or "no result"})
+    return {"source": "megatron_functional", "date": datetime.now(UTC).date().isoformat(),
+            "command": "python -m validation.megatron_functional.run --write-results", "prism_commit": prism_commit,
+            "conditions": "each case `--train-iters 3` as its last rank (the rank that logged the golden values) on a "
+                          f"virtual H100, on a host of {os.cpu_count()} CPU cores (both predicted figures are "
+                          "modelled: the host's load does not move them); golden values measured by NVIDIA on a DGX "
+                          "H100 (8 GPUs)",
+            "fitting": "Nothing fitted: every row is a validate row (dgx-h100 profile, roofline kernel model).",
+            "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per case (default 1200)")
     parser.add_argument("--table-only", action="store_true", help="print the table of the results in --out")
-    parser.add_argument("--write-results", type=Path, metavar="RESULTS_MD",
-                        help="also replace the section of this results document (recipes/RESULTS.md)")
+    parser.add_argument("--write-results", type=Path, nargs="?", const=DOC_PATH, metavar="RESULTS_MD",
+                        help="also write validation/results/megatron_functional.json and regenerate the results "
+                             "document from it (default recipes/RESULTS.md)")
     parser.add_argument("--prism-root", type=Path, default=ROOT,
                         help="the prism checkout whose drop-in runs the cases (default: this repository)")
     ns = parser.parse_args(argv)
@@ -317,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown)
     print(json.dumps(payload))
     if ns.write_results is not None:
-        write_results(ns.write_results, results_section(results, _commit(ns.prism_root)))
+        write_source("megatron_functional", results_data(results, _commit(ns.prism_root)), doc=ns.write_results)
     return 0
 
 

@@ -1,0 +1,419 @@
+"""Markdown of the results document from its data: one section per source, tables and conclusions from the rows.
+
+`markdown` takes the loaded data files (`validation.results.load_sources`) and returns ``recipes/RESULTS.md``. Each
+section is a short fixed explanation (what the columns mean, how the figures were made), the run's date, command
+and host conditions as the data file states them, the table rendered from the rows, and the conclusions computed
+from the rows (counts within tolerance, mean errors, ranges): nothing here holds a figure of a run.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["SOURCES", "markdown", "mean_abs_error", "recipe_step_within", "step_tolerance_counts", "within_bound"]
+
+Data = dict[str, Any]
+SOURCES = ("recipes", "published_h100", "virtual_vs_real", "megatron_functional")
+"""The data files (``<source>.json``), in the document's order."""
+
+_TIERS = ("ci", "small", "benchmark", "faults")
+
+
+def _table(header: Sequence[str], align: str, rows: Iterable[Sequence[str]]) -> list[str]:
+    """A Markdown table; ``align`` has one letter per column, ``l`` or ``r``."""
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|",
+            *("| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows)]
+
+
+def _f(x: Any, spec: str = "") -> str:
+    """A figure: ``-`` for none, ``lo-hi`` for a range (a two-element list)."""
+    if x is None:
+        return "-"
+    if isinstance(x, list):
+        return "-".join(_f(v, spec) for v in x)
+    return format(x, spec)
+
+
+def _run_line(data: Data) -> str:
+    return f"Run: {data['date']}, `{data['command']}`; {data['conditions']}. {data['fitting']}"
+
+
+def _notes(data: Data) -> list[str]:
+    return [f"- {note}" for note in data.get("notes", [])]
+
+
+# --- recipes ---------------------------------------------------------------------------------------------------
+
+
+def _errors(cell: Mapping[str, Any] | None) -> list[float]:
+    if cell is None:
+        return []
+    return [float(v) for v in cell["by_rank"]] if "by_rank" in cell else [float(cell["mean"]), float(cell["max"])]
+
+
+def _mean_err(cell: Mapping[str, Any]) -> float:
+    return statistics.fmean(abs(v) for v in cell["by_rank"]) if "by_rank" in cell else float(cell["mean"])
+
+
+def _max_err(row: Mapping[str, Any]) -> float:
+    return max(map(abs, _errors(row["step_err_median_pct"]) + _errors(row["step_err_mean_pct"])), default=0.0)
+
+
+def recipe_step_within(row: Mapping[str, Any]) -> bool | None:
+    """Whether every step-time error the row states is within its step tolerance; None when not checked (no
+    tolerance: reported) or no error is stated."""
+    stated = row["step_err_median_pct"] or row["step_err_mean_pct"]
+    return None if row["step_tol_pct"] is None or not stated else _max_err(row) <= row["step_tol_pct"]
+
+
+def step_tolerance_counts(rows: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
+    """(comparisons within their step tolerance, comparisons checked)."""
+    checked = [w for w in map(recipe_step_within, rows) if w is not None]
+    return sum(checked), len(checked)
+
+
+def _step_cell(cell: Mapping[str, Any] | None) -> str:
+    if cell is None or "by_rank" in cell:
+        return " / ".join(f"r{i} {v:+.1f}%" for i, v in enumerate(cell["by_rank"])) if cell else "-"
+    return f"{cell['mean']:.1f}% / {cell['max']:.1f}%"
+
+
+def _loss_cell(row: Mapping[str, Any]) -> str:
+    if row["first_loss_err"] is None:
+        return row.get("first_loss_note", "-")
+    return "0 (exact)" if row["first_loss_err"] == 0 else f"{row['first_loss_err']:.3g}"
+
+
+def _recipe_cells(row: Mapping[str, Any]) -> list[str]:
+    tol = "report" if row["step_tol_pct"] is None else f"{row['step_tol_pct']:g}%"
+    if row.get("step_tol_note"):
+        tol += f" ({row['step_tol_note']})"
+    verdict = {True: "yes", False: f"NO ({', '.join(row.get('failed_on', []))})", None: "-"}[row["passed"]]
+    load = "-" if not row["load_avg"] else "-".join(map(str, row["load_avg"]))
+    return [row["recipe"], row["tier"], row["comparison"], str(row["ranks"]), _step_cell(row["step_err_median_pct"]),
+            _step_cell(row["step_err_mean_pct"]), _f(row["steady_peak_err_bytes"]),
+            _f(row["max_step_peak_err_bytes"]), _loss_cell(row), tol, verdict, row["run"], load]
+
+
+def _recipe_order(row: Mapping[str, Any]) -> tuple[int, list[Any]]:
+    """Tier, then recipe name with its numbers as numbers (megatron-scale-8192 before -65536)."""
+    name = [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", row["recipe"])]
+    return (_TIERS.index(row["tier"]) if row["tier"] in _TIERS else len(_TIERS), name)
+
+
+def _recipe_conclusions(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    n = len(rows)
+    exact_mem = sum(r["steady_peak_err_bytes"] == 0 for r in rows)
+    transients = [f"{r['recipe']} {r['max_step_peak_err_bytes']:+,} B" for r in rows if r["max_step_peak_err_bytes"]]
+    stated_loss = [r for r in rows if r["first_loss_err"] is not None]
+    inexact: dict[str, list[str]] = {}
+    for r in stated_loss:
+        if r["first_loss_err"]:
+            inexact.setdefault(r["recipe"], []).append(f"{r['first_loss_err']:.3g}")
+    n_inexact = sum(map(len, inexact.values()))
+    within, checked = step_tolerance_counts(rows)
+    misses = [f"{r['recipe']} {r['comparison']} ({_max_err(r):.1f}% against {r['step_tol_pct']:g}%)"
+              for r in rows if recipe_step_within(r) is False]
+    scale = [r for r in rows if r["recipe"].startswith("megatron-scale") and "vs real" not in r["comparison"]]
+    lines = [
+        f"- **Memory**: steady-peak error 0 B in {exact_mem} of {n} comparisons (every tier, N up to the scale "
+        "recipes' 65,536, DP-sharded optimizers, ZeRO-1/3, MoE, 1F1B and interleaved pipelines)."
+        + (f" The highest single step differs in {len(transients)} ({', '.join(transients)}): a timing-dependent "
+           "transient of the *real* run (a buffer an in-flight asynchronous collective still holds), which the "
+           "steady peak excludes (`prism_plugin/recipes/compare.py`)." if transients else ""),
+        f"- **First-step loss**: bit-exact in {len(stated_loss) - n_inexact} of {len(stated_loss)} comparisons "
+        "that state it" + ("; not exact: " + "; ".join(f"{k} {', '.join(v)}" for k, v in inexact.items())
+                           if inexact else "") + ". Exact wherever the recorded "
+        "policy replays the real run's payloads; under mirror a virtual TP peer contributes this rank's partial sums "
+        "(the toy), and Megatron at N >= 1024 reads other samples (its mock dataset's shuffle depends on the global "
+        "batch): reported, not checked.",
+        f"- **Step time**: within the tolerance in {within} of {checked} checked comparisons"
+        + (f"; missed: {'; '.join(misses)}" if misses else "") + ". The emulated rank is faster than the real one in "
+        "almost every comparison: the real runs put 2 or 4 ranks on 2 cores, and a real rank waits at every "
+        "collective for peers the scheduler has descheduled, which an emulated rank, whose virtual peers arrive with "
+        "it, never does. The recorded policy's replay (copying every received payload) costs the emulated rank time; "
+        "the mirror-policy scale recipes show the emulated step without it.",
+    ]
+    if scale:
+        lines.append("- **Scale**: against the same ranks emulated at N=4, after removing the change in modelled "
+                     "communication, the error of the median (mean over ranks) is " + ", ".join(
+                         f"{_mean_err(r['step_err_median_pct']):.1f}% at {r['comparison'].split()[0]}" for r in scale)
+                     + ", to be read against the run-to-run noise behind each tolerance.")
+    return lines
+
+
+def _recipes(data: Data) -> list[str]:
+    rows = sorted(data["rows"], key=_recipe_order)
+    runs = {run["id"]: run for run in data["runs"]}
+    lines = ["## Measured errors of every recipe", "",
+             "Each recipe (`recipes/*.yaml`, schema in `recipes/README.md`) pairs a real small run on this host's CPU "
+             "with emulated runs of the same job and compares, per rank, step time, peak memory and the first "
+             f"step's loss: every figure measured. Regenerate with `{data['command']}`. Runs (each row names its own; "
+             "a recipe re-run replaces its rows):", ""]
+    for rid, run in runs.items():
+        lines += [f"- {rid}: {run['date']}, `{run['command']}`; {run['conditions']}.",
+                  *(f"  - {note}" for note in run.get("notes", []))]
+    lines += ["", data["fitting"], "",
+              "Columns: step err = |emulated - reference| / reference of the median (and of the mean) step time, "
+              "mean / max over the compared ranks (`rN`: rank N's signed error, where a run states it per rank); "
+              "steady peak err = emulated - reference bytes of the peak every measured step reaches (the compared "
+              "figure); max-step peak err = the same for the highest step (reported); first-loss err = relative "
+              "error of the first step's loss; step tol = the step-time tolerance, 2 x the real run's measured noise "
+              "(report: not checked); pass = the run's verdict (memory, loss and step time); load avg = the 1-minute "
+              "load average before and after the recipe.", ""]
+    lines += _table(["recipe", "tier", "emulation vs ref", "ranks", "step err of median: mean / max",
+                     "step err of mean: mean / max", "steady peak err B (max)", "max-step peak err B (max)",
+                     "first-loss err (max)", "step tol", "pass", "run", "load avg"], "lllrllrrlllll",
+                    map(_recipe_cells, rows))
+    lines += ["", *_recipe_conclusions(rows)]
+    faults = sorted(data.get("fault_rows", []), key=lambda r: r["recipe"])
+    if faults:
+        lines += ["", "### Fault recipes", "",
+                  "Each `tier: faults` recipe injects a fault into an emulated run and states what it must produce "
+                  "(`expect`); `checked` is that statement, `measured` what the run produced.", ""]
+        lines += _table(["recipe", "fault", "checked", "measured", "run"], "lllll", (
+            [r["recipe"], r["fault"], r["checked"], r["measured"] + (" (**fails**)" if r.get("passed") is False
+                                                                     else ""), r["run"]] for r in faults))
+    return lines
+
+
+# --- published H100 throughput -----------------------------------------------------------------------------------
+
+
+def mean_abs_error(rows: Sequence[Mapping[str, Any]], key: str = "error_pct") -> float | None:
+    """Mean |error| over the validation rows that have one."""
+    errors = [abs(r[key]) for r in rows if r.get("role", "validate") == "validate" and r.get(key) is not None]
+    return statistics.fmean(errors) if errors else None
+
+
+def _wall(row: Mapping[str, Any]) -> str:
+    s = row.get("profiling_wall_s")
+    text = "" if s is None else (f"{s:.0f} s" if s < 600 else f"{int(s) // 60} min {round(s) % 60} s")
+    note = row.get("profiling_note")
+    return (f"{text} ({note})" if text else f"({note})") if note else text or "-"
+
+
+def _throughput_cells(row: Mapping[str, Any]) -> list[str]:
+    pub_tflops = _f(row["published_tflops_recipe"], ".1f")
+    if row["published_tflops_megatron"] is not None:
+        pub_tflops += f" / {row['published_tflops_megatron']:.1f}"
+    error = f"**{row['error_pct']:+.1f}%**" if row["error_pct"] is not None else row.get("note") or "-"
+    mfu = "-" if row["predicted_mfu_pct"] is None else \
+        f"{_f(row['published_mfu_pct'], '.1f')}% / {row['predicted_mfu_pct']:.1f}%".replace("-%", "-")
+    return [row["model"], str(row["gpus"]), str(row["gbs"]), row["layout"], _f(row["published_tokens_per_s_per_gpu"],
+            ".1f"), _f(row["predicted_tokens_per_s_per_gpu"], ".1f"), error, pub_tflops,
+            _f(row["predicted_tflops"], ".1f"), mfu, _wall(row)]
+
+
+def _ms(x: Any) -> str:
+    return "0" if x == 0 else _f(x, ".1f")
+
+
+def _class_cells(rows: Sequence[Mapping[str, Any]]) -> Iterable[list[str]]:
+    previous = None
+    for r in rows:
+        label, previous = ("" if r["row"] == previous else r["row"]), r["row"]
+        split = "-" if r["compute_ms"] is None else " / ".join(
+            _ms(r[k]) for k in ("compute_ms", "exposed_comm_ms", "bubble_ms"))
+        allocated = f"{_f(r['peak_allocated_gib'], '.2f')} GiB" + (
+            f", {r['peak_allocated_note']}" if r.get("peak_allocated_note") else "")
+        yield [label, r["class"], _ms(r["step_ms"]), split, allocated, f"{_f(r['peak_reserved_gib'], '.2f')} GiB",
+               f"{_f(r['device_total_gib'], '.2f')} GiB"]
+
+
+def _joined(rows: Sequence[Mapping[str, Any]], key: str, spec: str, sep: str, unit: str = "") -> str:
+    return sep.join(format(r[key], spec) + unit for r in rows)
+
+
+def _scaling(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """MFU against N: weak scaling (same model, GBS / N fixed, published rows), strong scaling (same model and GBS)."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = sorted((r for r in rows if r["model"] == model and r["predicted_mfu_pct"] is not None),
+                      key=lambda r: r["gpus"])
+        weak = [r for r in mine if r["published_mfu_pct"] is not None]
+        if len(weak) >= 2 and len({r["gbs"] / r["gpus"] for r in weak}) == 1:
+            lines.append(f"- {model}, weak scaling (GBS = {weak[0]['gbs'] // weak[0]['gpus']} x N, "
+                         f"{_joined(weak, 'gpus', 'd', ' -> ')} GPUs): published MFU "
+                         f"{_joined(weak, 'published_mfu_pct', '.1f', ' -> ', '%')}, predicted "
+                         f"{_joined(weak, 'predicted_mfu_pct', '.1f', ' -> ', '%')}; error "
+                         f"{_joined(weak, 'error_pct', '+.1f', ' -> ', '%')}.")
+        for gbs in dict.fromkeys(r["gbs"] for r in mine):
+            strong = [r for r in mine if r["gbs"] == gbs]
+            if len(strong) >= 2:
+                lines.append(f"- {model}, strong scaling (GBS {gbs}, {_joined(strong, 'gpus', 'd', ' -> ')} "
+                             f"GPUs): predicted MFU {_joined(strong, 'predicted_mfu_pct', '.1f', ' -> ', '%')}.")
+    return lines
+
+
+def _published(data: Data) -> list[str]:
+    rows = data["rows"]
+    valid = [r for r in rows if r["role"] == "validate" and r["error_pct"] is not None]
+    mean = mean_abs_error(valid)
+    beyond = [r for r in valid if abs(r["error_pct"]) > 10]
+    absent = [f"{r['model']} at {r['gpus']} GPUs ({r.get('note') or 'no prediction'})" for r in rows
+              if r["role"] == "validate" and r["error_pct"] is None]
+    lines = ["## Validation against published H100 throughput", "",
+             "**Published**: measured BF16 training throughputs of Megatron-core jobs (NeMo on DGX H100) from "
+             "NVIDIA's DGX Cloud benchmarking recipes. **Predicted**: modelled by `prism emulate` on virtual H100s "
+             "(kernel model `roofline` with the dgx-h100 profile's efficiency estimates: GEMM 0.75 of 989.4 TFLOP/s, "
+             "attention 0.5, memory-bound classes 0.5-0.85 of 3.35 TB/s, 5 us per launch; the profile's "
+             "communication cost model; the execution graph's replay). Rows, commands and source figures: "
+             "`validation/published_h100.py`; the reports: `validation/published/`.", "", _run_line(data), "",
+             "Sources:",
+             *(f"- {s}" for s in data["sources"]), "",
+             "Published tokens/s/GPU = seq x GBS / step / N (the recipes' formula). The recipes' TFLOP/s count full "
+             "multi-head attention projections (Nemotron-4 has 8 key/value groups), so they are restated on Megatron's "
+             "`num_floating_point_operations` (published tokens/s x Megatron's FLOPs per token), the prediction's "
+             "formula: on that basis the TFLOP/s error equals the tokens/s error. MFU: published against 989 TFLOP/s, "
+             "predicted against the profile's 989.4.", ""]
+    lines += _table(["row", "GPUs", "GBS", "layout", "published tok/s/GPU", "predicted", "error",
+                     "published TFLOP/s/GPU (recipe / Megatron formula)", "predicted TFLOP/s/GPU",
+                     "MFU published / predicted", "profiling runs' wall"], "lrrlrrrrrrr", map(_throughput_cells, rows))
+    if mean is not None:
+        goal = "holds" if mean <= 5 and not beyond else "does not hold"
+        lines += ["", f"**Mean |error| (tokens/s/GPU) over the {len(valid)} predicted validation rows: {mean:.1f}%** "
+                  f"(rows {_joined(valid, 'error_pct', '+.1f', ' / ', '%')}; {len(beyond)} beyond 10%): the goal "
+                  f"of issue 13 (mean <= 5%, no row beyond 10%) {goal} on these rows."
+                  + (f" Not compared: {'; '.join(absent)}." if absent else "")]
+    lines += ["", *_scaling(rows), "",
+              "What each run uses in place of TransformerEngine / apex (Megatron's local spec, the only one on a host "
+              "without TE):",
+              "- `PRISM_ATTENTION=flash`: the local spec's core attention computes as fused flash attention "
+              "(`prism_plugin/adapters/megatron/attention.py`), as TE's does, so no `--recompute-granularity "
+              "selective` (the published runs recompute nothing);",
+              "- `--sequence-parallel` (NeMo's default for TP > 1) on the unmodified "
+              "`prism_plugin/programs/pretrain_gpt.py`; `CUDA_DEVICE_MAX_CONNECTIONS=1`; `--grad-reduce-in-bf16` for "
+              "the 340B rows; layernorm1p runs as LayerNorm (same cost);",
+              "- not modelled: TE's TP communication overlap, TE's other fused kernels (RoPE, cross-entropy, "
+              "bias-dropout-add, layer norm), FP8.", ""]
+    if data.get("classes"):
+        lines += ["Memory and time per rank of each class (modelled; device total = peak reserved + 2 cuBLAS "
+                  "workspaces + the modelled NCCL buffers + the CUDA context):", ""]
+        lines += _table(["row", "class", "step ms", "compute / exposed comm / bubble ms", "peak allocated",
+                         "peak reserved", "device total"], "llrlrrr", _class_cells(data["classes"]))
+        lines.append("")
+    return lines + _notes(data)
+
+
+# --- virtual time vs real CPU runs ---------------------------------------------------------------------------------
+
+
+def within_bound(rows: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
+    """(rank comparisons whose |error| is within their bound, rank comparisons)."""
+    return sum(abs(r["error_pct"]) <= r["bound_pct"] for r in rows), len(rows)
+
+
+def _virtual_cells(r: Mapping[str, Any]) -> list[str]:
+    return [f"{r['job']}, {r['run']}", str(r["rank"]), ", ".join(f"{m:.3f}" for m in r["real_means_ms"]),
+            f"{r['predicted_ms']:.3f}", f"{r['error_pct']:+.1f}% ({r['bound_pct']:g}%)",
+            f"{r['recorded_kernels_ms']:.3f} / {_f(r['recorded_comm_ms'], '.3f')} / {r['recorded_per_launch_us']:g} us"]
+
+
+def _virtual(data: Data) -> list[str]:
+    rows = data["rows"]
+    ok, n = within_bound(rows)
+    errors = [r["error_pct"] for r in rows]
+    lines = ["## Virtual time vs real CPU runs", "",
+             "Each `tier: ci` recipe's tiny job (and a one-rank toy) is recorded on this CPU (`prism kernels record`), "
+             "emulated rank by rank on virtual GPUs with `--kernel-model table`, the recorded host time per launch as "
+             "`kernels.launch_overhead_us` and `CUDA_LAUNCH_BLOCKING=1`, and compared with separate real runs. The "
+             "recorder alternates timed steps (every op timed under its dispatch mode) with plain steps (the mode off "
+             "the dispatch stack) and takes the step, the time inside collective calls and the host time per launch "
+             "from the plain steps: under the mode every small op pays a round trip, and a rank so slowed is waited "
+             "out in its peer's collectives. With communication the prediction adds the recording's time inside "
+             "collective calls to a free-comm run.", "", _run_line(data), "",
+             "Columns (ms per step): real means = each rank's mean step after the warm-up, one per real run "
+             "(measured); predicted = modelled from the recording; error against the median of the real means; bound "
+             "= twice the real runs' spread (trimmed, for 2 ranks), at least 25% with communication, 10% without; "
+             "each check gets up to three attempts (`integration_tests/attempts.py`); recorded per step: kernels / "
+             "time inside collective calls / host time per launch.", ""]
+    lines += _table(["job, run", "rank", "real means of the runs", "predicted", "error (bound)",
+                     "recorded per step: kernels / comm / per launch"], "lrlrrl", map(_virtual_cells, rows))
+    lines += ["", f"**{ok} of {n} rank comparisons within their bound** (errors {min(errors):+.1f}% .. "
+              f"{max(errors):+.1f}%).", "", *_notes(data)]
+    return lines
+
+
+# --- Megatron-LM functional tests ----------------------------------------------------------------------------------
+
+
+def _stats(name: str, errors: Sequence[float]) -> str:
+    values = [abs(e) for e in errors]
+    return (f"{name}: mean |error| {statistics.fmean(values):.2f}%, max {max(values):.2f}%, within 1%: "
+            f"{sum(v <= 1.0 for v in values)} of {len(values)}.")
+
+
+def _megatron(data: Data) -> list[str]:
+    ran = [r for r in data["rows"] if r["ran"]]
+    failed = [r for r in data["rows"] if not r["ran"]]
+    lines = ["## Megatron-LM functional tests (DGX H100, core_r0.19.0)", "",
+             "Megatron-LM's own functional tests, branch core_r0.19.0: the golden values NVIDIA **measured** on a DGX "
+             "H100 (`mem-max-allocated-bytes` and `iteration-time` of the last rank, which logs them) against prism's "
+             "**modelled** figures for the same rank on a virtual H100 (dgx-h100 profile, roofline kernel model). "
+             "Rows, sources and arguments: `validation/megatron_functional/cases/`.", "",
+             _run_line(data) + f" prism at {data['prism_commit']}.", "",
+             "- peak allocated: measured, the golden value at step 3 (the running peak over iterations 1-3; fp16 "
+             "cases: at the first optimizer step dynamic loss scaling applies, step 17 or 18); predicted, the "
+             "allocator model's `allocated_bytes.all.peak` over the 3 iterations, torch's cuBLAS workspaces among "
+             "them as on a GPU (one per cuBLAS handle and stream that ran a torch GEMM, forward and autograd threads, "
+             "32 MiB each under `CUBLAS_WORKSPACE_CONFIG=:4096:8`, also torch's Hopper default);",
+             "- iteration time: measured, the median over Megatron's steady window (steps 30-45, or 5-20 for runs of "
+             "25 steps or fewer); predicted, the emulated time of the last complete iteration.", ""]
+    lines += _table(["case", "peak allocated, measured (MiB)", "predicted (MiB)", "of which cuBLAS workspaces (MiB)",
+                     "error", "iteration time, measured (s)", "predicted (s)", "error"], "lrrrrrrr", (
+        [r["case"], f"{r['measured_peak_allocated_mib']:,.1f}", f"{r['predicted_peak_allocated_mib']:,.1f}",
+         f"{r['predicted_cublas_workspace_mib']:,.1f}", f"{r['peak_allocated_error_pct']:+.2f}%",
+         f"{r['measured_iteration_time_s']:.4f}", f"{r['predicted_iteration_time_s']:.4f}",
+         f"{r['iteration_time_error_pct']:+.2f}%"] for r in ran))
+    if ran:
+        time_errors = [r["iteration_time_error_pct"] for r in ran]
+        lines += ["", f"**{len(ran)} of {len(data['rows'])} cases ran.** "
+                  + _stats("Peak allocated", [r["peak_allocated_error_pct"] for r in ran]) + " "
+                  + _stats("Iteration time", time_errors)]
+        if max(time_errors) < 0:
+            lines[-1] += (f" Iteration time is {-max(time_errors):.0f}-{-min(time_errors):.0f}% short on every case: "
+                          "these small models are host-bound, and prism has no host-time model yet.")
+    if failed:
+        reasons: dict[str, list[str]] = {}
+        for r in failed:
+            reasons.setdefault(r["reason"], []).append(r["case"])
+        lines += ["", f"The {len(failed)} cases that did not run, by the first error line of their log:", ""]
+        lines += _table(["first error line", "cases"], "ll", (
+            [reason, f"{len(cases)}: {', '.join(cases)}"]
+            for reason, cases in sorted(reasons.items(), key=lambda kv: (-len(kv[1]), kv[0]))))
+    return lines + ["", *_notes(data)]
+
+
+# --- the document ------------------------------------------------------------------------------------------------
+
+_HEADER = [
+    "# Results",
+    "",
+    "The latest measured and modelled figures of this project's fidelity checks: the recipes, published H100 "
+    "throughput, virtual time against real CPU runs, Megatron-LM's functional tests. **Generated** by `python -m "
+    "validation.results` from one data file per producer in `validation/results/` (each with its run's date, command "
+    "and host conditions); do not edit by hand. A producer's `--write-results` rewrites its data file and this "
+    "document; `python -m validation.results --check` says whether this file is current (the unit tests run it). "
+    "Earlier figures are in git history (`git log -p -- validation/results`).",
+    "",
+    "**Measured**: wall-clock times, bytes and losses of real runs on this project's 2-core CPU development VM "
+    "(shared with other work, so step times wander with its load), or figures NVIDIA published from its GPUs. "
+    "**Modelled**: what the emulator computes (allocator model, cost and kernel models, virtual time).",
+]
+_SECTIONS = {"recipes": _recipes, "published_h100": _published, "virtual_vs_real": _virtual,
+             "megatron_functional": _megatron}
+
+
+def markdown(sources: Mapping[str, Data]) -> str:
+    """The results document from the data of each source (those present, in `SOURCES` order)."""
+    lines = list(_HEADER)
+    for name in SOURCES:
+        if name in sources:
+            lines += ["", *_SECTIONS[name](sources[name])]
+    while lines[-1] == "":
+        lines.pop()
+    return "\n".join(lines) + "\n"
