@@ -1,8 +1,8 @@
 """`prism calibrate`: fit a hardware profile by timing local collectives, or from nccl-tests logs.
 
-    prism calibrate --out local.yaml                       # gloo, 2 local processes
-    prism calibrate --backend nccl --processes 8 --out node.yaml
-    prism calibrate --from-nccl-tests logs/ --out cluster.yaml
+    prism calibrate --output local.yaml                       # gloo, 2 local processes
+    prism calibrate --backend nccl --processes 8 --output node.yaml
+    prism calibrate --from-nccl-tests logs/ --output cluster.yaml
     prism calibrate ... --json                             # the fit as JSON on stdout instead of the table
 
 The measuring is `prism_plugin.runtime.calibrate` (its docstring states how ops are timed and the
@@ -37,7 +37,7 @@ def add_calibrate_parser(subparsers: Any) -> None:
     """Add ``prism calibrate`` to the `prism` command's subparsers (see the module doc)."""
     ops = ",".join(CALIBRATION_OPS)
     p = subparsers.add_parser("calibrate", help="fit a hardware profile: time local collectives or read nccl-tests")
-    p.add_argument("--out", type=Path, required=True, help="write the fitted profile (YAML) here")
+    p.add_argument("--output", "--out", type=Path, required=True, help="write the fitted profile (YAML) here")
     p.add_argument("--backend", default="gloo", choices=BACKENDS, help="backend to time (default gloo)")
     p.add_argument("--processes", type=int, default=2, help="local processes (default 2)")
     p.add_argument("--sizes", default=None, help="comma-separated sizes, e.g. 1K,64K,1M,16M (default 1K..64M x4)")
@@ -105,14 +105,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             fit = calibrate_fit(plan, name=args.name or "local-calibrated", on_round=lambda done, total: bar.update(
                 task, completed=done, description=f"round {done}/{total} ({len(plan.steps())} op x size each)"),
                 per_op=args.per_op)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(fit.to_yaml(), encoding="utf-8")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(fit.to_yaml(), encoding="utf-8")
     if args.json:
         import json
 
-        print(json.dumps(fit_document(fit, args.out), indent=2))
+        print(json.dumps(fit_document(fit, args.output), indent=2))
         return 0
-    table = Table(title=f"prism calibrate: {fit.profile.name} -> {args.out}")
+    table = Table(title=f"prism calibrate: {fit.profile.name} -> {args.output}")
     for col in ("op", "sizes", "max error", "median error", "worst at (B)"):
         table.add_column(col, justify="right")
     for r in fit.residuals:

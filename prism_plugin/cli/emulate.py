@@ -1,6 +1,6 @@
 """`prism emulate`: the paper's whole pipeline for a Megatron or DeepSpeed job in one command, on virtual GPUs.
 
-    prism emulate --world-size 8192 [--profile dgx-h100] [--out DIR] [--warmup 1] [--json] [--hybrid RANKS] \\
+    prism emulate --world-size 8192 [--profile dgx-h100] [--output DIR] [--warmup 1] [--json] [--hybrid RANKS] \\
         -- pretrain_gpt.py <the job's Megatron arguments, unchanged>
     prism emulate --world-size 64 [--framework deepspeed] [--seq-length S] [--model-flops-per-iteration F] \\
         -- train.py --deepspeed_config ds_config.json <the script's arguments>
@@ -68,14 +68,14 @@ def add_emulate_parser(subparsers: Any) -> None:
     p.add_argument("--world-size", type=int, required=True, help="N, the job's number of GPUs")
     p.add_argument("--profile", default="dgx-h100", help="hardware profile with a GPU model (default dgx-h100)")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--out", type=Path, default=Path("prism_emulate"), help="DIR for runs, graph and report")
+    p.add_argument("--output", "--out", type=Path, default=Path("prism_emulate"), help="DIR for runs, graph and report")
     p.add_argument("--jobs", type=int, default=1, help="profiling (and hybrid) runs at a time on this machine "
                                                         "(default 1; each run is one process of the job's size)")
     p.add_argument("--ray", default=None, metavar="ADDRESS",
                    help="run the profiling (and hybrid) runs as Ray tasks: local (an instance here with --jobs CPUs), "
-                        "auto, HOST:PORT or ray://HOST:PORT; the nodes must share this Python and --out")
-    p.add_argument("--overwrite", action="store_true", help="replace a previous emulate output in --out (a used "
-                                                             "--out is refused without it)")
+                        "auto, HOST:PORT or ray://HOST:PORT; the nodes must share this Python and --output")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous emulate output in --output (a used "
+                                                             "--output is refused without it)")
     p.add_argument("--warmup", type=int, default=1, help="traced iterations dropped when building the graph")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per profiling run")
     p.add_argument("--hybrid", default=None, metavar="RANKS",
@@ -285,7 +285,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
             raise ConfigError(f"--hybrid {hybrid!r}: ranks {bad} are not in 0..{world_size - 1}")
     plan = make_plan(parse_layout(layout, framework, world_size), 1)
     check_environment([ranks[0] for ranks in plan.runs] + list(hybrid_ranks))  # the runs share this environment
-    claim_output("--out", out, "prism emulate", overwrite=overwrite)
+    claim_output("--output", out, "prism emulate", overwrite=overwrite)
     if progress is not None:
         progress(f"{layout} on N={world_size}: {len(plan.runs)} profiling run(s), one real rank each, output {out}")
 
@@ -453,7 +453,7 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
         with console.status("prism emulate") as status:
-            report = emulate(target, world_size=args.world_size, profile=args.profile, out=args.out,
+            report = emulate(target, world_size=args.world_size, profile=args.profile, out=args.output,
                              gpus_per_node=args.gpus_per_node, warmup=args.warmup, timeout_s=args.timeout,
                              progress=progress, framework=args.framework,
                              seq_length=args.seq_length, model_flops_per_iteration=args.model_flops_per_iteration,
@@ -485,7 +485,7 @@ def _cmd_emulate(args: argparse.Namespace) -> int:
     table.caption = (f"step {report['step_ms']:.3f} ms | {shown(report['tokens_per_s_per_gpu'])} tokens/s/GPU | "
                      f"{shown(report['model_tflops_per_s_per_gpu'])} model TFLOP/s/GPU | MFU "
                      f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | kernel model {report['kernel_model']}; "
-                     f"{args.out}/emulate.json")
+                     f"{args.output}/emulate.json")
     console = Console()
     console.print(table)
     for name, why in (report.get("unavailable") or {}).items():

@@ -6,7 +6,7 @@ local`` starts a Ray instance on this machine with ``--jobs`` CPUs; ``--ray HOST
 ``auto`` joins a cluster (checked to answer before any run: `prism_plugin.cli.sweep.check_ray_address`).
 
 What the cluster must share with this machine: the Python environment at the same path (the command is this
-interpreter, ``sys.executable``) and ``--out`` (each run writes its summary and trace into its folder there, and
+interpreter, ``sys.executable``) and ``--output`` (each run writes its summary and trace into its folder there, and
 the graph is built from them; a local instance shares both). A run whose summary this machine cannot read is
 refused, naming that requirement. The job's settings travel with each task: the variables of this process that
 prism, torch and the job read (`JOB_VARIABLES` prefixes) replace the worker's own.
@@ -94,7 +94,7 @@ def run_on_ray(runs: list[tuple[list[str], Path, int, str]], address: str, *, jo
                     raise RunFailed(message) from None
                 if not (run_dir / f"rank{rank}.summary.json").is_file():
                     raise RunFailed(f"prism emulate: {what} (rank {rank}) ran on a Ray node whose {run_dir} this "
-                                    "machine cannot see; --out must be on a filesystem every node shares")
+                                    "machine cannot see; --output must be on a filesystem every node shares")
                 if progress is not None:
                     progress(f"{what} ({len(results)}/{len(runs)} done on Ray): rank {rank}")
         return [results[i] for i in range(len(runs))]

@@ -1,7 +1,7 @@
 """The execution-graph commands: slice, profile, graph build/show, replay; plus `prism run` trace flags.
 
-    prism slice --layout tp=8,pp=16,dp=64 [--framework megatron|deepspeed] --devices 2 [--out plan.json]
-    prism profile --plan plan.json --out DIR [--profile P] -- script.py args     (or -m module args)
+    prism slice --layout tp=8,pp=16,dp=64 [--framework megatron|deepspeed] --devices 2 [--output plan.json]
+    prism profile --plan plan.json --output DIR [--profile P] -- script.py args     (or -m module args)
     prism graph build TRACES... (--plan plan.json | --layout ...) -o job.graph [--warmup 2]
     prism graph show job.graph
     prism replay job.graph [--profile dgx-h100] [--straggler RANK:FACTOR ...] [--set FIELD=VALUE ...] [--sampled]
@@ -73,7 +73,8 @@ def add_slice_parser(subparsers: Any) -> None:
     p.add_argument("--framework", default="megatron", choices=["megatron", "deepspeed"])
     p.add_argument("--world-size", type=int, default=None, help="N, if --layout leaves dp out")
     p.add_argument("--devices", type=int, required=True, help="physical devices per profiling run")
-    p.add_argument("--out", type=Path, default=None, help="write the plan (JSON) for `prism profile --plan`")
+    p.add_argument("--output", "--out", type=Path, default=None,
+                   help="write the plan (JSON) for `prism profile --plan`")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_cmd_slice)
 
@@ -84,11 +85,11 @@ def _cmd_slice(args: argparse.Namespace) -> int:
     from prism_plugin.graph.slicing import make_plan, parse_layout, plan_rows
     from prism_plugin.launch.preflight import check_file_output
 
-    if args.out is not None:
-        check_file_output("--out", args.out)
+    if args.output is not None:
+        check_file_output("--output", args.output)
     plan = make_plan(parse_layout(args.layout, args.framework, args.world_size), args.devices)
-    if args.out is not None:
-        plan.save(args.out)
+    if args.output is not None:
+        plan.save(args.output)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
@@ -106,8 +107,9 @@ def _cmd_slice(args: argparse.Namespace) -> int:
 # -- prism profile ---------------------------------------------------------------------------------------
 def add_profile_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("profile", help="run a slicing plan's profiling runs with tracing; build the graph")
-    p.add_argument("--plan", type=Path, required=True, help="plan from `prism slice --out`")
-    p.add_argument("--out", type=Path, required=True, help="DIR: traces in DIR/run<i>/, graph DIR/job.graph")
+    p.add_argument("--plan", type=Path, required=True, help="plan from `prism slice --output`")
+    p.add_argument("--output", "--out", type=Path, required=True,
+                   help="DIR: traces in DIR/run<i>/, graph DIR/job.graph")
     p.add_argument("--profile", default="local-cpu-gloo", help="hardware profile of the profiling runs")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--trace-iterations", type=int, default=64)
@@ -134,7 +136,7 @@ def profile_plan(plan_path: Path, out: Path, target: list[str], *, profile: str 
 
     plan = SlicingPlan.load(plan_path)
     check_program(target)  # once, before run 0 creates its directory
-    check_directory("--out", out)
+    check_directory("--output", out)
     configs = []
     for i, run in enumerate(plan.runs):  # every config is checked before the first run starts
         run_dir = out / f"run{i}"
@@ -185,20 +187,20 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         with err.status("prism profile") as status:
-            dirs = profile_plan(args.plan, args.out, run_target_args(args), profile=args.profile,
+            dirs = profile_plan(args.plan, args.output, run_target_args(args), profile=args.profile,
                                 gpus_per_node=args.gpus_per_node, trace_iterations=args.trace_iterations,
                                 iteration_marker=args.iteration_marker, timeout_s=args.timeout,
                                 progress=lambda text: status.update(f"prism profile: {text}"))
     except RuntimeError as exc:  # a profiling run failed: its own output says why
         err.print(f"[bold red]{exc}[/]")
         return 1
-    doc: dict[str, Any] = {"plan": str(args.plan), "out": str(args.out), "profile": args.profile,
+    doc: dict[str, Any] = {"plan": str(args.plan), "out": str(args.output), "profile": args.profile,
                            "runs": [{"run": i, "real_ranks": list(r), "dir": str(d)}
                                     for i, (r, d) in enumerate(zip(plan.runs, dirs, strict=True))],
                            "graph": None, "wall_s": None}
     if not args.no_graph:
         graph = _build(dirs, plan.job.world, plan.class_axes, args.warmup, {"plan": str(args.plan)})
-        doc["graph"] = {"path": str(graph.save(args.out / "job.graph")), "classes": len(graph.classes),
+        doc["graph"] = {"path": str(graph.save(args.output / "job.graph")), "classes": len(graph.classes),
                         "nodes": sum(len(t) for t in graph.classes.values())}
     doc["wall_s"] = round(time.perf_counter() - t0, 3)
     table = Table(title=f"prism profile: {len(dirs)} profiling runs of {args.plan} ({doc['wall_s']:.1f} s)")
@@ -221,7 +223,7 @@ def add_graph_parser(subparsers: Any) -> None:
     sub = p.add_subparsers(dest="graph_command", required=True)
     b = sub.add_parser("build", help="execution graph from rank traces (files or directories)")
     b.add_argument("traces", nargs="+", type=Path)
-    b.add_argument("-o", "--out", type=Path, required=True)
+    b.add_argument("-o", "--output", "--out", type=Path, required=True)
     b.add_argument("--plan", type=Path, default=None, help="the slicing plan (gives the layout)")
     b.add_argument("--layout", default=None, help="parallel sizes if no plan, e.g. tp=8,pp=16,dp=64")
     b.add_argument("--framework", default="megatron", choices=["megatron", "deepspeed"])
@@ -247,7 +249,7 @@ def _cmd_graph_build(args: argparse.Namespace) -> int:
 
     if (args.plan is None) == (args.layout is None):
         raise ConfigError("graph build: give the layout with exactly one of --plan FILE or --layout SIZES")
-    check_file_output("--out", args.out)
+    check_file_output("--output", args.output)
     if args.plan is not None:
         plan = SlicingPlan.load(args.plan)
         layout, class_axes = plan.job.world, plan.class_axes
@@ -255,9 +257,9 @@ def _cmd_graph_build(args: argparse.Namespace) -> int:
         world_size = load_rank_traces(args.traces)[0].world_size
         layout, class_axes = parse_layout(args.layout, args.framework, world_size).world, ("pp",)
     graph = _build(list(args.traces), layout, class_axes, args.warmup, {})
-    graph.save(args.out)
+    graph.save(args.output)
     _console().print(f"prism graph: {len(graph.classes)} classes, "
-                     f"{sum(len(t) for t in graph.classes.values())} nodes -> {args.out}")
+                     f"{sum(len(t) for t in graph.classes.values())} nodes -> {args.output}")
     return 0
 
 

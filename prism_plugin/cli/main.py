@@ -5,11 +5,11 @@
     prism run ... --fault straggler:ranks=4-7,factor=1.3 --fault hang:rank=1,group=tp,op=3 --timeout 60 -- script.py
     prism profiles [NAME]
     prism megatron pretrain_gpt.py <megatron args> --prism-world-size N --prism-real-ranks r1,...
-    prism calibrate [--backend gloo|nccl] [--processes 2] [--from-nccl-tests DIR] --out profile.yaml
+    prism calibrate [--backend gloo|nccl] [--processes 2] [--from-nccl-tests DIR] --output profile.yaml
     prism models [--json] | prism models show NAME [--json]
     prism sweep RECIPE --world-sizes 512,2048,8192 [--global-batch G] [--jobs K] [--ray ADDRESS] [--json]
     prism kernels record [--output table.json] [--steps K] [--warmup W] -- script.py args
-    prism emulate --world-size N [--profile dgx-h100] [--out DIR] -- pretrain_gpt.py <Megatron args>
+    prism emulate --world-size N [--profile dgx-h100] [--output DIR] -- pretrain_gpt.py <Megatron args>
 """
 
 from __future__ import annotations

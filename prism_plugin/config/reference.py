@@ -70,10 +70,10 @@ def markdown() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m prism_plugin.config.reference", description=__doc__)
-    ap.add_argument("--out", type=Path, default=DOC_PATH)
-    ap.add_argument("--check", action="store_true", help="exit 1 if --out differs from the table")
+    ap.add_argument("--output", "--out", type=Path, default=DOC_PATH)
+    ap.add_argument("--check", action="store_true", help="exit 1 if --output differs from the table")
     args = ap.parse_args(argv)
-    return write_generated(args.out, markdown(), check=args.check, command="python -m prism_plugin.config.reference")
+    return write_generated(args.output, markdown(), check=args.check, command="python -m prism_plugin.config.reference")
 
 
 def write_generated(path: Path, text: str, *, check: bool, command: str) -> int:

@@ -183,7 +183,7 @@ class SlicingPlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SlicingPlan:
         if data.get("format") != PLAN_FORMAT or data.get("version") != PLAN_VERSION:
-            raise GraphError(f"not a version-{PLAN_VERSION} slicing plan (write one with `prism slice --out`)")
+            raise GraphError(f"not a version-{PLAN_VERSION} slicing plan (write one with `prism slice --output`)")
         job = JobLayout(framework=data["framework"], world=WorldLayout.from_dict(data["layout"]),
                         vpp=int(data["vpp"]))
         return cls(job=job, devices=int(data["devices"]), class_axes=tuple(data["class_axes"]),
@@ -202,7 +202,7 @@ class SlicingPlan:
             return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
         except OSError as exc:
             raise GraphError(f"plan file {path}: cannot be read ({exc.strerror or exc}); write one with "
-                             "`prism slice --out`") from None
+                             "`prism slice --output`") from None
         except KeyError as exc:
             raise GraphError(f"plan file {path}: missing field {exc}") from None
         except (ValueError, TypeError, AttributeError) as exc:

@@ -189,7 +189,7 @@ def claim_output(flag: str, path: str | os.PathLike[str], command: str, *, overw
 def check_file_output(flag: str, path: str | os.PathLike[str]) -> None:
     """`path` can be written as a file: it is not a directory, and its directory exists.
 
-    Example: ``check_file_output("--out", "plans/plan.json")`` without plans/ -> ``ConfigError: --out
+    Example: ``check_file_output("--output", "plans/plan.json")`` without plans/ -> ``ConfigError: --output
     'plans/plan.json': directory 'plans' does not exist; create it or write the file elsewhere``.
     """
     p = Path(path)

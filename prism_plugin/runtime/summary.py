@@ -135,12 +135,12 @@ def check(summary: Any) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m prism_plugin.runtime.summary", description=__doc__)
-    ap.add_argument("--out", type=Path, default=SCHEMA_PATH)
-    ap.add_argument("--check", action="store_true", help="exit 1 if --out differs from the model's schema")
+    ap.add_argument("--output", "--out", type=Path, default=SCHEMA_PATH)
+    ap.add_argument("--check", action="store_true", help="exit 1 if --output differs from the model's schema")
     args = ap.parse_args(argv)
     from prism_plugin.config.reference import write_generated
 
-    return write_generated(args.out, json.dumps(schema(), indent=1, sort_keys=True) + "\n", check=args.check,
+    return write_generated(args.output, json.dumps(schema(), indent=1, sort_keys=True) + "\n", check=args.check,
                            command="python -m prism_plugin.runtime.summary")
 
 

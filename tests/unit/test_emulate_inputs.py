@@ -71,7 +71,7 @@ def test_a_used_out_is_refused_unless_overwrite_replaces_a_previous_emulate(tmp_
     capsys.readouterr()
     assert main([*run, "--", "train.py"]) == 2
     err = capsys.readouterr().err
-    assert "--out 'out' holds a previous run (3 entries: .prism-output, run0, run7)" in err and "--overwrite" in err
+    assert "--output 'out' holds a previous run (3 entries: .prism-output, run0, run7)" in err and "--overwrite" in err
     assert main([*run, "--overwrite", "--", "train.py"]) == 1
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [OUTPUT_MARKER, "run0"]  # run7 went with it
     other = tmp_path / "mine"
