@@ -59,7 +59,7 @@ it) samples that noise."""
 REAL = textwrap.dedent("""
     import json, sys, time, torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
-    from prism_plugin.device.record import run_program
+    from prism_plugin.runtime.kernel_recorder import run_program
     marks = []
     register_optimizer_step_post_hook(lambda *_: marks.append((time.perf_counter_ns(), time.thread_time_ns())))
     torch.set_num_threads(1)

@@ -71,7 +71,7 @@ step: a recording's comm can be off the real runs' by ~15% of the step even with
 REAL = """
 import json, sys, time, torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from prism_plugin.device.record import run_program
+from prism_plugin.runtime.kernel_recorder import run_program
 marks = []
 register_optimizer_step_post_hook(lambda *_: marks.append(time.perf_counter_ns()))
 torch.set_num_threads(1)

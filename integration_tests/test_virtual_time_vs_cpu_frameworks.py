@@ -17,7 +17,7 @@ bound and skip rules, its helpers).
   ``"device": "virtual-gpu"`` in its ds_config's ``prism`` section (DeepSpeed's CUDA accelerator on fake cuda
   tensors). The two op sets agree but for 4 initialisation misses (`DS_MISSES`) and 4 interpolated launches a
   step (``copy_``, ``mul_`` of another shape). Until the recorder took its step figures from plain steps (its
-  mode off the dispatch stack: `prism_plugin.device.record`), this job's recording inflated its
+  mode off the dispatch stack: `prism_plugin.runtime.kernel_recorder`), this job's recording inflated its
   step (23-39 ms a step under the mode against real means of 12-27 ms; predictions +30..+112%): 152 small ops a
   step each paid the mode's round trip, and each rank's slowed step was waited out in its peer's collectives.
 
@@ -67,7 +67,7 @@ DS_STEPS, DS_WARMUP = 40, 4
 REAL = """
 import json, sys, time, torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from prism_plugin.device.record import run_program
+from prism_plugin.runtime.kernel_recorder import run_program
 marks = []
 register_optimizer_step_post_hook(lambda *_: marks.append(time.perf_counter_ns()))
 torch.set_num_threads(1)

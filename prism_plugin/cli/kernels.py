@@ -5,7 +5,7 @@
     prism kernels record --clock cpu -m prism_plugin.programs.toy_train --tp 1 --steps 12
 
 Runs the program once, in this process, on whatever device it uses (``--device auto``: ``cuda`` when torch has one,
-else ``cpu``), under `prism_plugin.device.record.KernelRecorder`: after ``--warmup`` optimizer steps it
+else ``cpu``), under `prism_plugin.runtime.kernel_recorder.KernelRecorder`: after ``--warmup`` optimizer steps it
 times every ATen op on that device in ``--steps`` timed optimizer steps (default: to the end), each followed by a
 plain step run without the recorder (the step and its collective calls timed: what the table's step, comm and
 host figures come from), and writes one entry per (op, shape, dtype) with its median duration (``--statistic
@@ -79,7 +79,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
     check_directory("--output", args.output.parent)
     import torch
 
-    from prism_plugin.device.record import KernelRecorder, run_program, table_data
+    from prism_plugin.runtime.kernel_recorder import KernelRecorder, run_program, table_data
 
     device = args.device
     if device == "auto":

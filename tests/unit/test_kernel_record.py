@@ -13,7 +13,7 @@ import torch
 from prism_plugin.cli.main import main
 from prism_plugin.cost.gpu import gpu_spec
 from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel, TableModel
-from prism_plugin.device.record import KernelRecorder, KeySamples, run_program, table_data
+from prism_plugin.runtime.kernel_recorder import KernelRecorder, KeySamples, run_program, table_data
 
 ENTRY_KEYS = {"op", "kernel_class", "shape", "dtype", "device", "flops", "bytes", "duration_us", "count"}
 METADATA_KEYS = {"torch_version", "threads", "host", "machine", "processor", "program", "device_type", "device",
