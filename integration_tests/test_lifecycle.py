@@ -123,6 +123,43 @@ def test_sigterm_to_prism_run_ends_both_ranks_and_their_children(tmp_path: Path)
     assert not list((tmp_path / "out").glob("store-*")), "the launcher removes its store file"
 
 
+LOADER_PROGRAM = """
+import os, sys, time
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+class Endless(Dataset):
+    def __len__(self):
+        return 10 ** 9
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return torch.zeros(4)
+
+dist.init_process_group("gloo")
+for i, batch in enumerate(DataLoader(Endless(), batch_size=2, num_workers=2)):
+    dist.all_reduce(batch)
+    if i == 2:
+        (Path(os.environ["PIDS_DIR"]) / f"pids-{dist.get_rank()}.json").write_text('{"rank": %d}' % os.getpid())
+"""
+
+
+def test_sigterm_to_a_rank_with_dataloader_workers_prints_no_worker_traceback(tmp_path: Path) -> None:
+    """The whole process group gets SIGTERM, the DataLoader's workers with it; torch's SIGCHLD handler would then
+    raise "DataLoader worker ... is killed by signal" in the rank's teardown (one traceback per iterator)."""
+    script = tmp_path / "loader.py"
+    script.write_text(LOADER_PROGRAM)
+    cmd = [sys.executable, "-m", "prism_plugin.cli.main", "run", "--world-size", "4", "--real-ranks", "0",
+           "--output", str(tmp_path / "out"), "--", str(script)]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    _wait_for_pids(tmp_path, (0,), launcher)
+    _, _, err = _stop(launcher, signal.SIGTERM)
+    assert launcher.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "DataLoader worker" not in err, err[-3000:]
+    assert json.loads((tmp_path / "out" / "rank0.summary.json").read_text())["exit_code"] == 143
+
+
 def test_rank_killed_by_sigkill_is_reported_as_137_and_the_survivor_writes_its_summary(tmp_path: Path) -> None:
     launcher = _prism_run(tmp_path)
     pids = _wait_for_pids(tmp_path, (0, 1), launcher)

@@ -354,6 +354,9 @@ class EmulatedRun:
 
 def _raise_system_exit(signum: int, _frame: FrameType | None) -> None:
     signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    # the launcher stops the rank's whole process group: its DataLoader workers die of the same SIGTERM, and
+    # torch's SIGCHLD handler would raise "DataLoader worker ... is killed by signal" in every iterator's teardown
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     raise SystemExit(128 + signum)
 
 
