@@ -14,4 +14,5 @@ if [[ "${1:-}" == "--heavy" ]]; then
   shift
   select=()
 fi
-.venv/bin/python -m pytest -q -p no:cacheprovider -W ignore::FutureWarning "${select[@]}" tests integration_tests "$@"
+# the 25 slowest tests are listed at the end: where CI time goes (target: the whole run under 40 minutes)
+.venv/bin/python -m pytest -q -p no:cacheprovider -W ignore::FutureWarning --durations=25 "${select[@]}" tests integration_tests "$@"

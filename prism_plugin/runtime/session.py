@@ -434,6 +434,7 @@ def activate(config: EmulationConfig, process_index: int = 0, real_store: dist.S
             f"real_ranks lists {config.world.num_real} real ranks but {num_processes} processes were "
             f"launched; launch {config.world.num_real} processes or list {num_processes} real ranks"
         )
+    rank = config.world.virtual_rank_of(process_index)  # ConfigError naming an index with no real rank
     if config.world.num_real > 1 and real_store is None:
         raise ConfigError(
             f"{config.world.num_real} real ranks need a store shared by the real processes: pass real_store=, "
@@ -446,7 +447,6 @@ def activate(config: EmulationConfig, process_index: int = 0, real_store: dist.S
                 "init_process_group (or call prism_plugin.deactivate() first)"
             )
         name = emulated_backend(backend, config)
-        rank = config.world.virtual_rank_of(process_index)
         session = Session(config, process_index, real_store, build_parts(config, rank, name), name)
         if os.environ.get("TORCH_DIST_INIT_BARRIER", "0") != "0":
             os.environ["TORCH_DIST_INIT_BARRIER"] = "0"  # a store barrier over N ranks would wait forever
