@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -87,9 +88,26 @@ def build(verbose: bool = False) -> Path:
 
     folder = _build_dir()
     folder.mkdir(parents=True, exist_ok=True)
+    _drop_stale_lock(folder / "lock")
     module = load_inline(_NAME, cpp_sources=_SOURCE, build_directory=str(folder), verbose=verbose,
                          functions=["prism_virtual_cuda_active", "prism_virtual_cuda_set_device"])
     return Path(module.__file__)
+
+
+_STALE_LOCK_S = 600.0
+"""A build takes about 20 s: a lock file older than this was left by a build that was killed."""
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """torch's build lock (``FileBaton``) of a killed build stays, and every later build waits on it forever."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > _STALE_LOCK_S:
+        print(f"prism: removing {lock}, left {age:.0f} s ago by a device-library build that did not finish",
+              file=sys.stderr)
+        lock.unlink(missing_ok=True)
 
 
 def library_env() -> dict[str, str]:

@@ -84,3 +84,22 @@ def test_an_emulation_holds_its_session_and_leaves_nothing_behind() -> None:
     finally:
         deactivate()
     assert active.held() == before == {}
+
+
+def test_a_build_lock_left_by_a_killed_build_is_dropped_and_a_fresh_one_kept(tmp_path: Path) -> None:
+    """A killed first build of the device library (the permanent ``virtual_cuda_library`` slot's content) left torch's
+    build lock, and every later virtual-GPU start waited on it forever."""
+    import os
+    import time
+
+    from prism_plugin.device import cuda_runtime
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    cuda_runtime._drop_stale_lock(lock)
+    assert lock.exists()  # a build may be running now
+    old = time.time() - cuda_runtime._STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    cuda_runtime._drop_stale_lock(lock)
+    assert not lock.exists()
+    cuda_runtime._drop_stale_lock(lock)  # no lock: nothing to do
