@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import os
 import platform
-import runpy
 import statistics
 import sys
 import time
@@ -412,13 +411,9 @@ def run_program(target: Sequence[str]) -> int:
     saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
     os.environ.update(added)
     try:
-        if target[0] == "-m":
-            sys.argv = [target[1], *target[2:]]
-            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(target)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
-            runpy.run_path(target[0], run_name="__main__")
+        from prism_plugin.runtime.lifecycle import run_target
+
+        run_target(target)
         return 0
     except SystemExit as exc:
         code = exc.code
