@@ -52,7 +52,8 @@ from prism_plugin.cli.emulate_runs import RunFailed, run_one
 from prism_plugin.cli.settings_args import add_setting_arguments, given_settings
 from prism_plugin.config.errors import ConfigError, int_at_least, positive_int
 
-__all__ = ["add_emulate_parser", "check_megatron_job", "emulate", "layout_of_megatron_args"]
+__all__ = ["add_emulate_parser", "check_job_argv", "check_megatron_job", "emulate", "layout_of_megatron_args",
+           "run_command"]
 
 _LAYOUT_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
                  "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
@@ -166,8 +167,21 @@ def check_megatron_job(argv: list[str], capability: tuple[int, int], environ: Ma
                           "attention stand-in) or --transformer-impl transformer_engine")
 
 
-def _run_command(script_argv: list[str], rank: int, run_dir: Path, world_size: int, profile: str,
-                 gpus_per_node: int, *, trace: bool = True, graph: Path | None = None) -> list[str]:
+def check_job_argv(script_argv: list[str], command: str, other: str) -> None:
+    """A job after `--` as `command` (``prism emulate``, ``prism plan``) takes it: an existing ``.py`` script first
+    (`other`: the message's alternative), and no ``--prism-*`` flag (the command sets them for each run)."""
+    if not script_argv or not script_argv[0].endswith(".py") or not Path(script_argv[0]).is_file():
+        raise ConfigError(f"{command}: name the job's script and its arguments after `--`, e.g. "
+                          f"`-- pretrain_gpt.py --num-layers 32 ...` {other}")
+    if any(a.startswith("--prism-") for a in script_argv):
+        raise ConfigError(f"{command} sets the --prism-* flags of each run itself: drop them from the job's "
+                          "arguments")
+
+
+def run_command(script_argv: list[str], rank: int, run_dir: Path, world_size: int, profile: str,
+                gpus_per_node: int, *, trace: bool = True, graph: Path | None = None) -> list[str]:
+    """One profiling (or hybrid, with `graph`) run's command: the job as real rank `rank` of `world_size` on a
+    virtual GPU of `profile`, writing into `run_dir` (and its trace, with `trace`)."""
     command = [sys.executable, "-m", "prism_plugin.megatron", *script_argv,
                "--prism-world-size", str(world_size), "--prism-real-ranks", str(rank), "--prism-profile", profile,
                "--prism-gpus-per-node", str(gpus_per_node), "--prism-device", "virtual-gpu",
@@ -182,10 +196,11 @@ def _run_command(script_argv: list[str], rank: int, run_dir: Path, world_size: i
 
 
 def _run_all(runs: list[tuple[list[str], Path, int, str]], jobs: int, timeout_s: float,
-             progress: Any = None, ray_address: str | None = None) -> list[dict[str, Any]]:
+             progress: Any = None, ray_address: str | None = None, env: Mapping[str, str] | None = None,
+             stop: threading.Event | None = None) -> list[dict[str, Any]]:
     """Every run of `runs` ((command, run_dir, rank, what)), `jobs` at a time (or as Ray tasks: `emulate_ray`);
-    results in order. The first failure (or Ctrl-C / SIGTERM here) stops the others and starts no more, and is
-    raised."""
+    results in order. The first failure (or Ctrl-C / SIGTERM here, or `stop` set by a caller's thread) stops the
+    others and starts no more, and is raised. `env`: the local runs' environment (default this process's)."""
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
     if ray_address is not None and runs:
@@ -198,9 +213,11 @@ def _run_all(runs: list[tuple[list[str], Path, int, str]], jobs: int, timeout_s:
         for i, (command, run_dir, rank, what) in enumerate(runs):
             if progress is not None:
                 progress(f"{what} ({i + 1}/{len(runs)}): rank {rank}")
-            out.append(run_one(command, run_dir, rank, what, timeout_s))
+            out.append(run_one(command, run_dir, rank, what, timeout_s, stop, env))
         return out
-    stop = threading.Event()
+    caller_stop, stop = stop, threading.Event()  # a failure here stops this call's runs, not the caller's others
+    if caller_stop is not None:  # the caller's stop reaches these runs (a daemon: it waits as long as the process)
+        threading.Thread(target=lambda: (caller_stop.wait(), stop.set()), daemon=True).start()
 
     def one(i: int) -> dict[str, Any]:
         command, run_dir, rank, what = runs[i]
@@ -208,7 +225,7 @@ def _run_all(runs: list[tuple[list[str], Path, int, str]], jobs: int, timeout_s:
             raise RunFailed(f"prism emulate: {what} (rank {rank}) not started (another run failed)")
         if progress is not None:
             progress(f"{what} ({i + 1}/{len(runs)}, {jobs} at a time): rank {rank}")
-        return run_one(command, run_dir, rank, what, timeout_s, stop)
+        return run_one(command, run_dir, rank, what, timeout_s, stop, env)
 
     pool = ThreadPoolExecutor(max_workers=jobs)
     try:
@@ -231,9 +248,12 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
             gpus_per_node: int = 8, warmup: int = 1, timeout_s: float = 3600.0, progress: Any = None,
             framework: str = "auto", seq_length: int | None = None,
             model_flops_per_iteration: float | None = None, hybrid: str | None = None,
-            overwrite: bool = False, jobs: int = 1, ray_address: str | None = None) -> dict[str, Any]:
+            overwrite: bool = False, jobs: int = 1, ray_address: str | None = None,
+            env: Mapping[str, str] | None = None, stop: threading.Event | None = None) -> dict[str, Any]:
     """Run the pipeline of the module docstring; returns the report (also written to ``<out>/emulate.json``).
 
+    `env`: the environment of the runs and of the job's checks (default this process's: `prism plan` passes each
+    candidate's); `stop`: set from another thread, the runs in flight are killed and `RunFailed` raised.
     Raises `ConfigError` on bad input (before any process starts) and `RuntimeError` when a profiling run fails
     (naming its log)."""
     from prism_plugin.cli.emulate_deepspeed import DeepSpeedJob, detect_framework
@@ -244,12 +264,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
     from prism_plugin.graph.slicing import make_plan, parse_layout
     from prism_plugin.launch.preflight import check_environment, claim_output
 
-    if not script_argv or not script_argv[0].endswith(".py") or not Path(script_argv[0]).is_file():
-        raise ConfigError("prism emulate: name the job's script and its arguments after `--`, e.g. "
-                          "`-- pretrain_gpt.py --num-layers 32 ...` or `-- train.py --deepspeed_config ds.json`")
-    if any(a.startswith("--prism-") for a in script_argv):
-        raise ConfigError("prism emulate sets the --prism-* flags of each profiling run itself: drop them from the "
-                          "job's arguments")
+    check_job_argv(script_argv, "prism emulate", "or `-- train.py --deepspeed_config ds.json`")
     _check_numbers(world_size=world_size, gpus_per_node=gpus_per_node, warmup=warmup, timeout_s=timeout_s,
                    seq_length=seq_length, model_flops_per_iteration=model_flops_per_iteration)
     positive_int("--jobs", jobs, hint="profiling runs at a time on this machine, e.g. --jobs 2")
@@ -273,7 +288,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
             raise ConfigError("--seq-length / --model-flops-per-iteration are for DeepSpeed jobs: a Megatron job's "
                               "figures come from its own arguments; drop them")
         layout = layout_of_megatron_args(script_argv[1:], world_size)
-        check_megatron_job(script_argv[1:], gpu.capability)
+        check_megatron_job(script_argv[1:], gpu.capability, env)
     hybrid_ranks: tuple[int, ...] = ()
     if hybrid is not None:
         try:
@@ -293,7 +308,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
         if ds_job is not None:
             return ds_job.command(sys.executable, rank, run_dir, profile=profile, gpus_per_node=gpus_per_node,
                                   trace=graph is None, graph=graph)
-        return _run_command(script_argv, rank, run_dir, world_size, profile, gpus_per_node, trace=graph is None,
+        return run_command(script_argv, rank, run_dir, world_size, profile, gpus_per_node, trace=graph is None,
                             graph=graph)
 
     specs = []
@@ -303,7 +318,8 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
         specs.append((command(ranks[0], run_dir), run_dir, ranks[0], f"profiling run {i}"))
     if progress is not None:
         progress(f"profiling on virtual {gpu.name}s, {min(jobs, len(specs))} run(s) at a time")
-    runs = [{"run": i, **result} for i, result in enumerate(_run_all(specs, jobs, timeout_s, progress, ray_address))]
+    runs = [{"run": i, **result}
+            for i, result in enumerate(_run_all(specs, jobs, timeout_s, progress, ray_address, env, stop))]
     if progress is not None:
         progress("building the execution graph and replaying it")
     graph = _build([r_dir / "trace" for r_dir in (out / f"run{i}" for i in range(len(runs)))], plan.job.world,
@@ -326,7 +342,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
             run_dir = out / "hybrid" / f"rank{rank}"
             run_dir.mkdir(parents=True, exist_ok=True)
             hybrid_specs.append((command(rank, run_dir, graph_path), run_dir, rank, "hybrid run"))
-        hybrid_runs = _run_all(hybrid_specs, jobs, timeout_s, progress, ray_address)
+        hybrid_runs = _run_all(hybrid_specs, jobs, timeout_s, progress, ray_address, env, stop)
         report["hybrid"] = _hybrid_rows(hybrid_runs, prediction, state, runs)
     (out / "emulate.json").write_text(json.dumps(report, indent=1))
     return report

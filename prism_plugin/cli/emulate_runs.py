@@ -23,10 +23,12 @@ class RunFailed(RuntimeError):
 
 
 def run_one(command: list[str], run_dir: Path, rank: int, what: str, timeout_s: float,
-         stop: threading.Event | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Run one virtual-GPU process with virtual time; its summary (`RunFailed` naming its log on failure). `stop`
-    set from another thread (a sibling run failed, Ctrl-C): the run's group is killed and `RunFailed` raised. `env`:
-    the run's environment (default this process's; a Ray task passes the driver's job variables)."""
+         stop: threading.Event | None = None, env: Mapping[str, str] | None = None, *,
+         virtual_time: bool = True) -> dict[str, Any]:
+    """Run one virtual-GPU process with virtual time (or, `virtual_time` False, memory only: `prism plan`'s memory
+    runs); its summary (`RunFailed` naming its log on failure). `stop` set from another thread (a sibling run
+    failed, Ctrl-C): the run's group is killed and `RunFailed` raised. `env`: the run's environment (default this
+    process's; a Ray task passes the driver's job variables)."""
     from prism_plugin.launch.processes import die_with_parent
 
     log = run_dir / "log.txt"
@@ -36,7 +38,8 @@ def run_one(command: list[str], run_dir: Path, rank: int, what: str, timeout_s: 
         # its own process group (Ctrl-C here reaches emulate, which stops the whole group) that dies with emulate
         # (SIGKILL of emulate left its profiling runs running)
         proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT,
-                                env=dict(os.environ if env is None else env, PRISM_VIRTUAL_TIME="on"),
+                                env=dict(os.environ if env is None else env,
+                                         PRISM_VIRTUAL_TIME="on" if virtual_time else "off"),
                                 start_new_session=True, preexec_fn=die_with_parent())
         try:
             while True:

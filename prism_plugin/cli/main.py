@@ -10,6 +10,7 @@
     prism sweep RECIPE --world-sizes 512,2048,8192 [--global-batch G] [--jobs K] [--ray ADDRESS] [--json]
     prism kernels record [--output table.json] [--steps K] [--warmup W] -- script.py args
     prism emulate --world-size N [--profile dgx-h100] [--output DIR] -- pretrain_gpt.py <Megatron args>
+    prism plan --model NAME | -- pretrain_gpt.py <args>  --gpus N [--gpu h100] [--max-candidates K] [--jobs K]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from prism_plugin.cli.graph import (
 )
 from prism_plugin.cli.kernels import add_kernels_parser
 from prism_plugin.cli.models import add_models_parser
+from prism_plugin.cli.plan import add_plan_parser
 from prism_plugin.cli.settings_args import add_setting_arguments, given_settings
 from prism_plugin.cli.sweep import add_sweep_parser
 from prism_plugin.config.emulation import EmulationConfig
@@ -238,6 +240,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_calibrate_parser(sub)  # prism calibrate (issue 6, item 5)
     add_models_parser(sub)  # prism models (issue 12, item 4)
     add_sweep_parser(sub)  # prism sweep (issue 14, part 4)
+    add_plan_parser(sub)  # prism plan (issue 22, item 3)
     add_kernels_parser(sub)  # prism kernels record (issue 13, item 1b)
     from prism_plugin.cli.emulate import add_emulate_parser  # prism emulate (issue 13, item 3)
 

@@ -29,11 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from prism_plugin.config.errors import ConfigError
+from prism_plugin.config.errors import ConfigError, coerce_enum
 
 __all__ = [
     "PRESETS", "Activation", "ModelPreset", "Normalization", "PositionEmbedding", "attention_parameters",
-    "embedding_parameters", "layer_parameters", "megatron_args", "mlp_parameters", "parameters", "preset",
+    "embedding_parameters", "layer_parameters", "megatron_args", "mlp_parameters", "model_of_megatron_args",
+    "parameters", "preset",
     "preset_names",
 ]
 
@@ -319,3 +320,51 @@ def megatron_args(p: ModelPreset) -> list[str]:
     if p.num_experts is not None:
         args += ["--num-experts", str(p.num_experts), "--moe-router-topk", str(p.moe_router_topk)]
     return args
+
+
+def model_of_megatron_args(argv: list[str], name: str = "job") -> ModelPreset:
+    """The architecture a ``pretrain_gpt.py`` command line builds, read as Megatron's parser reads it (its defaults:
+    ffn 4 x hidden, multi-head attention, LayerNorm, GeLU, learned positions, biases, tied output layer); what
+    `prism plan -- pretrain_gpt.py <args>` plans for. A flag it needs and lacks is a `ConfigError` naming it.
+
+    >>> m = model_of_megatron_args(megatron_args(preset("llama3-8b")))
+    >>> (m.num_layers, m.num_query_groups, m.ffn_hidden_size, m.activation.value, parameters(m))
+    (32, 8, 14336, 'swiglu', 8030261248)
+    >>> model_of_megatron_args(["--num-layers", "2"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    prism_plugin.config.errors.ConfigError: the job's arguments lack --hidden-size: give it ...
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--ffn-hidden-size",
+                 "--seq-length", "--max-position-embeddings", "--vocab-size", "--rotary-base", "--num-experts",
+                 "--moe-router-topk"):
+        parser.add_argument(flag, type=int, default=None)
+    parser.add_argument("--normalization", default="LayerNorm")
+    parser.add_argument("--position-embedding-type", default="learned_absolute")
+    for flag in ("--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights",
+                 "--disable-bias-linear"):
+        parser.add_argument(flag, action="store_true")
+    known, _ = parser.parse_known_args(argv)
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size"):
+        if getattr(known, flag[2:].replace("-", "_")) is None:
+            raise ConfigError(f"the job's arguments lack {flag}: give it (the planner sizes the model from the "
+                              "job's own arguments; --vocab-size stands for a tokenizer it cannot read)")
+    rope = known.position_embedding_type == "rope"
+    experts = known.num_experts
+    return ModelPreset(
+        name=name, family="job", hidden_size=known.hidden_size, num_layers=known.num_layers,
+        num_attention_heads=known.num_attention_heads,
+        num_query_groups=known.num_query_groups if known.group_query_attention and known.num_query_groups
+        else known.num_attention_heads,
+        ffn_hidden_size=known.ffn_hidden_size or 4 * known.hidden_size, vocab_size=known.vocab_size,
+        seq_length=known.seq_length, max_position_embeddings=known.max_position_embeddings or known.seq_length,
+        normalization=coerce_enum(Normalization, known.normalization, "--normalization"),
+        activation=Activation.SWIGLU if known.swiglu else Activation.GELU,
+        position_embedding=PositionEmbedding.ROPE if rope else PositionEmbedding.LEARNED,
+        rotary_base=(known.rotary_base or 10000) if rope else None,
+        untied_embeddings=known.untie_embeddings_and_output_weights, bias=not known.disable_bias_linear,
+        num_experts=experts, moe_router_topk=(known.moe_router_topk or 2) if experts else None,
+        source="the job's pretrain_gpt.py arguments")
