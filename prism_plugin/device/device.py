@@ -491,16 +491,20 @@ class VirtualGpu:
         self.stop()
 
     def summary(self, session: Any = None) -> dict[str, Any]:
-        """Per device: allocated / reserved (current, peak), fragmentation at the peak, the device total the job
-        needs (`device_total`), whether it fits, OOMs; and the value policy's answers.
+        """Per device this process touched (its own, and any other it allocated on): allocated / reserved
+        (current, peak), fragmentation at the peak, the device total the job needs (`device_total`), whether it
+        fits, OOMs; the others' indices (``untouched_devices``); and the value policy's answers.
 
         `session`: the emulation session whose groups this rank used (its ``communicator_memory()``, the modelled
         NCCL buffers); None: no communicator, 0 B."""
-        devices = []
+        devices, untouched = [], []
         own = self.shim.current
         nccl = _nccl_buffer_bytes(session)
         for model in self.allocators:
             peak_reserved = model.stat("reserved_bytes", "all", "peak")
+            if model.device != own and not peak_reserved and not model.ooms:
+                untouched.append(model.device)  # never allocated on: no context a job would count there
+                continue
             total = self.device_total(peak_reserved, nccl if model.device == own else 0,
                                       own=model.device == own)
             workspaces = [b for (index, _, _), b in self.tracker.workspaces.items() if index == model.device]
@@ -526,7 +530,7 @@ class VirtualGpu:
                 if self.clock is None else "modelled (virtual time: kernel model and emulated CUDA streams)",
                 **({"virtual_time": self.clock.summary()} if self.clock is not None else {}),
                 **({"kernels": _plain(self.kernel_summary())} if self.kernel_summary is not None else {}),
-                "devices": devices, "values": self.values.summary()}
+                "devices": devices, "untouched_devices": untouched, "values": self.values.summary()}
 
     def device_total(self, peak_reserved_bytes: int, nccl_buffer_bytes: int = 0, *, own: bool = True) -> DeviceTotal:
         """The device total of one of these GPUs (`prism_plugin.cost.gpu.DeviceTotal`): the NCCL buffers and

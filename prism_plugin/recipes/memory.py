@@ -64,7 +64,7 @@ def memory_rows(recipe: Recipe, summaries: Mapping[str, Mapping[int, Sequence[Ma
             vgpu = docs[-1].get("virtual_gpu") if docs else None
             if not vgpu:
                 continue
-            own = _own_device(emu, rank, len(vgpu["devices"]))
+            own = _own_device(emu, rank, len(vgpu["devices"]) + len(vgpu.get("untouched_devices", ())))
             steps = (vgpu.get("virtual_time") or {}).get("step_times_s") or []
             step = round(statistics.median(steps), 9) if steps else None
             for d in vgpu["devices"]:

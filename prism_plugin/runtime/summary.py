@@ -63,7 +63,9 @@ class VirtualGpuSummary(_Closed):
     step_time: str
     virtual_time: _Section | None = None
     kernels: _Section | None = None
-    devices: list[DeviceSummary]
+    devices: list[DeviceSummary] = Field(description="the devices this process touched: its own, and any other "
+                                                      "it allocated on")
+    untouched_devices: list[int] = Field(default_factory=list, description="the other devices' indices")
     values: _Section
 
 

@@ -75,17 +75,19 @@ def test_summary_itemises_the_device_total_and_fits_against_gpu_memory(monkeypat
     nccl = 16 * protocol + 16 * 4 * protocol + 1 * 2 * 2 * 4 * MiB  # ring; ring + tree (3 more); 2 channels x send/recv
     assert nccl == 787_480_576
     summary = vgpu.summary(session)
-    own = summary["devices"][3]
+    assert [d["device"] for d in summary["devices"]] == [3] and summary["untouched_devices"] == [0, 1, 2, 4, 5, 6, 7]
+    own = summary["devices"][0]
     assert own["device_total"] == {"peak_reserved_bytes": 10 * GiB, "nccl_buffer_bytes": nccl,
                                    "context_bytes": 512 * MiB, "total_bytes": own["device_total_bytes"]}
     assert own["device_total_bytes"] == 10 * GiB + 787_480_576 + 536_870_912 == 12_061_769_728
     assert own["fits"] is True and own["cublas_workspaces"] == 0  # no GEMM ran: no workspace
-    other = summary["devices"][0]  # a device the process never used: its context only
+    vgpu.allocators[5].malloc(GiB)  # another device the process allocated on: listed, its context but no NCCL
+    other = next(d for d in vgpu.summary(session)["devices"] if d["device"] == 5)
     assert other["device_total"]["nccl_buffer_bytes"] == 0
-    assert other["device_total_bytes"] == 512 * MiB and other["fits"] is True
+    assert other["device_total_bytes"] == GiB + 512 * MiB and other["fits"] is True
     assert "cuBLAS" in summary["device_total_note"] and "context_bytes" in summary["device_total_note"]
     # no session (none active either): no communicator, 0 B of NCCL buffers
-    assert vgpu.summary()["devices"][3]["device_total_bytes"] == 12_061_769_728 - nccl
+    assert vgpu.summary()["devices"][0]["device_total_bytes"] == 12_061_769_728 - nccl
 
 
 def test_a_peak_the_allocator_serves_can_still_not_fit_the_gpu() -> None:
