@@ -144,6 +144,9 @@ class MegatronAdapter:
                 from prism_plugin.adapters.megatron import fused_kernels  # @jit_fuser and CUDA extensions: 1 kernel
 
                 fused_kernels.install(self._patches)
+                from prism_plugin.adapters.megatron import triton_kernels  # MLA's rotary kernels: 1 kernel each
+
+                triton_kernels.install(self._patches)
                 from prism_plugin.adapters.megatron import attention  # --prism-attention flash: fused attention
 
                 if attention.attention_mode() is attention.AttentionMode.FLASH:

@@ -30,7 +30,7 @@ The kernels (each a region of the eager math, so its shapes, dtypes and allocati
   apex's kernels compute it, returning them): one ``norm``-class kernel each;
 - ``scaled_masked_softmax_cuda.get_batch_per_block``: the extension's own formula (no kernel).
 
-Each kernel runs with autograd off, as an extension's kernel is invisible to autograd (`_kernel`).
+Each kernel runs with autograd off, as an extension's kernel is invisible to autograd (`extension_kernel`).
 
 Limitations: the extensions' argument checks are reduced to dtype and rank (apex also bounds the key length); in
 CPU mode none of this is installed (the adapter switches those defaults off there instead).
@@ -50,7 +50,7 @@ from prism_plugin.cost.kernels import KernelClass
 from prism_plugin.device import fusion
 from prism_plugin.device.undo import Patches
 
-__all__ = ["EXTENSIONS", "extensions", "install", "install_for_process", "mend_imported"]
+__all__ = ["EXTENSIONS", "extension_kernel", "extensions", "install", "install_for_process", "mend_imported"]
 
 EXTENSIONS = ("fused_weight_gradient_mlp_cuda", "scaled_masked_softmax_cuda",
               "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda")
@@ -71,7 +71,7 @@ def _wgrad_gemm_accum(total_input: torch.Tensor, grad_output: torch.Tensor, main
     main_grad.add_(torch.mm(grad_output.reshape(-1, n).t(), total_input.reshape(-1, k)))
 
 
-def _kernel(fn: Callable[..., Any], name: str, kernel_class: KernelClass | None = None) -> Callable[..., Any]:
+def extension_kernel(fn: Callable[..., Any], name: str, kernel_class: KernelClass | None = None) -> Callable[..., Any]:
     """`fn` as one extension kernel: a fusion region that autograd does not see. A CUDA extension's kernel records
     nothing in the autograd graph, whatever the grad mode; the eager math standing in for it would (Megatron's
     ``drain_embedding_wgrad_compute`` calls the wgrad GEMM in grad mode with an activation that requires grad: the
@@ -87,7 +87,7 @@ def _kernel(fn: Callable[..., Any], name: str, kernel_class: KernelClass | None 
 
 
 def _wgrad(name: str, accumulator: tuple[torch.dtype, ...]) -> Callable[..., None]:
-    region = _kernel(_wgrad_gemm_accum, name)
+    region = extension_kernel(_wgrad_gemm_accum, name)
 
     def wgrad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
         if main_grad.dtype not in accumulator:
@@ -157,8 +157,8 @@ def extensions() -> dict[str, types.ModuleType]:
     for module, forward in (("scaled_upper_triang_masked_softmax_cuda", _upper_triang_forward),
                             ("scaled_masked_softmax_cuda", _masked_forward), ("scaled_softmax_cuda", _plain_forward)):
         fake = types.ModuleType(module, f"prism: {module} on virtual GPUs")
-        fake.forward = _kernel(forward, f"{module}.forward", KernelClass.NORM)  # type: ignore[attr-defined]
-        fake.backward = _kernel(_softmax_backward, f"{module}.backward", KernelClass.NORM)  # type: ignore[attr-defined]
+        fake.forward = extension_kernel(forward, f"{module}.forward", KernelClass.NORM)  # type: ignore[attr-defined]
+        fake.backward = extension_kernel(_softmax_backward, f"{module}.backward", KernelClass.NORM)  # type: ignore[attr-defined]
         fake.get_batch_per_block = _batch_per_block  # type: ignore[attr-defined]
         out[module] = fake
     return out
