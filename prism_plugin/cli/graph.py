@@ -329,18 +329,20 @@ def replay_prediction(graph: Any, profile_name: str, *, stragglers: dict[int, fl
                       ranks: list[int] | None = None, faults: tuple[Any, ...] = (),
                       timeout_s: float = 1800.0, sampled: bool = False) -> tuple[dict[str, Any], Any]:
     """(JSON-ready prediction, SteadyState) of `graph` on `profile_name` (see `prism replay`)."""
+    from prism_plugin.config.nccl import nccl_from_environ
     from prism_plugin.cost import CostModel, load_profile, override_profile
     from prism_plugin.graph.steady import steady_state
 
     profile = load_profile(profile_name)
     if overrides:
         profile = override_profile(profile, overrides)
+    nccl = nccl_from_environ()  # the job's NCCL_ALGO: the same algorithms its profiling runs were timed with
     from prism_plugin.config.faults import Crash, Hang, Kill
 
     stops = [f for f in faults if isinstance(f, Hang | Crash)]
     timing = tuple(f for f in faults if not isinstance(f, Hang | Crash | Kill))  # kill: a live-only fault
     t0 = time.perf_counter()
-    state = steady_state(graph, CostModel(profile), iterations=iterations, stragglers=stragglers, faults=timing)
+    state = steady_state(graph, CostModel(profile, nccl), iterations=iterations, stragglers=stragglers, faults=timing)
     replay_s = time.perf_counter() - t0
     space = state.result.space
     listed = sorted(({a.rep_rank for a in space.actors} if ranks is None else set(ranks)) | set(stragglers or {}))
@@ -357,7 +359,7 @@ def replay_prediction(graph: Any, profile_name: str, *, stragglers: dict[int, fl
     if sampled:
         from prism_plugin.graph.steady import sampled_steps
 
-        out["sampled"] = sampled_steps(graph, CostModel(profile), stragglers=stragglers, faults=timing).summary()
+        out["sampled"] = sampled_steps(graph, CostModel(profile, nccl), stragglers=stragglers, faults=timing).summary()
     if faults:  # issue 7: the faults replayed and who waited on whom, per step, back to the root
         from prism_plugin.graph.blame import blame_report
 
@@ -366,8 +368,8 @@ def replay_prediction(graph: Any, profile_name: str, *, stragglers: dict[int, fl
     if stops:  # hangs and crashes: who blocks where, when each raises, and the chain back to the faulty rank
         from prism_plugin.graph.fault_replay import failure_replay
 
-        out["failures"] = [failure_replay(graph, CostModel(profile), f, timeout_s=timeout_s, iterations=iterations,
-                                          others=timing).to_dict() for f in stops]
+        out["failures"] = [failure_replay(graph, CostModel(profile, nccl), f, timeout_s=timeout_s,
+                                          iterations=iterations, others=timing).to_dict() for f in stops]
     return out, state
 
 

@@ -31,10 +31,12 @@ from functools import lru_cache
 
 from prism_plugin.config.errors import ConfigError, int_at_least
 from prism_plugin.config.kinds import Algorithm, OpKind
+from prism_plugin.config.nccl import NcclAlgorithms
 from prism_plugin.cost.profiles import HardwareProfile
 from prism_plugin.topology.placement import NodePlacement
 
-__all__ = ["CostBreakdown", "CostModel", "GroupPlacement", "supported_algorithms"]
+__all__ = ["NCCL_STAND_INS", "CostBreakdown", "CostModel", "GroupPlacement", "allowed_algorithms",
+           "supported_algorithms"]
 
 _AR, _BC, _RD = OpKind.ALL_REDUCE, OpKind.BROADCAST, OpKind.REDUCE
 _AG, _RS, _BAR = OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.BARRIER
@@ -51,6 +53,36 @@ _ALGORITHMS: dict[object, Algorithm] = {alg: alg for alg in Algorithm}
 def supported_algorithms(kind: OpKind) -> tuple[Algorithm, ...]:
     """The algorithms the model knows for `kind`, e.g. ALL_TO_ALL -> (DIRECT,)."""
     return tuple(alg for alg, kinds in _SUPPORTED.items() if kind in kinds)
+
+
+NCCL_STAND_INS: dict[Algorithm, frozenset[str]] = {
+    Algorithm.RING: frozenset({"ring"}), Algorithm.TREE: frozenset({"tree"}),
+    Algorithm.HIERARCHICAL: frozenset({"collnetdirect", "collnetchain", "nvls", "nvlstree", "pat"}),
+}
+"""The NCCL algorithms each model algorithm stands for: HIERARCHICAL (an intra-node phase, then one between nodes)
+is the model's one formula for NCCL's multi-level algorithms (CollNet, NVLS, NVLSTree, PAT), allowed when
+``NCCL_ALGO`` allows one of them."""
+
+
+def allowed_algorithms(kind: OpKind, nccl: NcclAlgorithms | None) -> tuple[Algorithm, ...]:
+    """The model algorithms `kind` may use under `nccl` (``NCCL_ALGO``; None: every one), RING, TREE, HIERARCHICAL
+    order (a tie goes to the earlier); a barrier follows all_reduce's (NCCL runs it as one). A `ConfigError` when
+    none is left, naming the variables and the fix.
+
+    >>> from prism_plugin.config.nccl import parse_nccl_algo
+    >>> allowed_algorithms(OpKind.ALL_REDUCE, parse_nccl_algo("^ring"))
+    (<Algorithm.TREE: 'tree'>, <Algorithm.HIERARCHICAL: 'hierarchical'>)
+    """
+    candidates = tuple(a for a in (Algorithm.RING, Algorithm.TREE, Algorithm.HIERARCHICAL) if kind in _SUPPORTED[a])
+    if nccl is None or _is_direct_only(kind):
+        return candidates
+    names = nccl.allowed((OpKind.ALL_REDUCE if kind is OpKind.BARRIER else kind).value)
+    allowed = tuple(a for a in candidates if NCCL_STAND_INS[a] & names)
+    if not allowed:
+        known = sorted(set().union(*(NCCL_STAND_INS[a] for a in candidates)))
+        raise ConfigError(f"{nccl.text}: leaves {kind.value} no algorithm NCCL runs it with ({', '.join(known)}); "
+                          f"allow one of them for {kind.value}")
+    return allowed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -128,6 +160,7 @@ class CostModel:
 
     __slots__ = (
         "_profile",
+        "_allowed",
         "_bi",
         "_be",
         "_bp_intra",
@@ -140,10 +173,12 @@ class CostModel:
         "_tf",
     )
 
-    def __init__(self, profile: HardwareProfile) -> None:
+    def __init__(self, profile: HardwareProfile, nccl: NcclAlgorithms | None = None) -> None:
         if not isinstance(profile, HardwareProfile):
             raise TypeError(f"CostModel needs a HardwareProfile (see load_profile), got {type(profile)!r}")
         self._profile = profile
+        # the algorithms NCCL_ALGO / NCCL_NVLS_ENABLE leave each collective (None: NCCL's free choice)
+        self._allowed = {kind: allowed_algorithms(kind, nccl) for kind in OpKind if not _is_direct_only(kind)}
         # GB/s = 1e9 bytes/s = 1e3 bytes/us.
         self._bi = profile.intra_node.bandwidth_gbytes_per_s * 1e3 * profile.bus_efficiency
         self._be = profile.inter_node.bandwidth_gbytes_per_s * 1e3 * profile.bus_efficiency
@@ -243,21 +278,30 @@ class CostModel:
         if _is_direct_only(kind):
             return Algorithm.DIRECT
         if pl.num_nodes == 1:
-            return Algorithm.RING
+            return self._inside_node(kind)
         return self._best_spanning(kind, size, pl)[2]
 
+    def _inside_node(self, kind: OpKind) -> Algorithm:
+        """A group inside one node: RING on NVLink, unless NCCL_ALGO excludes it (then the first allowed)."""
+        allowed = self._allowed[kind]
+        return Algorithm.RING if Algorithm.RING in allowed else allowed[0]
+
     def _best_spanning(self, kind: OpKind, size: int, pl: GroupPlacement) -> tuple[float, float, Algorithm]:
-        """The least-time candidate for a group spanning nodes; ties go to RING, then TREE."""
-        best_lat, best_xfer = self._ring(kind, size, pl)
-        best = Algorithm.RING
-        if not (kind is _AG or kind is _RS):  # the kinds without a tree formula
-            lat, xfer = self._tree(kind, size, pl)
-            if lat + xfer < best_lat + best_xfer:
-                best_lat, best_xfer, best = lat, xfer, Algorithm.TREE
-        lat, xfer = self._hierarchical(kind, size, pl)
-        if lat + xfer < best_lat + best_xfer:
-            best_lat, best_xfer, best = lat, xfer, Algorithm.HIERARCHICAL
-        return best_lat, best_xfer, best
+        """The least-time allowed candidate for a group spanning nodes; ties go to RING, then TREE."""
+        best: tuple[float, float, Algorithm] | None = None
+        for alg in self._allowed[kind]:
+            lat, xfer = self._spanning_terms(alg, kind, size, pl)
+            if best is None or lat + xfer < best[0] + best[1]:
+                best = (lat, xfer, alg)
+        assert best is not None  # allowed_algorithms never leaves a kind without one
+        return best
+
+    def _spanning_terms(self, alg: Algorithm, kind: OpKind, size: int, pl: GroupPlacement) -> tuple[float, float]:
+        if alg is Algorithm.RING:
+            return self._ring(kind, size, pl)
+        if alg is Algorithm.TREE:
+            return self._tree(kind, size, pl)
+        return self._hierarchical(kind, size, pl)
 
     def _terms(
         self, kind: OpKind, size: int, pl: GroupPlacement, algorithm: Algorithm | None
@@ -284,7 +328,9 @@ class CostModel:
             if _is_direct_only(kind):
                 return (*self._direct(kind, size, pl), Algorithm.DIRECT)
             if pl.num_nodes == 1:
-                return (*self._ring(kind, size, pl), Algorithm.RING)
+                alg = self._inside_node(kind)
+                terms = self._tree(kind, size, pl) if alg is Algorithm.TREE else self._ring(kind, size, pl)
+                return (*terms, alg)  # HIERARCHICAL inside one node is the intra-node ring
             return self._best_spanning(kind, size, pl)
         algorithm = _algorithm(algorithm, kind)
         # Inside one node there is no inter-node phase: HIERARCHICAL is the intra-node ring.

@@ -220,7 +220,8 @@ ENVIRONMENT: Mapping[str, str] = {s.env: s.help for s in SETTINGS if s.env}
 def check_environment(real_ranks: Sequence[int], environ: Mapping[str, str] | None = None) -> None:
     """Every `ENVIRONMENT` setting present in `environ` (default ``os.environ``) is valid for a launch of these real
     ranks (processes that share the environment): each value by its setting's parser, their combinations, and the
-    files they name; a `ConfigError` naming the variable and the fix, before any process starts."""
+    files they name, and NCCL's ``NCCL_ALGO`` / ``NCCL_NVLS_ENABLE`` as the cost model honours them; a `ConfigError`
+    naming the variable and the fix, before any process starts."""
     from prism_plugin.config.resolve import resolve
 
     env = os.environ if environ is None else environ
@@ -238,6 +239,13 @@ def check_environment(real_ranks: Sequence[int], environ: Mapping[str, str] | No
             raise ConfigError(f"PRISM_MEMORY_SNAPSHOT={template!r} is a directory; name the snapshot file, e.g. "
                               f"{path / 'rank{rank}.pickle'}")
         check_directory(f"PRISM_MEMORY_SNAPSHOT={template!r}: the directory", path.parent)
+    from prism_plugin.config.kinds import OpKind
+    from prism_plugin.config.nccl import nccl_from_environ
+    from prism_plugin.cost.model import allowed_algorithms
+
+    nccl = nccl_from_environ(env)  # NCCL_ALGO's syntax, and an algorithm left for every collective
+    for kind in OpKind:
+        allowed_algorithms(kind, nccl)
     if settings.time.kernel_fit is not None:  # a malformed overlay would fail in every profiling run
         from prism_plugin.cost.kernel_fit import load_fit
 

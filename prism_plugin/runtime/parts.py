@@ -24,6 +24,7 @@ from prism_plugin.comm.context import OpObserver
 from prism_plugin.comm.recording import Recorder, Replayer
 from prism_plugin.config.emulation import EmulationConfig
 from prism_plugin.config.kinds import DataPolicy, DeviceMode
+from prism_plugin.config.nccl import nccl_from_environ
 from prism_plugin.cost import CostModel, load_profile
 from prism_plugin.cost.profiles import HardwareProfile
 from prism_plugin.device.op_clock import EmulationClock, WallClock
@@ -77,7 +78,7 @@ def build_parts(config: EmulationConfig, rank: int, backend: str) -> SessionPart
     """The parts of virtual rank `rank`'s session under `config` (the program's `backend` names the trace events)."""
     world = config.world
     profile = load_profile(config.profile)
-    cost_model = CostModel(profile)
+    cost_model = CostModel(profile, nccl_from_environ())  # the job's NCCL_ALGO / NCCL_NVLS_ENABLE, as NCCL reads them
     virtual_time = _virtual_time(config)
     op_clock: Any = WallClock() if virtual_time is None else virtual_time
     timing = config.timing or virtual_time is not None  # virtual time: every op takes its modelled time
