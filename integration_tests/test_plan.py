@@ -32,9 +32,9 @@ JOB = ["--num-layers", "2", "--hidden-size", "1024", "--num-attention-heads", "1
 SPACE = "tp=1,2;pp=1;cp=1;mbs=1;recompute=none;dopt=on;fp8=off"
 
 
-def _command(out: Path) -> list[str]:
-    return [sys.executable, "-m", "prism_plugin.cli.main", "plan", "--gpus", "4", "--space", SPACE, "--output",
-            str(out), "--json", "--", str(SCRIPT), *JOB]
+def _command(out: Path, space: str = SPACE, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "prism_plugin.cli.main", "plan", "--gpus", "4", "--space", space, "--output",
+            str(out), "--json", *extra, "--", str(SCRIPT), *JOB]
 
 
 def _runs_left(out: Path) -> list[str]:
@@ -88,3 +88,18 @@ def test_a_plan_stopped_midway_keeps_its_finished_candidate_and_resumes(tmp_path
 
 PINNED_STEP_MS = {"tp1 pp1 vp1 cp1 ep1 mbs1 norc dopt bf16": 10.126, "tp2 pp1 vp1 cp1 ep1 mbs1 norc dopt bf16": 11.851}
 """Each candidate's modelled step (prism emulate's report, rounded to the microsecond)."""
+
+
+def test_the_runs_go_to_ray_with_the_same_figures(tmp_path: Path) -> None:
+    """``--ray local``: the memory run and the profiling runs are Ray tasks; the figures are the local runs'."""
+    pytest.importorskip("ray")
+    out = tmp_path / "plan"
+    proc = subprocess.run(_command(out, SPACE.replace("tp=1,2", "tp=1"), "--ray", "local"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on Ray (local)" in proc.stderr
+    (r,) = json.loads(proc.stdout)["results"]
+    assert r["label"] == "tp1 pp1 vp1 cp1 ep1 mbs1 norc dopt bf16" and r["status"] == "fits"
+    assert r["emulation"]["step_ms"] == PINNED_STEP_MS[r["label"]]
+    rank0 = json.loads((out / "candidates" / r["label"].replace(" ", "_") / "emulate" / "emulate.json").read_text())
+    assert r["memory_run"]["peak_allocated_bytes"] == rank0["classes"][0]["peak_allocated_bytes"]

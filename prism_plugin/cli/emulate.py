@@ -206,7 +206,7 @@ def _run_all(runs: list[tuple[list[str], Path, int, str]], jobs: int, timeout_s:
     if ray_address is not None and runs:
         from prism_plugin.cli.emulate_ray import run_on_ray
 
-        return run_on_ray(runs, ray_address, jobs=jobs, timeout_s=timeout_s, progress=progress)
+        return run_on_ray(runs, ray_address, jobs=jobs, timeout_s=timeout_s, progress=progress, env=env, stop=stop)
 
     if jobs <= 1 or len(runs) <= 1:
         out = []

@@ -18,11 +18,14 @@ workers die, and each run dies with its worker) and is raised; so do Ctrl-C and 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JOB_VARIABLES", "run_on_ray"]
+__all__ = ["JOB_VARIABLES", "init_ray", "run_on_ray"]
+
+_POLL_S = 0.5
 
 JOB_VARIABLES = ("PRISM_", "CUDA_", "NCCL_", "PYTORCH_", "NVTE_", "TORCH_", "OMP_", "MKL_", "PYTHONPATH",
                  "PYTHONHASHSEED")
@@ -37,13 +40,14 @@ def _job_environment(driver: Mapping[str, str], worker: Mapping[str, str]) -> di
 
 
 def _remote_run(command: list[str], run_dir: str, rank: int, what: str, timeout_s: float,
-                driver_env: dict[str, str]) -> dict[str, Any]:
+                driver_env: dict[str, str], virtual_time: bool = True) -> dict[str, Any]:
     """One run on a Ray worker (`emulate_runs.run_one`), in the driver's job environment."""
     from prism_plugin.cli.emulate_runs import run_one
 
     folder = Path(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    return run_one(command, folder, rank, what, timeout_s, env=_job_environment(driver_env, os.environ))
+    return run_one(command, folder, rank, what, timeout_s, env=_job_environment(driver_env, os.environ),
+                   virtual_time=virtual_time)
 
 
 def _import_ray() -> Any:
@@ -56,32 +60,52 @@ def _import_ray() -> Any:
     return ray
 
 
+def init_ray(address: str, jobs: int) -> bool:
+    """Start or join Ray at `address` unless this process already did: ``local`` is an instance for this command
+    with `jobs` CPUs and no dashboard. True when this call initialised it (the caller shuts it down)."""
+    ray = _import_ray()
+    if ray.is_initialized():
+        return False
+    if address == "local":
+        ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(address=address, log_to_driver=False)
+    return True
+
+
 def run_on_ray(runs: list[tuple[list[str], Path, int, str]], address: str, *, jobs: int, timeout_s: float,
-               progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Every run of `runs` ((command, run_dir, rank, what)) as a Ray task; results in order (as `emulate._run_all`)."""
+               progress: Callable[[str], None] | None = None, env: Mapping[str, str] | None = None,
+               stop: threading.Event | None = None, virtual_time: bool = True) -> list[dict[str, Any]]:
+    """Every run of `runs` ((command, run_dir, rank, what)) as a Ray task; results in order (as `emulate._run_all`).
+    `env`: the driver's environment the job variables come from (default this process's); `stop` set from another
+    thread cancels the tasks (`RunFailed`); `virtual_time` False: memory-only runs (`prism plan`). A Ray instance
+    already initialised in this process (``prism plan --ray``) is used and left running."""
+    import time
+
     from prism_plugin.cli.emulate_runs import RunFailed
 
     ray = _import_ray()
-    started_here = not ray.is_initialized()
-    if started_here:
-        if address == "local":  # an instance for this command: `jobs` CPUs, no dashboard
-            ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
-        else:
-            ray.init(address=address, log_to_driver=False)
+    started_here = init_ray(address, jobs)
     pending: dict[Any, int] = {}
     try:
         task = ray.remote(num_cpus=1, max_retries=0)(_remote_run)
-        driver_env = dict(os.environ)
+        driver_env = dict(os.environ if env is None else env)
         for i, (command, run_dir, rank, what) in enumerate(runs):
-            pending[task.remote(command, str(run_dir), rank, what, timeout_s, driver_env)] = i
+            pending[task.remote(command, str(run_dir), rank, what, timeout_s, driver_env, virtual_time)] = i
         if progress is not None:
             progress(f"{runs[0][3] if runs else 'runs'}: {len(runs)} on Ray ({address})")
         results: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s + 60.0
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout_s + 60.0)
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=_POLL_S)
+            if stop is not None and stop.is_set():
+                raise RunFailed(f"prism emulate: {len(pending)} Ray run(s) stopped")
             if not done:
-                raise RunFailed(f"prism emulate: no Ray task finished within --timeout {timeout_s:g} s (+60 s); "
-                                "are the cluster's workers alive?")
+                if time.monotonic() > deadline:
+                    raise RunFailed(f"prism emulate: no Ray task finished within --timeout {timeout_s:g} s (+60 s); "
+                                    "are the cluster's workers alive?")
+                continue
+            deadline = time.monotonic() + timeout_s + 60.0
             for ref in done:
                 i = pending.pop(ref)
                 command, run_dir, rank, what = runs[i]

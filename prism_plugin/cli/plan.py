@@ -3,7 +3,7 @@
     prism plan --model llama3-70b --gpus 1024 [--gpu h100|h200|b200] [--global-batch 1024] [--seq 8192]
     prism plan --gpus 64 --global-batch 128 -- pretrain_gpt.py <the job's Megatron arguments>
     prism plan ... [--max-candidates 30] [--space "tp=2,4,8;pp=4,8;recompute=none,selective"] [--jobs 2]
-    prism plan ... [--mark "tp=4,pp=4,vp=5,cp=2"] [--output DIR] [--overwrite] [--json]
+    prism plan ... [--mark "tp=4,pp=4,vp=5,cp=2"] [--ray local|auto|HOST:PORT] [--output DIR] [--overwrite] [--json]
 
 Stages (`prism_plugin.topology.plan_space`, `prism_plugin.cost.plan_estimate`, `prism_plugin.cli.plan_runs`):
 
@@ -24,14 +24,15 @@ Exits 0 when at least one candidate was ranked, 1 when none fits or every run fa
 any run). Every figure is modelled (virtual time, the allocator model), none measured.
 
 The runs' environment sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron asserts it for tp or cp > 1 before
-Blackwell; Megatron-LM's launch scripts export it) unless it is set. Limitations: candidates run on this machine's
-cores (``--jobs``), not Ray (``prism emulate --ray`` runs one layout's profiling runs there); no fast-forward yet,
-so a real-size candidate costs its full emulation.
+Blackwell; Megatron-LM's launch scripts export it) unless it is set. ``--jobs K`` runs K candidates at a time;
+``--ray ADDRESS`` makes every memory and profiling run a Ray task (``local``: an instance here with K CPUs), the
+candidates still K at a time. Limitations: no fast-forward yet, so a real-size candidate costs its full emulation.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -127,10 +128,11 @@ def _job_environment() -> dict[str, str]:
 
 def plan(job: PlanJob, enumeration: Enumeration, ordered: list[tuple[Candidate, Any]], output: Path, *,
          max_candidates: int, jobs: int, timeout_s: float, mark: dict[str, int | None] | None,
-         progress: Any = None) -> dict[str, Any]:
+         progress: Any = None, ray_address: str | None = None) -> dict[str, Any]:
     """Stages 3 and 4 of the module docstring on the first `max_candidates` of `ordered` (candidate, guess), `jobs`
-    at a time, in ``output/candidates``; the plan document (also ``output/plan.json``). Ctrl-C / SIGTERM (as
-    SystemExit) kill the runs in flight and propagate after the finished ones are cached."""
+    at a time, in ``output/candidates``; the plan document (also ``output/plan.json``). With `ray_address` every run
+    is a Ray task (Ray started or joined here, and shut down if started here). Ctrl-C / SIGTERM (as SystemExit)
+    kill the runs in flight and propagate after the finished ones are cached."""
     tried = ordered[:max_candidates]
     env, stop = _job_environment(), threading.Event()
     results: list[CandidateResult | None] = [None] * len(tried)
@@ -138,11 +140,29 @@ def plan(job: PlanJob, enumeration: Enumeration, ordered: list[tuple[Candidate, 
     def one(i: int) -> CandidateResult:
         c, g = tried[i]
         folder = output / "candidates" / c.label().replace(" ", "_")
-        return run_candidate(job, c, g, i, folder, timeout_s=timeout_s, env=env, stop=stop)
+        return run_candidate(job, c, g, i, folder, timeout_s=timeout_s, env=env, stop=stop, ray_address=ray_address)
 
+    with contextlib.ExitStack() as stack:
+        if ray_address is not None:
+            from prism_plugin.cli.emulate_ray import _import_ray, init_ray
+
+            if init_ray(ray_address, jobs):
+                stack.callback(_import_ray().shutdown)
+        _run_candidates(one, results, jobs, stop, progress)
+    finished = [r for r in results if r is not None]
+    for r, (c, _) in zip(finished, tried, strict=True):
+        if mark and _marked(c, mark):
+            r.marks.append("marked")
+    document = plan_document(job, enumeration, ordered, finished, max_candidates, mark)
+    (output / "plan.json").write_text(json.dumps(document, indent=1))
+    return document
+
+
+def _run_candidates(one: Any, results: list[CandidateResult | None], jobs: int, stop: threading.Event,
+                    progress: Any) -> None:
     pool = ThreadPoolExecutor(max_workers=jobs)
     try:
-        futures = {pool.submit(one, i): i for i in range(len(tried))}
+        futures = {pool.submit(one, i): i for i in range(len(results))}
         pending = set(futures)
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -155,13 +175,6 @@ def plan(job: PlanJob, enumeration: Enumeration, ordered: list[tuple[Candidate, 
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-    finished = [r for r in results if r is not None]
-    for r, (c, _) in zip(finished, tried, strict=True):
-        if mark and _marked(c, mark):
-            r.marks.append("marked")
-    document = plan_document(job, enumeration, ordered, finished, max_candidates, mark)
-    (output / "plan.json").write_text(json.dumps(document, indent=1))
-    return document
 
 
 def plan_document(job: PlanJob, enumeration: Enumeration, ordered: list[tuple[Candidate, Any]],
@@ -203,7 +216,10 @@ def add_plan_parser(subparsers: Any) -> None:
     p.add_argument("--space", default=None, help="the axes' values, e.g. \"tp=2,4,8;pp=4,8;recompute=none\"")
     p.add_argument("--mark", default=None, help="mark the candidates with these sizes, e.g. tp=4,pp=4,vp=5,cp=2 "
                                                 "(default: NVIDIA's published layout of a preset, where known)")
-    p.add_argument("--jobs", type=int, default=1, help="candidates at a time on this machine (default 1)")
+    p.add_argument("--jobs", type=int, default=1, help="candidates at a time (default 1)")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="run every memory and profiling run as a Ray task: local (an instance here with --jobs "
+                        "CPUs), auto, HOST:PORT or ray://HOST:PORT; the nodes must share this Python and --output")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--output", "--out", type=Path, default=None, help="DIR (default prism_output/plans/<model>-<N>)")
     p.add_argument("--overwrite", action="store_true", help="start afresh in an OUTPUT that holds another plan")
@@ -242,6 +258,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         job = PlanJob.from_args(target, gpus=args.gpus, global_batch=args.global_batch, seq=args.seq,
                                 profile=profile, gpus_per_node=args.gpus_per_node)
+    if args.ray:  # a dead address hung ray.init: refused before any run
+        from prism_plugin.cli.emulate_ray import _import_ray
+        from prism_plugin.cli.sweep import check_ray_address
+
+        check_ray_address(args.ray)
+        _import_ray()
     space = parse_space(args.space, fp8_supported="float8" in gpu.peak_flops_per_s)
     mark_text = args.mark or PUBLISHED.get((job.model.name, job.gpus))
     mark = parse_mark(mark_text) if mark_text else None
@@ -260,7 +282,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     tried = min(args.max_candidates, len(ordered))
     console.print(f"prism plan {job.model.name} on {job.gpus} x {gpu.name} ({profile}): {len(found.candidates):,} "
                   f"valid layouts of {found.combinations:,}; running the first {tried} by the guess, "
-                  f"{args.jobs} at a time{'; resuming ' + str(output) if resuming else ''}; output {output}",
+                  f"{args.jobs} at a time{' on Ray (' + args.ray + ')' if args.ray else ''}"
+                  f"{'; resuming ' + str(output) if resuming else ''}; output {output}",
                   markup=False, highlight=False, soft_wrap=True)
     done = [0]
 
@@ -273,7 +296,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
         document = plan(job, found, ordered, output, max_candidates=args.max_candidates, jobs=args.jobs,
-                        timeout_s=args.timeout, mark=mark, progress=progress)
+                        timeout_s=args.timeout, mark=mark, progress=progress, ray_address=args.ray)
     finally:
         signal.signal(signal.SIGTERM, previous)
     write_markdown(document, output / "plan.md")

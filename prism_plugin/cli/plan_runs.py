@@ -170,14 +170,20 @@ def _own_device(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def _memory_run(argv: list[str], job: PlanJob, folder: Path, timeout_s: float, stop: threading.Event | None,
-                env: Mapping[str, str]) -> dict[str, Any]:
+                env: Mapping[str, str], ray_address: str | None) -> dict[str, Any]:
     run_dir = folder / "memory"
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = list(argv)
     argv[argv.index("--train-iters") + 1] = str(MEMORY_ITERATIONS)
     command = run_command(argv, 0, run_dir, job.gpus, job.profile, job.gpus_per_node, trace=False)
-    result = run_one(command + ["--prism-oom", "report"], run_dir, 0, "memory run", timeout_s, stop, env,
-                     virtual_time=False)
+    command += ["--prism-oom", "report"]
+    if ray_address is not None:
+        from prism_plugin.cli.emulate_ray import run_on_ray
+
+        result = run_on_ray([(command, run_dir, 0, "memory run")], ray_address, jobs=1, timeout_s=timeout_s, env=env,
+                            stop=stop, virtual_time=False)[0]
+    else:
+        result = run_one(command, run_dir, 0, "memory run", timeout_s, stop, env, virtual_time=False)
     device = _own_device(result["summary"])
     return {"rank": 0, "peak_allocated_bytes": device["peak_allocated_bytes"],
             "peak_reserved_bytes": device["peak_reserved_bytes"], "device_total_bytes": device["device_total_bytes"],
@@ -208,8 +214,10 @@ def read_cached(folder: Path, key: str) -> CandidateResult | None:
 
 
 def run_candidate(job: PlanJob, c: Candidate, g: Guess, position: int, folder: Path, *, timeout_s: float,
-                  env: Mapping[str, str], stop: threading.Event | None = None) -> CandidateResult:
-    """Candidate `c`'s memory run and, if it fits, its emulation (the module docstring), in `folder`; cached."""
+                  env: Mapping[str, str], stop: threading.Event | None = None,
+                  ray_address: str | None = None) -> CandidateResult:
+    """Candidate `c`'s memory run and, if it fits, its emulation (the module docstring), in `folder`; cached.
+    `ray_address`: every run is a Ray task (Ray initialised by the caller)."""
     import time
 
     argv = job.argv(c)
@@ -222,13 +230,13 @@ def run_candidate(job: PlanJob, c: Candidate, g: Guess, position: int, folder: P
                              guess={"memory_bytes": g.memory_bytes, "tokens_per_s_per_gpu": g.tokens_per_s_per_gpu})
     t0 = time.perf_counter()
     try:
-        result.memory_run = _memory_run(argv, job, folder, timeout_s, stop, env)
+        result.memory_run = _memory_run(argv, job, folder, timeout_s, stop, env, ray_address)
         if not result.memory_run["fits"]:
             result.status = "out of memory"
         else:
             report = emulate(argv, world_size=job.gpus, profile=job.profile, out=folder / "emulate",
                              gpus_per_node=job.gpus_per_node, warmup=1, timeout_s=timeout_s, overwrite=True,
-                             env=env, stop=stop)
+                             env=env, stop=stop, ray_address=ray_address)
             result.emulation = _emulation(report)
             if not result.emulation["fits"]:
                 result.status = "out of memory"
