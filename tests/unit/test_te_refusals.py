@@ -18,8 +18,8 @@ def test_te_is_installed_by_the_set_up() -> None:
 
 
 def test_a_te_job_with_its_fused_kernels_and_userbuffers_runs_on_virtual_gpus() -> None:
-    job = {**TE_JOB, "tp_comm_overlap": True, "moe_grouped_gemm": True}
-    assert virtual_gpu_refusals(job) == []
+    job = {**TE_JOB, "tp_comm_overlap": True, "moe_grouped_gemm": True, "moe_permute_fusion": True}
+    assert virtual_gpu_refusals(job) == []  # TE's permutation: Triton kernels as launchers (triton_kernels)
     assert [s.flag for s in cpu_switch_offs(job, virtual_gpu=True)] == []  # TE's fused RoPE is a fake kernel
     assert [s.flag for s in cpu_switch_offs({**job, "transformer_impl": "local"}, virtual_gpu=True)] == \
         ["--no-rope-fusion"]
@@ -28,7 +28,8 @@ def test_a_te_job_with_its_fused_kernels_and_userbuffers_runs_on_virtual_gpus() 
 @pytest.mark.parametrize("options,fragment", [
     ({**TE_JOB, "attention_backend": SimpleNamespace(name="flash")}, "--attention-backend flash"),
     ({"transformer_impl": "local", "moe_grouped_gemm": True}, "--moe-grouped-gemm"),
-    ({**TE_JOB, "moe_permute_fusion": True}, "--moe-permute-fusion"),
+    ({"transformer_impl": "local", "moe_permute_fusion": True}, "--moe-permute-fusion"),
+    ({**TE_JOB, "moe_router_fusion": True}, "--moe-router-fusion"),
 ])
 def test_what_te_does_not_provide_is_refused_naming_the_flag(options: dict, fragment: str) -> None:
     (message,) = virtual_gpu_refusals(options)

@@ -135,8 +135,9 @@ class RoutingPolicy:
         # what a real rank computes and sends on the GPU: the column sums and their gather over TP x EP
         local_on_device = routing_map.sum(dim=0).long()
         dispatcher.num_out_tokens = tokens * topk
+        gathered = local_on_device
         if ep * tp > 1:
-            gather_from_sequence_parallel_region(local_on_device, group=dispatcher.tp_ep_group)
+            gathered = gather_from_sequence_parallel_region(local_on_device, group=dispatcher.tp_ep_group)
         # the values, on the host: [ep, tp, experts], source (e, t) at group index e * tp + t
         counts = torch.tensor([self.source_counts(tokens, topk, experts, s, layer) for s in range(ep * tp)],
                               dtype=torch.long, device="cpu").reshape(ep, tp, experts)
@@ -154,7 +155,12 @@ class RoutingPolicy:
         else:
             per_local_expert = own
             global_per_local = own.reshape(experts)
-        if local > 1:
+        if local > 1 and config.moe_permute_fusion:
+            # TE's fused chunk sort takes the counts on the device, as Megatron leaves them with the fusion: its own
+            # slice of the gathered sums (the device tensor a real rank holds; the values are the host's below)
+            on_device = gathered.reshape(ep, tp, experts).transpose(0, 1)[:, :, first:first + local].contiguous()
+            dispatcher.num_global_tokens_per_local_expert = on_device.view(-1, local)
+        elif local > 1:
             dispatcher.num_global_tokens_per_local_expert = global_per_local.reshape(-1, local)
         sent, received = int(input_splits.sum()), int(mine.sum())
         self.calls[site] += 1

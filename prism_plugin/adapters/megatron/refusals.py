@@ -38,7 +38,8 @@ arguments before Megatron builds anything, prints one line each and lists them i
   (``ValueError: apply_rope_fusion is not available``); as ``--no-rope-fusion``.
 Device mode virtual-gpu (`virtual_gpu_refusals`): the GPU is fake tensors. TransformerEngine runs there (its
 own Python layer over fake kernels: `prism_plugin.device.te`; refused only when TE's Python package
-is not installed, naming the set-up command), and with it ``--moe-grouped-gemm`` (TEGroupedLinear); refused are
+is not installed, naming the set-up command), and with it ``--moe-grouped-gemm`` (TEGroupedLinear) and
+``--moe-permute-fusion`` (TE's Triton permutation kernels: `triton_kernels`); refused are
 ``--attention-backend flash`` with TE (the flash-attn package), CUDA graphs and the other GPU-only opt-ins above
 (``--save`` / ``--load`` run: nothing is written and no tensor value read, `checkpoint`; refused are the
 checkpoint kinds that path does not model, `checkpoint_refusals`).
@@ -150,8 +151,9 @@ def virtual_gpu_refusals(options: Mapping[str, Any] | argparse.Namespace) -> lis
                    "GPUs do not run; pass --cuda-graph-impl none")
     te_runs = _get(options, "transformer_impl", "transformer_engine") == "transformer_engine"
     for dest, flag, kernel in _GPU_ONLY_OPT_INS:
-        if dest == "moe_grouped_gemm" and te_runs:
-            continue  # TEGroupedLinear: TE's grouped GEMM is a fake kernel (device/te)
+        if dest in ("moe_grouped_gemm", "moe_permute_fusion") and te_runs:
+            continue  # TEGroupedLinear's grouped GEMM is a fake kernel (device/te); TE's Triton permutation kernels
+            # are launchers of their reads and writes (triton_kernels)
         if _get(options, dest):
             out.append(f"{flag}: {kernel}, which virtual GPUs (fake tensors) cannot run; drop {flag}")
     out.extend(checkpoint_refusals(options))

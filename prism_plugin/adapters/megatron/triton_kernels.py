@@ -18,14 +18,25 @@ attention's rotary embedding with ``--multi-latent-attention`` and rope fusion, 
   part's gradient summed over heads).
 
 The values are not YaRN's (fake tensors hold none); shapes, dtypes, bytes and the tensors written are the
-kernels'. Limitations: the packed (``thd``) format reads the first ``total`` cos / sin rows, where the kernel
-reads each sequence's own positions (the same bytes); other Triton kernels in megatron-core (the paged MoE stash,
-the SSM ops, batch-invariant kernels, inference) are not covered and fail as they do today.
+kernels'.
+
+TransformerEngine's MoE permutation kernels (``--moe-permute-fusion``: TE 2.14's
+``transformer_engine/pytorch/triton/permutation.py``, whose wrappers allocate every output and then launch) are
+given by which of their arguments they read and which they write (`TE_PERMUTATION`): the launch reads each input
+(a reduction over it, an intermediate) and writes each output in place, one kernel of those bytes. The row map's
+three passes, the permute and unpermute (forward, and backward with merging probabilities) and the chunk sort.
+
+Limitations: the packed (``thd``) format reads the first ``total`` cos / sin rows, where the kernel reads each
+sequence's own positions (the same bytes); a permutation kernel is charged every byte of its inputs, where the
+kernel reads only the routed rows of some (the same order of bytes: each token is read by its top-k experts);
+other Triton kernels in megatron-core (the paged MoE stash, the SSM ops, batch-invariant kernels, inference) and
+TE's fused router (``--moe-router-fusion``, a compiled-extension kernel) are not covered.
 """
 
 from __future__ import annotations
 
-import sys
+import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +46,7 @@ from prism_plugin.adapters.megatron.fused_kernels import extension_kernel
 from prism_plugin.cost.kernels import KernelClass
 from prism_plugin.device.undo import Patches
 
-__all__ = ["KERNELS", "Launcher", "install"]
+__all__ = ["KERNELS", "TE_PERMUTATION", "Launcher", "install"]
 
 MLA_ROPE = "megatron.core.fusions.fused_mla_yarn_rope_apply"
 
@@ -100,6 +111,33 @@ def _kv_backward(dk: torch.Tensor, dv: torch.Tensor, dkv: torch.Tensor, demb: to
     demb.view(dk.shape[0], emb_dim).copy_(grad)
 
 
+def _reads_writes(reads: tuple[int, ...], writes: tuple[int, ...]) -> Callable[..., None]:
+    """A kernel that reads the tensors at positions `reads` and writes those at `writes` (None arguments: absent)."""
+
+    def kernel(*args: Any) -> None:
+        for i in reads:
+            if isinstance(args[i], torch.Tensor):
+                args[i].sum()  # read (an intermediate: never allocated in the region)
+        for i in writes:
+            if isinstance(args[i], torch.Tensor):
+                args[i].zero_()  # written in place (the caller allocated it)
+
+    return kernel
+
+
+TE_PERMUTATION_MODULE = "transformer_engine.pytorch.triton.permutation"
+TE_PERMUTATION: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "_row_id_map_pass_1_kernel": ((0,), (6, 7)),  # routing_map -> row_id_map, workspace
+    "_row_id_map_pass_2_kernel": ((0, 1), (0,)),  # row_id_map, workspace -> row_id_map
+    "_row_id_map_pass_3_kernel": ((0,), (0,)),
+    "_permute_kernel": ((0, 1, 2, 3, 5), (4, 6, 7)),  # inp, map, probs, scale, pad -> scale, output, probs
+    "_unpermute_kernel": ((0, 1, 2, 3, 4), (5, 6)),  # inp, map, merging, probs, pad -> output, probs
+    "_unpermute_bwd_with_merging_probs_kernel": ((0, 1, 2, 3, 4), (17, 18)),  # -> act_grad, merging_probs_grad
+    "_make_chunk_sort_map_kernel": ((0, 1), (2,)),  # split_sizes, sorted_indices -> row_id_map
+    "_sort_chunks_by_map_kernel": ((0, 1, 2), (3, 11)),  # inp, map, probs -> output, permuted_probs
+}
+"""TE's permutation kernels: (positions read, positions written) of each launch's arguments."""
+
 KERNELS: dict[str, Callable[..., None]] = {
     "rotary_fwd_q_kernel": _q, "rotary_bwd_q_kernel": _q,
     "rotary_fwd_kv_kernel": _kv_forward, "rotary_bwd_kv_kernel": _kv_backward,
@@ -108,16 +146,23 @@ KERNELS: dict[str, Callable[..., None]] = {
 
 
 def install(patches: Patches) -> int:
-    """Replace the kernels of `KERNELS` in their module (imported here: megatron.core is), undone by `patches`;
-    returns how many were replaced (0 when the module does not exist in this megatron-core)."""
+    """Replace the kernels of `KERNELS` and, where TransformerEngine is importable (virtual GPUs run TE's own
+    layer), of `TE_PERMUTATION`, in the modules that launch them, undone by `patches`; returns how many."""
+    count = _replace(patches, MLA_ROPE, KERNELS)
+    if importlib.util.find_spec("transformer_engine") is not None:
+        count += _replace(patches, TE_PERMUTATION_MODULE,
+                          {name: _reads_writes(*spec) for name, spec in TE_PERMUTATION.items()})
+    return count
+
+
+def _replace(patches: Patches, module_name: str, kernels: dict[str, Callable[..., None]]) -> int:
     try:
-        __import__(MLA_ROPE)
-    except ImportError:
+        module = importlib.import_module(module_name)
+    except ImportError:  # not in this megatron-core or TE release
         return 0
-    module = sys.modules[MLA_ROPE]
     count = 0
-    for name, fn in KERNELS.items():
+    for name, fn in kernels.items():
         if hasattr(module, name) and not isinstance(getattr(module, name), Launcher):
-            patches.setattr(module, name, Launcher(fn, f"triton::{name}"))
+            patches.setattr(module, name, Launcher(fn, f"triton::{name.strip('_')}"))
             count += 1
     return count
