@@ -218,13 +218,11 @@ class CudaShim:
     def set_stream(self, stream: VirtualStream) -> None:
         self._streams[stream.device_index] = stream
 
-    @contextlib.contextmanager
-    def stream(self, stream: VirtualStream | None) -> Iterator[VirtualStream | None]:
-        if stream is None:
-            yield None
-            return
-        with stream:
-            yield stream
+    def stream(self, stream: VirtualStream | None) -> contextlib.AbstractContextManager[VirtualStream | None]:
+        """``torch.cuda.stream(s)``: a context that makes `s` current, re-enterable as torch's ``StreamContext``
+        (Megatron enters one twice: the grad buffers' communication-stream context with several optimizer
+        instances)."""
+        return contextlib.nullcontext() if stream is None else stream
 
     @contextlib.contextmanager
     def device(self, device: Any) -> Iterator[None]:

@@ -101,6 +101,12 @@ def test_device_api_answers_from_the_profile_gpu(library: None) -> None:
             s = torch.cuda.Stream()
             with torch.cuda.stream(s):
                 out["stream"] = torch.cuda.current_stream() == s
+            context = torch.cuda.stream(s)  # re-enterable, as torch's StreamContext (Megatron enters one twice)
+            with context:
+                pass
+            with context:
+                out["reentered"] = torch.cuda.current_stream() == s
+            out["restored"] = torch.cuda.current_stream() != s
             e = torch.cuda.Event(enable_timing=True)
             e.record()
             out["event"] = [e.query(), e.elapsed_time(e)]
@@ -115,6 +121,7 @@ def test_device_api_answers_from_the_profile_gpu(library: None) -> None:
     assert out["int_device"] == "cuda:0" and out["torch_device"] == "cuda:0"
     assert out["on3"] == ["cuda:3", 4 * MiB, 0] and out["inside"] == 5 and out["after"] == 3
     assert out["stream"] is True and out["event"] == [True, 0.0] and out["generators"] == 8
+    assert out["reentered"] is True and out["restored"] is True
     free, total = out["free_total"]
     # the current device (3) holds one 20 MiB segment (a 4 MiB request is < 10 MiB) beside the 512 MiB context
     assert total == 81559 * MiB and free == total - 512 * MiB - 20 * MiB
