@@ -150,9 +150,9 @@ def plan(job: PlanJob, enumeration: Enumeration, ordered: list[tuple[Candidate, 
                 stack.callback(_import_ray().shutdown)
         _run_candidates(one, results, jobs, stop, progress)
     finished = [r for r in results if r is not None]
-    for r, (c, _) in zip(finished, tried, strict=True):
-        if mark and _marked(c, mark):
-            r.marks.append("marked")
+    for i, (r, (c, _)) in enumerate(zip(finished, tried, strict=True)):  # this plan's order and marks, also for
+        r.guess_position = i                                                # a result read from the cache
+        r.marks = ["marked"] if mark and _marked(c, mark) else []
     document = plan_document(job, enumeration, ordered, finished, max_candidates, mark)
     (output / "plan.json").write_text(json.dumps(document, indent=1))
     return document

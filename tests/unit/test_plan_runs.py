@@ -240,8 +240,10 @@ def test_the_ranking_holds_the_fitting_candidates_by_modelled_throughput(tmp_pat
 
     def fake(job: PlanJob, c: Candidate, g: Any, position: int, folder: Path, **kwargs: Any) -> Any:
         status = "out of memory" if c.tp == 4 else "fits"
-        return plan_runs.CandidateResult(label=c.label(), argv=job.argv(c), guess_position=position, guess={},
-                                         status=status, emulation={"tokens_per_s_per_gpu": speed[c.tp]})
+        # as read from an earlier plan's cache: its own position and marks, which this plan replaces
+        return plan_runs.CandidateResult(label=c.label(), argv=job.argv(c), guess_position=99, guess={},
+                                         status=status, emulation={"tokens_per_s_per_gpu": speed[c.tp]},
+                                         marks=["marked"], cached=True)
 
     monkeypatch.setattr(plan_cli, "run_candidate", fake)
     seen: list[str] = []
@@ -250,7 +252,8 @@ def test_the_ranking_holds_the_fitting_candidates_by_modelled_throughput(tmp_pat
     assert doc["ranking"] == ["tp2 pp1 vp1 cp1 ep1 mbs1 norc dopt bf16", "tp1 pp1 vp1 cp1 ep1 mbs1 norc dopt bf16"]
     assert [r["rank"] for r in doc["results"] if r["label"].startswith("tp4")] == [None]
     assert sorted(seen) == sorted(r["label"] for r in doc["results"]) and doc["tried"] == 3
-    assert [r["marks"] for r in doc["results"] if r["label"].startswith("tp2")] == [["marked"]]
+    assert {r["label"][:3]: r["marks"] for r in doc["results"]} == {"tp1": [], "tp2": ["marked"], "tp4": []}
+    assert sorted(r["guess_position"] for r in doc["results"]) == [0, 1, 2] and doc["cached"] == 3
     assert json.loads((tmp_path / "plan.json").read_text()) == doc
     assert plan_document(JOB, found, ordered, [], 3, None)["ranking"] == []
 
