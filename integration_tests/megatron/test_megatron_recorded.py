@@ -120,8 +120,31 @@ def test_two_real_ranks_replay_bit_exact(mcluster, layout_runs) -> None:
     setup = Setup(mode=Mode.PRISM, world_size=4, real_ranks=(1, 3), data_policy="recorded",
                   replay_dir=str(record_dir), label=f"{name}-replay2")
     emulated = mcluster.run(setup, pm.train_case, **spec)
+    attempts = 1
+    while any(_peak_mismatch(emulated[r], real[r]) for r in (1, 3)) and attempts <= REAL_RETRIES:
+        # a transient in either run (its late frees below the difference): repeat both
+        real = mcluster.run(Setup(mode=Mode.PRISM, world_size=len(real), real_ranks=tuple(range(len(real))),
+                                  label=f"{name}-real-again"), pm.train_case, **spec)
+        emulated = mcluster.run(setup, pm.train_case, **spec)
+        attempts += 1
     for rank in (1, 3):
-        where = f"{name}: rank {rank} emulated with real ranks 1 and 3 vs real"
+        where = f"{name}: rank {rank} emulated with real ranks 1 and 3 vs real ({attempts} run(s))"
         for key in ("losses", "grad_norm", "grads", "params"):
             _bits_equal(emulated[rank][key], real[rank][key], f"{where} {key}")
-        assert emulated[rank]["peak_bytes"] == real[rank]["peak_bytes"], where
+        mismatch = _peak_mismatch(emulated[rank], real[rank])
+        assert mismatch is None, f"{where}: {mismatch}"
+
+
+def _peak_mismatch(emulated: dict[str, Any], real: dict[str, Any]) -> str | None:
+    """None when the peaks agree: equal, or the higher above the other by no more than its own late frees. With two
+    real ranks both runs have gloo worker threads, and either may hold a tensor's last reference past the op's
+    completion while its main thread allocates (+120 B on rank 3 of tp2pp2sp under CI's load; see
+    test_emulated_rank_is_bit_exact)."""
+    if emulated["peak_bytes"] == real["peak_bytes"]:
+        return None
+    high, low = (real, emulated) if real["peak_bytes"] > emulated["peak_bytes"] else (emulated, real)
+    excess = high["peak_bytes"] - low["peak_bytes"]
+    if excess <= (high["late_free_bytes"] or 0):
+        return None
+    return (f"peak tensor memory emulated {emulated['peak_bytes']} B vs real {real['peak_bytes']} B; the higher run "
+            f"freed {high['late_free_bytes']} B late, less than the {excess} B difference")
