@@ -343,6 +343,12 @@ class CudaShim:
         # pinned host memory is a host property (page-locked for faster copies): the tensor itself, unpinned; a
         # DataLoader with pin_memory=True (Megatron's) then runs as on a GPU host
         p.setattr(torch.Tensor, "pin_memory", lambda t, device=None: t)
+        # Tensor.record_stream takes torch's C++ stream type; a virtual stream is recorded as torch's fake tensors
+        # record any stream: no effect on the caching-allocator model, which reuses a freed block in program order
+        # (Megatron's MoE all-to-all overlap records its inputs on the communication stream before freeing them)
+        record_stream = torch.Tensor.record_stream
+        p.setattr(torch.Tensor, "record_stream",
+                  lambda t, stream: None if isinstance(stream, VirtualStream) else record_stream(t, stream))
         # the CUDA runtime a GPU host's torch reports (the CPU wheel says None; TE checks it for FP8 block scaling):
         # CUDA 12.9, the toolkit whose cuBLASLt and cuDNN the TE fakes report (a policy answer)
         p.setattr(torch.version, "cuda", CUDA_VERSION)

@@ -90,14 +90,16 @@ def loss_func(loss_mask, output_tensor):
     return loss, num_tokens, {"lm loss": reporting}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, return_schedule_plan=False):
     tokens, labels, loss_mask, position_ids, attention_mask = get_batch(data_iterator)
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
 
     def reduce(output):
         return loss_func(loss_mask, output)
 
-    return output_tensor, reduce
+    if return_schedule_plan:  # the combined 1F1B schedule (--overlap-moe-expert-parallel-comm), as upstream's
+        return model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels,
+                                         loss_mask=loss_mask), reduce
+    return model(tokens, position_ids, attention_mask, labels=labels), reduce
 
 
 def is_dataset_built_on_rank():

@@ -107,6 +107,7 @@ def test_device_api_answers_from_the_profile_gpu(library: None) -> None:
             with context:
                 out["reentered"] = torch.cuda.current_stream() == s
             out["restored"] = torch.cuda.current_stream() != s
+            t.record_stream(s)  # a virtual stream, as Megatron's a2a overlap records
             e = torch.cuda.Event(enable_timing=True)
             e.record()
             out["event"] = [e.query(), e.elapsed_time(e)]

@@ -118,6 +118,8 @@ class MegatronAdapter:
         """Virtual GPUs: the MoE routing policy (`moe.RoutingPolicy`) answering the dispatcher's token counts."""
         self.switched_off: list[str] = []
         """The flags of the CPU-mode switch-offs applied (`refusals.cpu_switch_offs`), in order."""
+        self.host_calls: Any = None
+        """Host-hardware calls skipped on virtual GPUs (`host_calls`), for the summary."""
         self.policy_defaults = policy_defaults
         """Settings the launch left to a policy default (``setting``, ``value``, ``reason``), for the summary."""
         self.checkpoints: Any = None
@@ -147,6 +149,9 @@ class MegatronAdapter:
                 from prism_plugin.adapters.megatron import triton_kernels  # MLA's rotary kernels: 1 kernel each
 
                 triton_kernels.install(self._patches)
+                from prism_plugin.adapters.megatron import host_calls  # host-hardware calls: skipped, counted
+
+                self.host_calls = host_calls.install(self._patches)
                 from prism_plugin.adapters.megatron import attention  # --prism-attention flash: fused attention
 
                 if attention.attention_mode() is attention.AttentionMode.FLASH:
@@ -272,6 +277,7 @@ class MegatronAdapter:
             "switched_off": list(self.switched_off),
             **({"attention": self.attention.summary()} if getattr(self, "attention", None) is not None else {}),
             **({"moe_routing": self.moe_routing.summary()} if self.moe_routing is not None else {}),
+            **({"host_calls_skipped": self.host_calls.summary()} if self.host_calls is not None else {}),
             **({"checkpoints": self.checkpoints.summary()} if self.checkpoints is not None else {}),
             "policy_defaults": [*self.policy_defaults, *self._storage_defaults()],
             **_job_figures(),
