@@ -95,6 +95,10 @@ class GpuSpec:
     the GPU."""
     hbm_bytes_per_s: float = 0.0
     """Peak HBM bandwidth in bytes/s (datasheet). 0: unknown, and the roofline kernel model refuses the GPU."""
+    pcie_bytes_per_s: float = 0.0
+    """Peak host-link bandwidth in bytes/s, one direction (datasheet: the PCIe generation's x16 rate, half the
+    bidirectional figure datasheets print): what a copy between host memory and this GPU streams at before the
+    kernel model's efficiency. 0: unknown, and such a copy is refused by the roofline kernel model."""
 
     def __post_init__(self) -> None:
         positive_int("total_memory_bytes", self.total_memory_bytes)
@@ -108,6 +112,8 @@ class GpuSpec:
                 raise ConfigError(f"peak_flops_per_s.{dtype}={rate!r} must be a number of FLOP/s > 0, e.g. 989.4e12")
         if isinstance(self.hbm_bytes_per_s, bool) or not self.hbm_bytes_per_s >= 0:
             raise ConfigError(f"hbm_bytes_per_s={self.hbm_bytes_per_s!r} must be >= 0 bytes/s, e.g. 3.35e12")
+        if isinstance(self.pcie_bytes_per_s, bool) or not self.pcie_bytes_per_s >= 0:
+            raise ConfigError(f"pcie_bytes_per_s={self.pcie_bytes_per_s!r} must be >= 0 bytes/s, e.g. 64e9")
 
     def __hash__(self) -> int:  # the peak dict is not hashable; a spec is identified by its name and sizes
         return hash((self.name, self.total_memory_bytes, self.capability, self.multi_processor_count))
@@ -134,6 +140,10 @@ _A100_PEAKS = {"float64": 19.5e12, "float32": 19.5e12, "tf32": 156e12, "bfloat16
 # sparse -> 2.25 PF dense; TF32 18 PF -> 2.25 sparse -> 1.125 PF dense (the GB200 NVL72 datasheet's HGX B200
 # column rounds it to 2.2 sparse); FP32 600 TF -> 75 TF; FP64/FP64 Tensor Core 296 TF -> 37 TF. MXFP8 runs at the
 # FP8 rate on Blackwell; FP4 covers NVFP4 and MXFP4.
+# Host links (one direction): the H100 and H200 SXM datasheets' "PCIe Gen5: 128 GB/s" and the A100 80GB
+# datasheet's "PCIe Gen4: 64 GB/s" are both directions together; the DGX B200 links its GPUs to the host
+# over PCIe Gen5 x16 too (64 GB/s each way).
+_PCIE_GEN5_X16, _PCIE_GEN4_X16 = 64e9, 32e9
 _B200_PEAKS = {"float64": 37e12, "float32": 75e12, "tf32": 1.125e15, "bfloat16": 2.25e15, "float16": 2.25e15,
                "float8": 4.5e15, "mxfp8": 4.5e15, "fp4": 9e15}
 
@@ -141,23 +151,27 @@ GPUS = {
     # torch.cuda.get_device_properties on an H100 SXM5: total_memory=85520809984 (81559 MiB), 132 SMs
     "h100-sxm": GpuSpec(name="NVIDIA H100 80GB HBM3", total_memory_bytes=81559 * MiB, capability=(9, 0),
                         multi_processor_count=132, context_bytes=512 * MiB,
-                        peak_flops_per_s=_H100_PEAKS, hbm_bytes_per_s=3.35e12),
+                        peak_flops_per_s=_H100_PEAKS, hbm_bytes_per_s=3.35e12,
+                        pcie_bytes_per_s=_PCIE_GEN5_X16),
     # a published device-properties printout of an H200 SXM: total_memory=143156MB, multi_processor_count=132;
     # NVIDIA H200 datasheet, SXM: the H100's compute figures, HBM3e 4.8 TB/s
     "h200-sxm": GpuSpec(name="NVIDIA H200", total_memory_bytes=143156 * MiB, capability=(9, 0),
                         multi_processor_count=132, context_bytes=512 * MiB,
-                        peak_flops_per_s=dict(_H100_PEAKS), hbm_bytes_per_s=4.8e12),
+                        peak_flops_per_s=dict(_H100_PEAKS), hbm_bytes_per_s=4.8e12,
+                        pcie_bytes_per_s=_PCIE_GEN5_X16),
     # a published device-properties printout of an A100 SXM4 80 GB: total_memory=81920MB, 108 SMs (check on a device)
     "a100-sxm-80gb": GpuSpec(name="NVIDIA A100-SXM4-80GB", total_memory_bytes=81920 * MiB, capability=(8, 0),
                              multi_processor_count=108, context_bytes=512 * MiB,
-                             peak_flops_per_s=_A100_PEAKS, hbm_bytes_per_s=2.039e12),
+                             peak_flops_per_s=_A100_PEAKS, hbm_bytes_per_s=2.039e12,
+                             pcie_bytes_per_s=_PCIE_GEN4_X16),
     # a published device-properties printout of a B200 (the one the H200's figures come from): name='NVIDIA B200',
     # major=10, minor=0, total_memory=182642MB, multi_processor_count=148 (another, under torch 2.8: 182631MB);
     # the datasheets' 180 GB HBM3e. Bandwidth: DGX B200 datasheet, 64 TB/s per 8 GPUs = 8 TB/s (the GB200 NVL72
     # datasheet's HGX B200 column gives 7.7 TB/s)
     "b200-sxm": GpuSpec(name="NVIDIA B200", total_memory_bytes=182642 * MiB, capability=(10, 0),
                         multi_processor_count=148, context_bytes=512 * MiB,
-                        peak_flops_per_s=_B200_PEAKS, hbm_bytes_per_s=8e12),
+                        peak_flops_per_s=_B200_PEAKS, hbm_bytes_per_s=8e12,
+                        pcie_bytes_per_s=_PCIE_GEN5_X16),
 }
 """Built-in GPU models, by the name a hardware profile's ``gpu:`` field gives."""
 

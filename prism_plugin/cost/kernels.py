@@ -69,7 +69,10 @@ class KernelClass(StrEnum):
     OPTIMIZER = "optimizer"
     """Multi-tensor kernels: ``_foreach_*`` and fused Adam/AdamW/SGD."""
     MEMCPY = "memcpy"
-    """Copies and fills: copy_, _to_copy, cat, clone, fill_, zero_, zeros/ones/full."""
+    """Copies and fills on the device: copy_, _to_copy, cat, clone, fill_, zero_, zeros/ones/full."""
+    HOST_COPY = "host_copy"
+    """A ``copy_`` between host memory and the GPU (ZeRO-Offload's gradients and parameters): it streams over the
+    host link (`prism_plugin.cost.gpu.GpuSpec.pcie_bytes_per_s`), not HBM; its bytes are the bytes moved once."""
     OTHER = "other"
     """Irregular memory access (embedding, index, gather, scatter, sort, topk); never a collective."""
 
@@ -169,6 +172,7 @@ _CLASS_DEFAULTS: dict[KernelClass, tuple[float, float]] = {
     KernelClass.REDUCTION: (0.5, 0.8),
     KernelClass.OPTIMIZER: (0.5, 0.75),  # multi_tensor_apply over many small tensors
     KernelClass.MEMCPY: (0.5, 0.85),  # device-to-device copy: read + write near HBM peak
+    KernelClass.HOST_COPY: (0.5, 0.8),  # pinned host <-> device copies: ~50 of 64 GB/s over PCIe Gen5 x16
     KernelClass.OTHER: (0.5, 0.5),  # gathers and scatters: irregular access
 }
 _DEFAULTS: dict[str, Any] = {
@@ -335,6 +339,7 @@ class RooflineModel:
 
     ``achieved_flops = peak_flops_per_s[peak_dtype(dtype)] * compute_efficiency(class)``, times
     `gemm_wave_utilization` for a GEMM; ``achieved_bandwidth = hbm_bytes_per_s * memory_efficiency(class)``
+    (``pcie_bytes_per_s`` for a host copy)
     (the roofline: Williams, Waterman, Patterson, CACM 2009). Pure arithmetic, deterministic.
 
     Example (dgx-h100 figures): a 4096^3 bf16 mm does 2 * 4096^3 = 137,438,953,472 FLOPs at
@@ -357,7 +362,8 @@ class RooflineModel:
         self._tile = eff.value("gemm_tile")
         self._split = eff.value("gemm_split_k_min_depth")
         self._compute = {cls: eff.compute_efficiency(cls) for cls in KernelClass}
-        self._bandwidth = {cls: gpu.hbm_bytes_per_s * eff.memory_efficiency(cls) for cls in KernelClass}
+        self._bandwidth = {cls: (gpu.pcie_bytes_per_s if cls is KernelClass.HOST_COPY else gpu.hbm_bytes_per_s)
+                           * eff.memory_efficiency(cls) for cls in KernelClass}
 
     def _peak(self, dtype: str) -> float:
         key = peak_dtype(dtype)
@@ -378,7 +384,11 @@ class RooflineModel:
 
     def duration_s(self, cost: KernelCost) -> float:
         compute_s = cost.flops / self.achieved_flops_per_s(cost) if cost.flops else 0.0
-        memory_s = cost.bytes / self._bandwidth[cost.kernel_class]
+        bandwidth = self._bandwidth[cost.kernel_class]
+        if not bandwidth > 0:  # a host copy on a GPU whose host link the spec does not give
+            raise ConfigError(f"gpu {self.gpu.name!r} has no pcie_bytes_per_s: a copy between host and device "
+                              "needs the GPU's host-link bandwidth; give its datasheet figure")
+        memory_s = cost.bytes / bandwidth
         return max(compute_s, memory_s, self._floor_s)
 
 

@@ -7,6 +7,7 @@ the same schema.
 The optional ``kernels:`` section holds the virtual-time kernel model's efficiencies
 (`prism_plugin.cost.kernels.KernelEfficiency`); a profile without one uses that module's policy defaults. The
 optional ``storage:`` section holds the per-GPU checkpoint bandwidths (`prism_plugin.cost.storage.StorageSpec`),
+the optional ``host:`` section the host's per-GPU memory bandwidth (`prism_plugin.cost.host.HostSpec`),
 likewise with policy defaults.
 
 Limitations: a profile describes one homogeneous cluster (every node alike, one NIC per GPU);
@@ -30,6 +31,7 @@ from typing import Any
 import yaml
 
 from prism_plugin.config.errors import ConfigError
+from prism_plugin.cost.host import HostSpec
 from prism_plugin.cost.kernels import KernelEfficiency
 from prism_plugin.cost.storage import StorageSpec
 
@@ -113,6 +115,9 @@ class HardwareProfile:
     storage: StorageSpec = StorageSpec()
     """Optional: the per-GPU checkpoint write and read bandwidths (YAML: a ``storage:`` mapping, see `StorageSpec`);
     a figure not set is the policy default (listed by ``storage.defaults_used``)."""
+    host: HostSpec = HostSpec()
+    """Optional: the host's per-GPU figures (YAML: a ``host:`` mapping, see `HostSpec`): the memory bandwidth a
+    CPU optimizer streams at; a figure not set is the policy default (listed by ``host.defaults_used``)."""
 
     def __post_init__(self) -> None:
         where = f"profile {self.name!r}"
@@ -123,6 +128,8 @@ class HardwareProfile:
         if not isinstance(self.storage, StorageSpec):
             object.__setattr__(self, "storage", StorageSpec.from_mapping(self.storage, where=where,
                                                                          error=ProfileError))
+        if not isinstance(self.host, HostSpec):
+            object.__setattr__(self, "host", HostSpec.from_mapping(self.host, where=where, error=ProfileError))
         if not isinstance(self.name, str) or not self.name.strip():
             raise ProfileError(f"`name` must be a non-empty string, got {self.name!r}; e.g. name: my-cluster")
         if not isinstance(self.description, str):
@@ -198,7 +205,7 @@ def _check_number(value: object, field_path: str, where: str, *, allow_zero: boo
 
 _FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(HardwareProfile))
 # older profile files do not have these
-_OPTIONAL_FIELDS = frozenset({"op_transfer_factors", "gpu", "kernels", "storage"})
+_OPTIONAL_FIELDS = frozenset({"op_transfer_factors", "gpu", "kernels", "storage", "host"})
 
 
 def _profile_from_mapping(data: object, source: str) -> HardwareProfile:
@@ -264,6 +271,7 @@ def _as_mapping(profile: HardwareProfile) -> dict[str, Any]:
     data = dataclasses.asdict(profile)
     data.pop("kernels")
     data.pop("storage")
+    data.pop("host")
     factors = data.pop("op_transfer_factors")
     if data.get("gpu") is None:
         data.pop("gpu", None)
@@ -273,6 +281,8 @@ def _as_mapping(profile: HardwareProfile) -> dict[str, Any]:
         data["kernels"] = profile.kernels.to_mapping()
     if profile.storage.to_mapping():
         data["storage"] = profile.storage.to_mapping()
+    if profile.host.to_mapping():
+        data["host"] = profile.host.to_mapping()
     return data
 
 
@@ -341,9 +351,10 @@ def override_profile(profile: HardwareProfile, overrides: Mapping[str, object]) 
     data.setdefault("op_transfer_factors", {})
     data.setdefault("kernels", {})
     data.setdefault("storage", {})
+    data.setdefault("host", {})
     for dotted, value in overrides.items():
         head, _, tail = dotted.partition(".")
-        # these three heads are mappings (set above)
+        # these heads are mappings (set above)
         if head == "op_transfer_factors" and tail:  # any op may be added
             data[head][tail] = value
             continue
@@ -354,14 +365,15 @@ def override_profile(profile: HardwareProfile, overrides: Mapping[str, object]) 
             else:
                 data[head][group] = value
             continue
-        if head == "storage" and tail:  # `storage.<field>`, checked when parsed
+        if head in ("storage", "host") and tail:  # `storage.<field>` / `host.<field>`, checked when parsed
             data[head][tail] = value
             continue
         target = data.get(head)
         if head not in data or (tail and (not isinstance(target, dict) or tail not in target)):
             valid = [f for f in _FIELDS if f not in ("intra_node", "inter_node")]
             valid += [f"{tier}.{key}" for tier in ("intra_node", "inter_node") for key in _LINK_FIELDS]
-            valid += ["op_transfer_factors.<op>", "kernels.<field>", "kernels.<class>.<field>", "storage.<field>"]
+            valid += ["op_transfer_factors.<op>", "kernels.<field>", "kernels.<class>.<field>", "storage.<field>",
+                      "host.<field>"]
             raise ProfileError(f"override: unknown field `{dotted}`; valid fields: {', '.join(valid)}")
         if tail and isinstance(target, dict):  # with a tail, a dict holding it (checked above)
             target[tail] = value

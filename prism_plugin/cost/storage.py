@@ -26,10 +26,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar, Self
 
 from prism_plugin.config.errors import ConfigError
 
-__all__ = ["DEFAULTS_GBYTES_PER_S", "StorageSpec"]
+__all__ = ["DEFAULTS_GBYTES_PER_S", "GbytesSection", "StorageSpec"]
 
 DEFAULTS_GBYTES_PER_S: Mapping[str, float] = {
     "write_bandwidth_gbytes_per_s": 2000.0 / 16384,  # Llama 3's Tectonic, 2 TB/s sustained over 16,384 GPUs
@@ -38,44 +39,39 @@ DEFAULTS_GBYTES_PER_S: Mapping[str, float] = {
 """The policy defaults of the ``storage:`` figures (module docstring: where they come from)."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StorageSpec:
-    """A profile's ``storage:`` section: per-GPU checkpoint bandwidths; None: the policy default.
+class GbytesSection:
+    """A profile section of optional per-GPU bandwidths in 1e9 bytes/s: the subclass's dataclass fields, each a
+    positive number or None (its policy default, `DEFAULTS`); `SECTION` is the section's YAML key. Shared by
+    ``storage:`` (`StorageSpec`) and ``host:`` (`prism_plugin.cost.host.HostSpec`)."""
 
-    Example: ``StorageSpec().write_s(122_070_312.5 * 2) == 2.0`` (two seconds at the default write bandwidth),
-    and ``StorageSpec().defaults_used == ("storage.write_bandwidth_gbytes_per_s",
-    "storage.read_bandwidth_gbytes_per_s")``.
-    """
-
-    write_bandwidth_gbytes_per_s: float | None = None
-    """What one GPU writes to checkpoint storage, in 1e9 bytes/s (None: `DEFAULTS_GBYTES_PER_S`)."""
-    read_bandwidth_gbytes_per_s: float | None = None
-    """What one GPU reads from checkpoint storage, in 1e9 bytes/s (None: `DEFAULTS_GBYTES_PER_S`)."""
+    __slots__ = ()
+    SECTION: ClassVar[str]
+    DEFAULTS: ClassVar[Mapping[str, float]]
 
     def __post_init__(self) -> None:
-        for name in DEFAULTS_GBYTES_PER_S:
+        for name in self.DEFAULTS:
             value = getattr(self, name)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
                     or value <= 0:
-                raise ConfigError(f"`storage.{name}` must be a positive number of 1e9 bytes/s per GPU, got "
+                raise ConfigError(f"`{self.SECTION}.{name}` must be a positive number of 1e9 bytes/s per GPU, got "
                                   f"{value!r}; e.g. {name}: 0.5")
             object.__setattr__(self, name, float(value))
 
     @classmethod
-    def from_mapping(cls, data: object, *, where: str = "", error: type[ConfigError] = ConfigError) -> StorageSpec:
-        """Parse a profile's ``storage:`` mapping (None: all defaults); `where` prefixes messages (a file name)."""
+    def from_mapping(cls, data: object, *, where: str = "", error: type[ConfigError] = ConfigError) -> Self:
+        """Parse the profile's mapping (None: all defaults); `where` prefixes messages (a file name)."""
         where = f"{where}: " if where else ""
         if data is None:
             return cls()
+        first = next(iter(cls.DEFAULTS))
         if not isinstance(data, Mapping):
-            raise error(f"{where}`storage` must be a mapping, e.g. {{write_bandwidth_gbytes_per_s: 0.5}}; "
-                        f"got {data!r}")
-        unknown = sorted(str(k) for k in data if k not in DEFAULTS_GBYTES_PER_S)
+            raise error(f"{where}`{cls.SECTION}` must be a mapping, e.g. {{{first}: 0.5}}; got {data!r}")
+        unknown = sorted(str(k) for k in data if k not in cls.DEFAULTS)
         if unknown:
-            raise error(f"{where}unknown field `storage.{unknown[0]}`; known fields: "
-                        f"{', '.join(DEFAULTS_GBYTES_PER_S)}")
+            raise error(f"{where}unknown field `{cls.SECTION}.{unknown[0]}`; known fields: "
+                        f"{', '.join(cls.DEFAULTS)}")
         try:
             return cls(**{str(k): v for k, v in data.items()})
         except ConfigError as exc:
@@ -83,17 +79,35 @@ class StorageSpec:
 
     def to_mapping(self) -> dict[str, float]:
         """The figures the profile set (empty when none); `from_mapping` reads it back."""
-        return {name: getattr(self, name) for name in DEFAULTS_GBYTES_PER_S if getattr(self, name) is not None}
+        return {name: getattr(self, name) for name in self.DEFAULTS if getattr(self, name) is not None}
 
     @property
     def defaults_used(self) -> tuple[str, ...]:
-        """Dotted keys (``storage.<field>``) whose policy default is in use."""
-        return tuple(f"storage.{name}" for name in DEFAULTS_GBYTES_PER_S if getattr(self, name) is None)
+        """Dotted keys (``<section>.<field>``) whose policy default is in use."""
+        return tuple(f"{self.SECTION}.{name}" for name in self.DEFAULTS if getattr(self, name) is None)
 
     def bandwidth_bytes_per_s(self, name: str) -> float:
-        """The figure `name` (a `DEFAULTS_GBYTES_PER_S` key) in bytes/s: the profile's, else the default."""
+        """The figure `name` (a `DEFAULTS` key) in bytes/s: the profile's, else the default."""
         value = getattr(self, name)
-        return 1e9 * (DEFAULTS_GBYTES_PER_S[name] if value is None else value)
+        return 1e9 * (self.DEFAULTS[name] if value is None else value)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StorageSpec(GbytesSection):
+    """A profile's ``storage:`` section: per-GPU checkpoint bandwidths; None: the policy default.
+
+    Example: ``StorageSpec().write_s(122_070_312.5 * 2) == 2.0`` (two seconds at the default write bandwidth),
+    and ``StorageSpec().defaults_used == ("storage.write_bandwidth_gbytes_per_s",
+    "storage.read_bandwidth_gbytes_per_s")``.
+    """
+
+    SECTION: ClassVar[str] = "storage"
+    DEFAULTS: ClassVar[Mapping[str, float]] = DEFAULTS_GBYTES_PER_S
+
+    write_bandwidth_gbytes_per_s: float | None = None
+    """What one GPU writes to checkpoint storage, in 1e9 bytes/s (None: `DEFAULTS_GBYTES_PER_S`)."""
+    read_bandwidth_gbytes_per_s: float | None = None
+    """What one GPU reads from checkpoint storage, in 1e9 bytes/s (None: `DEFAULTS_GBYTES_PER_S`)."""
 
     def write_s(self, size_bytes: int) -> float:
         """Seconds one rank takes to write `size_bytes` to checkpoint storage."""

@@ -10,6 +10,7 @@ host:
   launch advances the host by the profile's per-launch overhead;
 - a stream's position is max(host, the end of its last kernel): an event recorded there completes then;
   ``wait_event`` / ``wait_stream`` hold the stream until that time; ``query`` compares with the host;
+- host work (`host_work`: DeepSpeed's CPU Adam step under ZeRO-Offload) advances the host by its modelled time;
 - host-blocking calls (``torch.cuda.synchronize``, ``Stream.synchronize``, ``Event.synchronize``, ``.item()``,
   a blocking copy to the host) move the host to the device time they wait for (`sync_*`);
 - as comm's `OpClock` (`prism_plugin.comm.context`): ``now_s`` is where the current stream stands (a
@@ -89,6 +90,8 @@ class VirtualTime:
         self._future_wait_s = 0.0
         """The latest op whose future was taken in the running backward pass (the stream waits at its end)."""
         self.peer_wait_s = 0.0
+        self.host_work_s = 0.0
+        """Host seconds spent computing (`host_work`), not launching."""
         self.marks: list[tuple[int, float]] = []
         self.record: KernelRecord | None = None
 
@@ -110,6 +113,16 @@ class VirtualTime:
         if self.record is not None:
             self.record(_row(stream), name, start, end)
         return end
+
+    def host_work(self, duration_s: float, name: str = "") -> float:
+        """The host computes for `duration_s` (a CPU optimizer step): it launches nothing meanwhile; returns its end.
+        On the timeline's ``host`` row."""
+        start = self.host_s
+        self.host_s = start + duration_s
+        self.host_work_s += duration_s
+        if self.record is not None:
+            self.record("host", name, start, self.host_s)
+        return self.host_s
 
     def wait_until(self, stream: Any, t_s: float) -> None:
         """`stream` runs nothing before `t_s` (an event it waits on, another stream's position)."""
@@ -208,7 +221,9 @@ class VirtualTime:
                 "kernels": self.kernels, "kernel_s": round(self.kernel_s, 9), "launches": self.launches,
                 "launch_overhead_us": round(1e6 * self.launch_overhead_s, 6), "comm_ops": self.comm_ops,
                 "host_syncs": self.host_syncs, "exchanges": self.exchanges,
-                "peer_wait_s": round(self.peer_wait_s, 9), "streams": len([k for k in self.ends if k[0] != "comm"]),
+                "peer_wait_s": round(self.peer_wait_s, 9),
+                **({"host_work_s": round(self.host_work_s, 9)} if self.host_work_s else {}),
+                "streams": len([k for k in self.ends if k[0] != "comm"]),
                 "comm_streams": len([k for k in self.ends if k[0] == "comm"]),
                 "step_times_s": [round(s, 9) for s in steps]}
 

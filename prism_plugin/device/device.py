@@ -7,8 +7,10 @@
    and no compute; ``cuda`` tensors work on the CPU-only torch wheel;
 3. a dispatch mode above it that feeds each new ``cuda`` storage to the device's caching-allocator model
    (malloc on the current stream when made, free when its storage dies: allocated bytes are exactly the
-   program's tensors) and answers data-dependent reads through the value policy (`values.ValuePolicy`);
-4. a function mode that resolves an integer device (``device=torch.cuda.current_device()``,
+   program's tensors) and answers data-dependent reads through the value policy (`values.ValuePolicy`); ops
+   on real host tensors only run for real (data loaders), and fake host tensors (made from device ones, or
+   inside `VirtualGpu.fake_host`) are counted as the host memory a real run holds (``host_memory``);
+4. a function mode (`calls.DeviceCalls`) that resolves an integer device (``device=torch.cuda.current_device()``,
    ``t.to(0)``, ``t.cuda(1)``), which the CPU wheel would send to its accelerator API and refuse;
 5. fusion regions (`fusion`): ``torch.compile`` makes a function or module one region, whose ops are one kernel
    and whose intermediates are never allocated.
@@ -25,9 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from prism_plugin.cost.allocator import Block, CachingAllocatorModel, DeviceOutOfMemory
@@ -35,6 +35,7 @@ from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import DeviceTotal, GpuSpec
 from prism_plugin.cost.kernels import KernelCost
 from prism_plugin.device import cuda_runtime, fusion, snapshot
+from prism_plugin.device.calls import DeviceCalls
 from prism_plugin.device.clock import VirtualTime
 from prism_plugin.device.kernels import uses_cublas
 from prism_plugin.device.leaves import leaves
@@ -45,148 +46,6 @@ from prism_plugin.device.values import ValuePolicy
 __all__ = ["VirtualGpu"]
 
 aten = torch.ops.aten
-_FROM_DATA = {torch.tensor, torch.as_tensor}
-_DEVICE_ARG = {torch.Tensor.to: 1, torch.Tensor.cuda: 1, torch._C._nn._parse_to: 0}
-"""Calls whose positional argument at this index may be a device (Module.to(i) parses through _parse_to)."""
-
-
-class _DeviceCalls(TorchFunctionMode):
-    """Resolve an integer device into ``cuda:<i>`` and move tensors to a virtual GPU without the CUDA runtime.
-
-    The CPU wheel refuses both before any dispatch: an int device goes to its accelerator API, and
-    ``Tensor.to(cuda)`` / ``.cuda()`` initialise CUDA. A move to another device becomes a new fake tensor of
-    the same shape, dtype and layout there (fake tensors hold no values to copy); limitation: it is a leaf, so
-    no gradient flows back through the move (parameter moves run under no_grad, batches need none).
-    """
-
-    def __init__(self, values: ValuePolicy) -> None:
-        super().__init__()
-        self.values = values
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        device = kwargs.get("device")
-        if isinstance(device, int) and not isinstance(device, bool):
-            kwargs = {**kwargs, "device": torch.device("cuda", device)}
-            device = kwargs["device"]
-        if func in _FROM_DATA and kwargs.get("pin_memory"):  # pinned host memory needs the CUDA library: the same
-            kwargs = {**kwargs, "pin_memory": False}  # host tensor unpinned (Megatron's RoPE CP index, .cuda()'d next)
-        if func in _FROM_DATA and args and _holds_cuda_fakes(args[0]):
-            # torch.tensor([gpu scalars]) reads each element's value in C++, below every mode (Megatron's
-            # local_multi_tensor_l2_norm): the same tensor from the elements, made on the host, values unknown
-            return _stack_on(args[0], kwargs.get("dtype"), torch.device(device) if device is not None
-                             else torch.device("cpu"))
-        if func in _FROM_DATA and device is not None and torch.device(device).type == "cuda":
-            # torch.tensor(data, device="cuda") builds on the CPU and copies below any mode: build the CPU fake,
-            # move it, and keep the data's real values (small tensors only) for later reads
-            host_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-            moved = _move(func(*args, **host_kwargs), (device,), {})
-            assert moved is not None
-            try:
-                with _disable_current_modes(), torch._C.DisableTorchFunction():
-                    real = func(*args, **host_kwargs)
-            except Exception:  # the data holds fake tensors: no real values to keep
-                return moved
-            self.values.tag_data(moved, real)
-            return moved
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            flash = _flash_attention(args, kwargs)
-            if flash is not None:
-                return flash
-        i = _DEVICE_ARG.get(func)
-        if i is not None and len(args) > i and isinstance(args[i], int) and not isinstance(args[i], bool):
-            args = (*args[:i], torch.device("cuda", args[i]), *args[i + 1:])
-        if func is torch.Tensor.cuda:
-            target = args[1] if len(args) > 1 else kwargs.get("device")
-            args, kwargs = (args[0], torch.device("cuda") if target is None else torch.device(target)), {}
-            func = torch.Tensor.to
-        if func is torch.Tensor.to and isinstance(args[0], torch.Tensor):
-            moved = _move(args[0], args[1:], kwargs)
-            if moved is not None:
-                return self._moved(args[0], moved)
-        return func(*args, **kwargs)
-
-    def _moved(self, source: torch.Tensor, moved: torch.Tensor | None) -> torch.Tensor:
-        """`moved` keeps a small `source`'s values (a constant the program made from data) for later reads."""
-        assert moved is not None
-        constant = self.values._data_of(source)
-        if constant is not None:
-            with _disable_current_modes():  # the constant is a real tensor: copy it outside the fake modes
-                self.values.tag_data(moved, constant.clone())
-        return moved
-
-
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
-def _flash_attention(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """``F.scaled_dot_product_attention`` as torch runs it on an sm80+ GPU when FlashAttention applies: the fused
-    ``aten._scaled_dot_product_flash_attention`` (saves the output and log-sum-exp, not the s x s scores; one
-    kernel forward, one backward). torch picks its backend in C++ from the device's kernels, which the CPU wheel
-    lacks for cuda (it would take the unfused math path); this is the choice of torch's sdp_utils for flash:
-    fp16/bf16, no explicit mask, head dim a multiple of 8 up to 256, 4-d inputs, flash enabled
-    (``torch.backends.cuda.flash_sdp_enabled()``); key/value heads dividing the query heads (GQA). Anything else
-    (None) runs the call as given."""
-    bound = dict(zip(_SDPA_ARGS, args, strict=False))
-    bound.update(kwargs)
-    q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
-    if not all(isinstance(t, FakeTensor) and t.device.type == "cuda" for t in (q, k, v)):
-        return None
-    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
-    if (bound.get("attn_mask") is not None or not torch.backends.cuda.flash_sdp_enabled()
-            or q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype
-            or q.dim() != 4 or k.dim() != 4 or q.size(-1) % 8 or q.size(-1) > 256 or q.size(-1) != k.size(-1)):
-        return None
-    if q.size(1) != k.size(1) and (not bound.get("enable_gqa") or q.size(1) % k.size(1)):
-        return None
-    out = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k, v, float(bound.get("dropout_p") or 0.0), bool(bound.get("is_causal")), False,
-        scale=bound.get("scale"))
-    return out[0]
-
-
-def _holds_cuda_fakes(data: Any) -> bool:
-    return isinstance(data, list | tuple) and any(
-        isinstance(x, FakeTensor) and x.device.type == "cuda" for x in leaves(data))
-
-
-def _stack_on(data: Any, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
-    """What ``torch.tensor(data)`` makes of nested lists of (fake) tensors: their stack, on `device`."""
-    if isinstance(data, torch.Tensor):
-        out = _move(data, (device,), {}) if data.device.type != device.type else data
-        return (data if out is None else out).to(dtype) if dtype is not None else (data if out is None else out)
-    if isinstance(data, list | tuple):
-        return torch.stack([_stack_on(x, dtype, device) for x in data])
-    return torch.tensor(data, dtype=dtype, device=device)
-
-
-def _move(t: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    if args and isinstance(args[0], torch.Tensor):
-        device, dtype = args[0].device, args[0].dtype
-        memory_format = torch.preserve_format
-    else:
-        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-    if device is None or torch.device(device).type == t.device.type:
-        return None
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    dtype = dtype or t.dtype
-    if device.type == "cpu" and isinstance(t, FakeTensor):
-        # to the host: the copy ``.cpu()`` makes (a blocking copy kernel; a host fake, whose reads the value policy
-        # answers). A factory here would run for real on the host (host-only ops do) and hand the program
-        # uninitialised memory as values
-        return torch.ops.aten._to_copy.default(t, dtype=dtype, device=device)
-    # a factory, not empty_like(t): FakeTensorMode would run empty_like on t's constant (a real CPU tensor)
-    if memory_format in (None, torch.preserve_format) and is_non_overlapping_and_dense_or_false(t):
-        out = torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=device)
-    else:
-        out = torch.empty(t.size(), dtype=dtype, device=device,
-                          memory_format=torch.contiguous_format if memory_format in (None, torch.preserve_format)
-                          else memory_format)
-    return out.requires_grad_(t.requires_grad) if out.is_floating_point() else out
-
-
 KernelTime = Callable[[Any, tuple, dict, Any], "float | None"]
 """An op's modelled duration in seconds, from ``(func, args, kwargs, out)``; None: no kernel (views, metadata)."""
 
@@ -216,14 +75,27 @@ def _host_only(flat: list[Any]) -> bool:
     return True
 
 
+_HOST_FACTORIES = frozenset({
+    aten.empty.memory_format, aten.empty_strided.default, aten.zeros.default, aten.ones.default, aten.full.default,
+    aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+    aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+})
+"""Host tensors made without data: fake inside `VirtualGpu.fake_host` (a framework's host buffers for the GPU)."""
+
+
 class _AllocatorTracker(StorageTracker):
     """Each new cuda storage is a malloc of the device's allocator model, its death a free; and torch's cuBLAS
     workspaces (`cublas_workspace`)."""
 
     def __init__(self, gpu: VirtualGpu) -> None:
-        super().__init__(devices=("cuda",))
+        super().__init__(devices=("cuda", "cpu"))
         self.gpu = gpu
         self._blocks: dict[int, Block] = {}
+        self._host: dict[int, int] = {}
+        self.host_bytes = 0
+        """Bytes of fake host storage alive now: host tensors made from device ones (``.cpu()``, ZeRO-Offload's
+        partitions), which a real run holds in host memory and a virtual GPU does not allocate."""
+        self.host_peak_bytes = 0
         self.workspaces: dict[tuple[int, int, bool], Block] = {}
         """torch's cuBLAS workspaces by (device, stream, backward): held for the life of the process."""
         self._workspace_bytes = gpu.gpu.cublas_workspace_bytes
@@ -240,6 +112,11 @@ class _AllocatorTracker(StorageTracker):
             self.workspaces[key] = self.transient(self._workspace_bytes, index)
 
     def _allocated(self, key: int, nbytes: int, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cuda":  # a fake host tensor: host memory, no device block
+            self._host[key] = nbytes
+            self.host_bytes += nbytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+            return
         index = tensor.device.index or 0
         if not self.gpu.fusion.defer_allocation(key, nbytes, index):  # a fusion region's: at its end, if it survives
             self.malloc(key, nbytes, index)
@@ -261,6 +138,10 @@ class _AllocatorTracker(StorageTracker):
             raise torch.OutOfMemoryError(str(exc)) from None
 
     def _released(self, key: int) -> None:
+        host = self._host.pop(key, None)
+        if host is not None:
+            self.host_bytes -= host
+            return
         if self.gpu.fusion.drop(key):  # a fusion region's intermediate: never allocated
             return
         block = self._blocks.pop(key, None)
@@ -279,7 +160,8 @@ class _AllocatorTracker(StorageTracker):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         # each op's arguments and result are flattened once here (the tracker, host test and timing share them)
         flat_args, flat_kwargs = leaves(args), leaves(kwargs)
-        if _host_only(flat_args) and _host_only(flat_kwargs):
+        if _host_only(flat_args) and _host_only(flat_kwargs) and not (
+                self.gpu.fake_host_depth and func in _HOST_FACTORIES):
             # host work (data loaders, samplers, CPU counters and timers) runs for real: only the GPU is virtual
             with _disable_current_modes():
                 return func(*args, **(kwargs or {}))
@@ -298,6 +180,9 @@ class _AllocatorTracker(StorageTracker):
                     "dtype": kwargs.get("dtype") or args[0].dtype, "device": device,
                     "memory_format": kwargs.get("memory_format") or torch.preserve_format}
                 flat_args, flat_kwargs = leaves(args), leaves(kwargs)
+        elif func is aten.copy_.default and len(args) > 1 and args[0].device.type == "cpu" \
+                and args[1].device.type == "cuda":  # a blocking copy to the host: the host waits for it
+            to_host = not (args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking", False))
         kwargs = kwargs or {}
         out = func(*args, **kwargs)  # StorageTracker.__torch_dispatch__, with the leaves flattened once
         flat_out = leaves(out)
@@ -308,7 +193,12 @@ class _AllocatorTracker(StorageTracker):
         if cublas and index is not None:
             self.cublas_workspace(index)
         if self.gpu.clock is not None:
-            self.gpu.time_kernel(func, args, kwargs, out, to_host, index=index)
+            if index is None and self.gpu.host_time is not None:  # an op on host tensors only: the host's CPU
+                duration = self.gpu.host_time(func, args, kwargs, out)
+                if duration:
+                    self.gpu.clock.host_work(duration, str(func))
+            else:
+                self.gpu.time_kernel(func, args, kwargs, out, to_host, index=index)
         return out
 
 
@@ -362,7 +252,7 @@ class VirtualGpu:
         self.values = values or ValuePolicy()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.tracker = _AllocatorTracker(self)
-        self._int_devices = _DeviceCalls(self.values)
+        self._int_devices = DeviceCalls(self.values)
         self._started = False
         self.snapshot_path: Path | None = None
         """Where `stop` writes the allocators' snapshot (`snapshot.from_env`: ``PRISM_MEMORY_SNAPSHOT``)."""
@@ -372,6 +262,11 @@ class VirtualGpu:
         self.kernel_summary: Callable[[], Any] | None = None
         """The kernel model's report (`prism_plugin.device.kernels.KernelTimer.summary`), if any."""
         self.fusion = fusion.FusionRegions(self._region_ended)
+        self.fake_host_depth = 0
+        """> 0 inside `fake_host`: host tensors made without data are fake (no host memory), not real."""
+        self.host_time: KernelTime | None = None
+        """The modelled host seconds of an op on host tensors only (None: host ops take no modelled time): set
+        where a framework's host work is part of its step (ZeRO-Offload's CPU-side partition ops)."""
         """The fusion regions of these GPUs (`fusion`): one kernel each, intermediates never allocated."""
 
     def start_time(self, kernel_time: KernelTime, launch_overhead_s: float, *, program_time: bool = False,
@@ -420,6 +315,23 @@ class VirtualGpu:
         self.clock.kernel(stream, duration, str(func))
         if to_host:  # a blocking copy to the host: the host has the data when the copy ends
             self.clock.sync_stream(stream)
+
+    def fake_host(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """`function` with host tensors made without data (zeros, empty, full and their ``_like`` / ``new_``
+        forms) fake while it runs: a framework's host-side buffers for the GPU (ZeRO-Offload's partitions and
+        staging buffers) then hold no host memory here, and count in the summary's ``host_memory``, as the bytes a
+        real run holds. Their values are unknown (a read goes to the value policy)."""
+        import functools
+
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.fake_host_depth += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.fake_host_depth -= 1
+
+        return call
 
     def _region_ended(self, end: fusion.RegionEnd) -> None:
         """A fusion region's end: its transient buffers allocated, then its survivors in creation order, then the
@@ -530,6 +442,12 @@ class VirtualGpu:
                 if self.clock is None else "modelled (virtual time: kernel model and emulated CUDA streams)",
                 **({"virtual_time": self.clock.summary()} if self.clock is not None else {}),
                 **({"kernels": _plain(self.kernel_summary())} if self.kernel_summary is not None else {}),
+                **({"host_memory": {"current_bytes": self.tracker.host_bytes,
+                                    "peak_bytes": self.tracker.host_peak_bytes,
+                                    "note": "fake host tensors (made on the host from device ones, e.g. "
+                                            "ZeRO-Offload's partitions): what a real run holds in host memory, "
+                                            "modelled; nothing allocated here"}}
+                   if self.tracker.host_peak_bytes else {}),
                 "devices": devices, "untouched_devices": untouched, "values": self.values.summary()}
 
     def device_total(self, peak_reserved_bytes: int, nccl_buffer_bytes: int = 0, *, own: bool = True) -> DeviceTotal:

@@ -25,9 +25,10 @@ duration on the op's stream.
 Limitations: an op's FLOPs are its flop formula's (an explicit ``attn_mask`` counts as full attention); a
 composite op that reaches the dispatcher undecomposed (``linear``, ``matmul``) and has no formula counts 0 FLOPs;
 a float32 GEMM runs at the TF32 rate when ``torch.backends.cuda.matmul.allow_tf32`` (convolutions:
-``torch.backends.cudnn.allow_tf32``) is on when it is called; a host-to-device copy is a device memcpy at HBM
-speed (PCIe is not modelled) and a device-to-host copy, whose output is on the host, no kernel (the clock's
-host-blocking rule times its wait). Non-goal: timing (the cost layer's models).
+``torch.backends.cudnn.allow_tf32``) is on when it is called; a ``copy_`` between host and device, either way,
+is one ``host_copy`` kernel over the host link (PCIe), but a move by ``.to()`` / ``.cuda()`` / ``.cpu()`` is
+made without one (`prism_plugin.device.calls`: a new tensor on the other side, no kernel). Non-goal: timing
+(the cost layer's models).
 """
 
 from __future__ import annotations
@@ -275,6 +276,10 @@ def kernel_cost(func: Any, args: tuple, kwargs: dict | None, out: Any,
     info = _op_info(func)
     if info.kernel_class is None:
         return None
+    if info.name == "copy_":
+        host_copy = _host_copy(info.op, args, device_types)
+        if host_copy is not None:
+            return host_copy
     kwargs = kwargs or {}
     named = dict(zip(info.positional, args, strict=False))
     named.update(kwargs)
@@ -337,6 +342,19 @@ def kernel_cost(func: Any, args: tuple, kwargs: dict | None, out: Any,
         shape = tuple(int(d) for d in largest.shape) if largest is not None else ()
     return KernelCost(op=info.op, kernel_class=kernel_class, flops=flops, bytes=read_bytes + write_bytes,
                       dtype=dtype, shape=shape)
+
+
+def _host_copy(op: str, args: tuple, device_types: Collection[str]) -> KernelCost | None:
+    """``dst.copy_(src)`` between host memory and the GPU: one kernel of class ``host_copy`` moving ``dst``'s bytes
+    once over the host link, whichever side is the host (a copy to the host writes no device tensor, yet the GPU's
+    copy engine runs it on the stream). None: both on the GPU, or both on the host."""
+    if len(args) < 2 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor):
+        return None
+    dst, src = args[0], args[1]
+    if (dst.device.type in device_types) == (src.device.type in device_types):
+        return None
+    return KernelCost(op=op, kernel_class=KernelClass.HOST_COPY, flops=0, bytes=_nbytes(dst),
+                      dtype=_dtype_name(dst.dtype), shape=tuple(int(d) for d in dst.shape))
 
 
 def _tf32(name: str) -> bool:
@@ -534,7 +552,7 @@ class KernelTimer:
     def __init__(self, model: KernelModel, *, device_types: Collection[str] = ("cuda",)) -> None:
         self.model = model
         self.device_types = tuple(device_types)
-        self._tallies: dict[str, OpTally] = {}
+        self._tallies: dict[tuple[str, KernelClass], OpTally] = {}
         self._no_kernel: dict[int, Any] = {}
         """id(func) -> func of overloads that launch no kernel (views, metadata): skipped before any costing.
         Keyed by id (an OpOverload hashes in Python) and holding the overload, so the id stays its own."""
@@ -565,9 +583,10 @@ class KernelTimer:
         return seconds
 
     def _tally(self, cost: KernelCost, seconds: float) -> None:
-        tally = self._tallies.get(cost.op)
+        key = (cost.op, cost.kernel_class)  # one op may launch kernels of two classes (copy_: device or host)
+        tally = self._tallies.get(key)
         if tally is None:
-            tally = self._tallies[cost.op] = OpTally(cost.op, cost.kernel_class)
+            tally = self._tallies[key] = OpTally(cost.op, cost.kernel_class)
         tally.count += 1
         tally.total_s += seconds
         tally.flops += cost.flops

@@ -63,6 +63,11 @@ class VirtualGpuSummary(_Closed):
     step_time: str
     virtual_time: _Section | None = None
     kernels: _Section | None = None
+    cpu_adam: _Section | None = Field(default=None, description="DeepSpeed ZeRO-Offload's CPU Adam steps: bytes "
+                                      "streamed through host memory and their modelled host time")
+    host_memory: _Section | None = Field(default=None, description="host tensors the program made from device "
+                                         "ones (fake: no host memory used): live and peak bytes, as a real run "
+                                         "would hold them")
     devices: list[DeviceSummary] = Field(description="the devices this process touched: its own, and any other "
                                                       "it allocated on")
     untouched_devices: list[int] = Field(default_factory=list, description="the other devices' indices")

@@ -76,6 +76,8 @@ class DeepSpeedEmulation:
         self.run = EmulatedRun(section.emulation, process_index, store, print_summary=False)
         self.patches = self.run.cleanup
         self.summary: dict[str, Any] | None = None
+        self.cpu_adam: Any = None
+        """ZeRO-Offload's answered CPU Adam on a virtual GPU (`virtual_gpu.install`), for the summary."""
 
     @property
     def session(self) -> session_mod.Session | None:
@@ -119,7 +121,9 @@ class DeepSpeedEmulation:
         if self.section.emulation.device is DeviceMode.VIRTUAL_GPU:
             from prism_plugin.adapters.deepspeed import virtual_gpu
 
-            virtual_gpu.install(self.patches, virtual_gpu.active_gpu())
+            self.cpu_adam = virtual_gpu.install(self.patches, virtual_gpu.active_gpu(),
+                                                profile=self.section.emulation.profile,
+                                                ds_config=self.section.ds_config)
 
     def close(self) -> dict[str, Any] | None:
         """End the session, undo every seam, reset DeepSpeed's cached groups; returns the session summary."""
@@ -242,7 +246,7 @@ def init_distributed(config: Mapping[str, Any] | str | Path | None = None, *, st
     if vgpu is not None:
         from prism_plugin.adapters.deepspeed.virtual_gpu import summary_part
 
-        emulation.run.add_summary(lambda: {**summary_part(vgpu, emulation.run.session),
+        emulation.run.add_summary(lambda: {**summary_part(vgpu, emulation.run.session, emulation.cpu_adam),
                                            "policy_defaults": list(section.policy_defaults)})
     try:
         emulation.install(int(os.environ.get("LOCAL_WORLD_SIZE", world.num_real)))

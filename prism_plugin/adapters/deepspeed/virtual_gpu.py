@@ -70,23 +70,38 @@ def check_config(ds_config: Mapping[str, Any]) -> None:
     """Refuse what fake execution cannot run, naming the key: DeepSpeed's custom CUDA extensions (DESIGN.md 10).
 
     Adam/AdamW is FusedAdam (a CUDA extension) unless ``"torch_adam": true`` selects ``torch.optim.Adam(W)``
-    (the same state: two moments of each parameter's size, a step counter); optimizer offload is DeepSpeedCPUAdam.
+    (the same state: two moments of each parameter's size, a step counter), or the optimizer is offloaded to the
+    CPU at stage 1 or 2: then it is DeepSpeedCPUAdam, whose step `offload` answers and times. Offloading to NVMe
+    (ZeRO-Infinity's async I/O extension), parameter offload and stage 3's offloaded step are refused.
     """
     optimizer = ds_config.get("optimizer") or {}
     name = str(optimizer.get("type", "")).lower()
     params = optimizer.get("params") or {}
-    if name in ("adam", "adamw") and params.get("torch_adam") is not True:
+    zero = ds_config.get("zero_optimization") or {}
+    offload = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
+    if offload not in ("none", "", "cpu"):
+        raise ConfigError(f'"prism.device": "virtual-gpu" with "zero_optimization.offload_optimizer.device": '
+                          f"{offload!r}: offload to NVMe runs DeepSpeed's async I/O extension, which virtual GPUs do "
+                          'not emulate; use "device": "cpu" (ZeRO-Offload) or drop it')
+    if offload == "cpu" and zero.get("stage") == 3:
+        raise ConfigError('"prism.device": "virtual-gpu" with "zero_optimization.offload_optimizer" at "stage": 3: '
+                          "ZeRO-3's offloaded step is not emulated yet (its step count is not reproducible on fake "
+                          'tensors); use "stage": 1 or 2 with the offload, or drop it')
+    param_offload = str((zero.get("offload_param") or {}).get("device", "none")).lower()
+    if param_offload not in ("none", ""):
+        raise ConfigError('"prism.device": "virtual-gpu" with "zero_optimization.offload_param": parameter offload '
+                          "is not emulated on virtual GPUs; drop it (optimizer offload to the CPU runs)")
+    if name in ("adam", "adamw") and offload == "cpu" and params.get("torch_adam") is True:
+        raise ConfigError('"prism.device": "virtual-gpu" with "zero_optimization.offload_optimizer" and '
+                          '"optimizer.params.torch_adam": true: torch.optim.AdamW would step on the host, whose CPU '
+                          'time is not modelled; drop "torch_adam" (DeepSpeedCPUAdam, as ZeRO-Offload runs it)')
+    if name in ("adam", "adamw") and offload != "cpu" and params.get("torch_adam") is not True:
         raise ConfigError(f'"prism.device": "virtual-gpu" with optimizer {optimizer.get("type")!r}: DeepSpeed runs '
                           "it as FusedAdam, a CUDA extension that fake execution cannot run; set "
                           '"optimizer": {"params": {"torch_adam": true}} (torch.optim.AdamW, the same state)')
     if name in _EXTENSION_OPTIMIZERS:
         raise ConfigError(f'"prism.device": "virtual-gpu" with optimizer {optimizer.get("type")!r}: DeepSpeed runs '
                           'it as a CUDA extension that fake execution cannot run; use "AdamW" with "torch_adam": true')
-    zero = ds_config.get("zero_optimization") or {}
-    offload = zero.get("offload_optimizer") or {}
-    if str(offload.get("device", "none")).lower() not in ("none", ""):
-        raise ConfigError('"prism.device": "virtual-gpu" with "zero_optimization.offload_optimizer": DeepSpeed '
-                          "steps it with DeepSpeedCPUAdam, a C++ extension that fake execution cannot run; drop it")
 
 
 def reexec(config: EmulationConfig) -> None:
@@ -172,8 +187,11 @@ def _skip_no_op_swaps(vgpu: Any) -> None:
     vgpu.shim._patches.setattr(torch.Tensor, "record_stream", record_stream_on_virtual_gpu)
 
 
-def install(patches: Any, vgpu: Any) -> None:
-    """DeepSpeed's seams on a virtual GPU (held by the emulation's `patches`): ZeRO's overflow flags are answered.
+def install(patches: Any, vgpu: Any, *, profile: str | None = None, ds_config: Any = None) -> Any:
+    """DeepSpeed's seams on a virtual GPU (held by the emulation's `patches`): ZeRO's overflow flags are answered;
+    with the optimizer offloaded to the CPU (`ds_config`), ZeRO-Offload runs (`offload.install`) on the
+    `profile`'s ``host:`` figures (None: their policy defaults) and its CPU Adam op is returned (None without
+    offload), for the rank's summary.
 
     ZeRO 1/2 and 3 sum ``isinf/isnan`` of the gradient partitions into a flag, all-reduce it (MAX) over the
     data-parallel group and read it (``overflow_gpu[0].item()``, a uint8). The value policy answers "no inf/NaN
@@ -186,7 +204,7 @@ def install(patches: Any, vgpu: Any) -> None:
     """
     from deepspeed.runtime.zero import stage3, stage_1_and_2
 
-    from prism_plugin.adapters.deepspeed import pipe_values
+    from prism_plugin.adapters.deepspeed import offload, pipe_values
     from prism_plugin.device import values as values_mod
 
     pipe_values.install(patches, vgpu)  # the pipeline engine's reads; first: the answers below restore to it
@@ -217,6 +235,12 @@ def install(patches: Any, vgpu: Any) -> None:
     _answer_rank0_lists(patches, policy, read)
     for module in (stage_1_and_2, stage3):  # each binds utils.is_invalid_grad_norm by name
         patches.setattr(module, "is_invalid_grad_norm", answering(module.is_invalid_grad_norm))
+    if not offload.offloads_optimizer(ds_config):
+        return None
+    from prism_plugin.cost.host import HostSpec
+    from prism_plugin.cost.profiles import load_profile
+
+    return offload.install(patches, vgpu, load_profile(profile).host if profile is not None else HostSpec())
 
 
 def _answer_rank0_lists(patches: Any, policy: Any, read: Any) -> None:
@@ -250,8 +274,12 @@ def _answer_rank0_lists(patches: Any, policy: Any, read: Any) -> None:
     patches.setattr(zero_utils, "get_lst_from_rank0", answering(zero_utils.get_lst_from_rank0, list))
 
 
-def summary_part(vgpu: Any, session: Any = None) -> dict[str, Any]:
-    return {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary(session)}
+def summary_part(vgpu: Any, session: Any = None, cpu_adam: Any = None) -> dict[str, Any]:
+    """The rank summary's device part; with ZeRO-Offload's CPU Adam (`cpu_adam`, if it stepped) its figures."""
+    part = {"device_mode": DeviceMode.VIRTUAL_GPU.value, "virtual_gpu": vgpu.summary(session)}
+    if cpu_adam is not None and cpu_adam.steps:
+        part["virtual_gpu"]["cpu_adam"] = cpu_adam.summary()
+    return part
 
 
 def main(args: list[str]) -> None:
