@@ -61,7 +61,8 @@ def test_the_framework_and_layout_come_from_the_deepspeed_config(tmp_path: Path)
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    ({"prism": {"topology": {"pipe": 2, "data": 32, "model": 1}}}, "pipeline parallelism"),
+    ({"prism": {"topology": {"pipe": 2, "data": 32, "model": 1}}}, "pipe=2: a stage after the first receives"),
+    ({"prism": {"topology": {"pipe": 3, "data": 21, "model": 1}}}, "not a multiple of pipe x model = 3 x 1"),
     ({"prism": {"faults": ["straggler:ranks=1,factor=2"]}}, "does not run its keys faults"),
     ({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}, "FusedAdam"),
 ])

@@ -9,20 +9,23 @@ default) when the script's arguments name a JSON config (``--deepspeed_config``,
 ``deepspeed.initialize``; otherwise it is a Megatron job. The script must call
 ``prism_plugin.deepspeed.init_distributed(config)`` (the one change DeepSpeed emulation asks of it).
 
-Layout (`DeepSpeedJob.from_argv`): data parallelism only, dp = N / model with ``model`` from the config's
-``"prism": {"topology": {...}}`` (default 1); the ZeRO stage from ``zero_optimization.stage`` (reported). The
-slicing makes all dp ranks one class (rank 0 profiled); a ZeRO rank whose partition cuts the parameters otherwise
-does other work (ZeRO-1 at dp 4: rank 1), which ``--hybrid`` shows (its kernels beside rank 0's). Each
-profiling run gets a copy of the config with emulate's own ``"prism"`` section (world_size, the run's real rank,
-profile, gpus_per_node, ``"device": "virtual-gpu"``, output, trace; for a hybrid run the graph), the script's
-config argument pointing at it. Of a ``"prism"`` section already in the config, ``gpu``, ``data_policy``,
-``iteration_marker`` and ``topology`` are kept; any other key (``faults``, ``graph``, ``record_dir``, ...) is refused:
-emulate sets or does not support it.
+Layout (`DeepSpeedJob.from_argv`): dp = N / (pipe x model), with ``pipe`` and ``model`` from the config's
+``"prism": {"topology": {...}}`` (default 1; the script's ``--pp`` / ``--pipeline-parallel-size`` /
+``--pipe-parallel-size`` gives pipe too); the ZeRO stage from ``zero_optimization.stage`` (reported). The slicing
+makes each pipeline stage a class of its dp ranks (the stage's first rank profiled); a ZeRO rank whose partition
+cuts the parameters otherwise does other work (ZeRO-1 at dp 4: rank 1), which ``--hybrid`` shows (its kernels beside
+its representative's). Each profiling run gets a copy of the config with emulate's own ``"prism"`` section
+(world_size, the run's real rank, profile, gpus_per_node, ``"device": "virtual-gpu"``, output, trace; for a hybrid
+run the graph), the script's config argument pointing at it. Of a ``"prism"`` section already in the config,
+``gpu``, ``data_policy``, ``iteration_marker``, ``topology`` and ``pipe_activations`` are kept; any other key
+(``faults``, ``graph``, ``record_dir``, ...) is refused: emulate sets or does not support it.
 
-Refused: pipeline parallelism (``topology.pipe`` > 1, or ``--pp`` / ``--pipeline-parallel-size`` /
-``--pipe-parallel-size`` > 1 in the script's arguments): DeepSpeed's pipeline engine does not run on virtual GPUs yet
-(its ``__init__`` reads an all-reduced parameter count, engine.py:154, which fake tensors do not hold); what fake
-execution cannot run (FusedAdam, optimizer offload: `prism_plugin.adapters.deepspeed.virtual_gpu.check_config`).
+Pipelines: DeepSpeed's pipeline engine runs on virtual GPUs (`prism_plugin.adapters.deepspeed.pipe_values`); a
+stage after the first receives its activations from a virtual stage, whose tensor-meta message carries values
+fake tensors do not hold, so ``pipe > 1`` needs ``"pipe_activations"`` (refused without it, before any run).
+
+Refused: what fake execution cannot run (FusedAdam, NVMe offload, ...:
+`prism_plugin.adapters.deepspeed.virtual_gpu.check_config`).
 
 Figures: tokens per step = ``train_batch_size`` (DeepSpeed's global batch, derived from micro x accumulation x dp
 when absent) x the sequence length (``--seq-length``, else the script's ``--seq-length`` / ``--seq_length`` /
@@ -48,7 +51,7 @@ CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config", "--ds_config", "--ds
 _DS_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization")
 _PP_FLAGS = ("--pp", "--pipeline-parallel-size", "--pipe-parallel-size")
 _SEQ_FLAGS = ("--seq-length", "--seq_length", "--seq-len")
-_KEPT_KEYS = ("gpu", "data_policy", "iteration_marker", "topology")
+_KEPT_KEYS = ("gpu", "data_policy", "iteration_marker", "topology", "pipe_activations")
 
 
 def _flag_value(argv: list[str], flags: tuple[str, ...]) -> tuple[int, str] | None:
@@ -112,6 +115,7 @@ class DeepSpeedJob:
     config_inline: str | None
     """The flag when the value was given as ``--flag=v``, else None."""
     world_size: int
+    pp: int
     model: int
     dp: int
     zero_stage: int
@@ -120,7 +124,7 @@ class DeepSpeedJob:
 
     @property
     def layout(self) -> str:
-        return f"pipe=1,model={self.model},data={self.dp}"
+        return f"pipe={self.pp},model={self.model},data={self.dp}"
 
     @classmethod
     def from_argv(cls, script_argv: list[str], world_size: int, seq_length: int | None = None) -> DeepSpeedJob:
@@ -145,15 +149,16 @@ class DeepSpeedJob:
         topology = kept.get("topology") or {}
         pp_arg = _flag_value(args, _PP_FLAGS)
         pp = int(topology.get("pipe", 1)) if pp_arg is None else int(pp_arg[1])
-        if pp > 1:
-            raise ConfigError(f"prism emulate --framework deepspeed: pipeline parallelism (pipe={pp}) is not "
-                              "emulated on virtual GPUs yet: DeepSpeed's pipeline engine reads an all-reduced "
-                              "parameter count in its __init__ (engine.py:154) that fake tensors do not hold; "
-                              "emulate the job with `prism run` on CPU ranks, or without the pipeline")
         model = int(topology.get("model", 1))
-        if model < 1 or world_size % model:
-            raise ConfigError(f"--world-size {world_size} is not a multiple of \"prism.topology.model\" = {model}")
-        dp = world_size // model
+        if pp < 1 or model < 1 or world_size % (pp * model):
+            raise ConfigError(f"--world-size {world_size} is not a multiple of pipe x model = {pp} x {model} "
+                              "(\"prism.topology\" or the script's pipeline flag)")
+        if pp > 1 and "pipe_activations" not in kept:
+            raise ConfigError(f"prism emulate --framework deepspeed: pipe={pp}: a stage after the first receives "
+                              "from a virtual stage, whose tensor-meta message virtual GPUs cannot read; give its "
+                              "shape in the config's \"prism\": {\"pipe_activations\": {\"shape\": [micro, seq, "
+                              "hidden], \"dtype\": \"bfloat16\"}}")
+        dp = world_size // (pp * model)
         check_config(config)
         micro, gas = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps")
         gbs = config.get("train_batch_size")
@@ -167,7 +172,7 @@ class DeepSpeedJob:
             seq_length = int(seq[1]) if seq is not None else None
         inline = args[index].split("=", 1)[0] if args[index].startswith("--") else None
         return cls(script_argv=list(script_argv), config=config, kept=kept, config_index=index,
-                   config_inline=inline, world_size=world_size, model=model, dp=dp,
+                   config_inline=inline, world_size=world_size, pp=pp, model=model, dp=dp,
                    zero_stage=int((config.get("zero_optimization") or {}).get("stage", 0)), global_batch=int(gbs),
                    seq_length=seq_length)
 
@@ -178,7 +183,7 @@ class DeepSpeedJob:
         section: dict[str, Any] = {**copy.deepcopy(self.kept), "world_size": self.world_size, "real_ranks": [rank],
                                    "profile": profile, "gpus_per_node": gpus_per_node, "device": "virtual-gpu",
                                    "output": str(run_dir)}
-        section.setdefault("topology", {"pipe": 1, "data": self.dp, "model": self.model})
+        section.setdefault("topology", {"pipe": self.pp, "data": self.dp, "model": self.model})
         if trace:
             section["trace"] = str(run_dir / "trace")
         if graph is not None:

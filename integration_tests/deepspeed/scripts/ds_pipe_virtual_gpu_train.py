@@ -22,14 +22,15 @@ import prism_plugin.deepspeed as prism_ds
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("config")
+    ap.add_argument("config", nargs="?", help="the ds_config (or --deepspeed_config)")
+    ap.add_argument("--deepspeed_config", default=None)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--local_rank", type=int, default=None)
     args = ap.parse_args()
-    with open(args.config) as fh:
+    with open(args.deepspeed_config or args.config) as fh:
         config = json.load(fh)
     prism_ds.init_distributed(config)
     accel = get_accelerator()
