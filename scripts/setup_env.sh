@@ -10,7 +10,14 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 stamp="$V/.prism-installed"
 want="$(cat "$C" pyproject.toml | sha1sum | cut -c1-12)"
+# The startup hook (prism_plugin/startup.py): stock DeepSpeed in this environment reads a ds_config's "prism"
+# section with no edit to the script. One line in a .pth file, (re)written on every run.
+startup_hook() {
+  site="$("$V/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "import prism_plugin.startup" > "$site/prism_plugin_startup.pth"
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  startup_hook
   exit 0
 fi
 [ -x "$V/bin/python" ] || "$PY" -m venv "$V"
@@ -28,4 +35,5 @@ P="$V/bin/pip"
 #    put on sys.path (prism_plugin/device/te): no CUDA extension, none of TE's GPU libraries, and not
 #    onnxscript (TE's ONNX export, which virtual GPUs refuse: a stand-in module answers TE's import of it).
 "$P" install -q -c "$C" --no-deps --upgrade --target "$V/share/prism_plugin/te" transformer-engine
+startup_hook
 echo "$want" > "$stamp"

@@ -4,6 +4,8 @@
   is ``prism_plugin.deepspeed.init_distributed(config)``; the two processes play ranks 0 and 5 of 8,
   rendezvous through the launcher's MASTER_ADDR:MASTER_PORT, and see LOCAL_RANK 0 and 1 (their
   physical index); both launchers give the same losses.
+- the startup hook setup installs (`prism_plugin.startup`): an unmodified script emulates from the section alone,
+  under python and under the deepspeed launcher, with stock DeepSpeed;
 - ``patches/deepspeed-0.19.8``: applied to a copy of the installed DeepSpeed, an unmodified script
   emulates from the config's "prism" section alone, through ``deepspeed.initialize`` (ZeRO) and through
   ``deepspeed.init_distributed()`` with PRISM_DEEPSPEED_CONFIG (PipelineModule builds groups earlier).
@@ -133,6 +135,41 @@ def test_patched_deepspeed_honours_prism_section(tmp_path):
     # the copy really is the patched one, and the pristine install is untouched
     assert "_prism_hook" in (site / "deepspeed" / "comm" / "comm.py").read_text()
     assert "_prism_hook" not in (_installed_deepspeed() / "comm" / "comm.py").read_text()
+
+
+def test_the_startup_hook_emulates_an_unedited_script_from_its_section(tmp_path):
+    """``scripts/setup_env.sh`` installs ``prism_plugin_startup.pth`` (`prism_plugin.startup`): the unedited script
+    (no ``--dropin``), stock DeepSpeed, no environment variable. ``deepspeed.initialize(config=...)`` reads the
+    section (ZeRO); ``deepspeed.init_distributed()`` with no config finds it on the command line (``--config``, a
+    JSON file with a "prism" key: what a PipelineModule script or Accelerate's early init needs); the ``deepspeed``
+    launcher's two processes play ranks 0 and 5 of 8."""
+    import sysconfig
+
+    pth = Path(sysconfig.get_paths()["purelib"]) / "prism_plugin_startup.pth"
+    assert pth.read_text().strip() == "import prism_plugin.startup"
+    assert "_prism_hook" not in (_installed_deepspeed() / "comm" / "comm.py").read_text()  # not the patch
+    zero_cfg = _config(tmp_path / "zero.json", real_ranks=[5], world_size=16, output=tmp_path / "out_zero")
+    pipe_cfg = _config(tmp_path / "pipe.json", real_ranks=[9], world_size=16, output=tmp_path / "out_pipe", stage=1)
+    launch_cfg = _config(tmp_path / "launch.json", real_ranks=[0, 5], world_size=8, output=tmp_path / "out_launch")
+    env = _env(LOCAL_RANK="0")
+    env.pop("PRISM_DEEPSPEED_CONFIG", None)
+    runs = {
+        "zero": [sys.executable, str(SCRIPT), "--config", str(zero_cfg), "--mode", "zero"],
+        "pipe": [sys.executable, str(SCRIPT), "--config", str(pipe_cfg), "--mode", "pipe"],
+        "launch": [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port()), str(SCRIPT),
+                   "--config", str(launch_cfg), "--mode", "zero"],
+    }
+    out = {}
+    for name, cmd in runs.items():
+        (tmp_path / name).mkdir()
+        proc = subprocess.run([*cmd, "--out", name], env=_env() if name == "launch" else env, cwd=tmp_path,
+                              text=True, capture_output=True, timeout=240)
+        out[name] = _results(proc, tmp_path / name)
+    assert out["zero"][5]["world_size"] == 16 and out["pipe"][9]["world_size"] == 16
+    assert all(x > 0 for x in out["pipe"][9]["losses"])  # the last of 2 stages: real losses
+    assert sorted(out["launch"]) == [0, 5] and all(r["world_size"] == 8 for r in out["launch"].values())
+    for directory, rank in (("out_zero", 5), ("out_pipe", 9), ("out_launch", 0), ("out_launch", 5)):
+        assert (tmp_path / directory / f"rank{rank}.summary.json").is_file()
 
 
 def test_crashed_virtual_dp_peer_fails_deepspeed_in_its_own_code_path(tmp_path):

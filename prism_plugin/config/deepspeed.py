@@ -213,7 +213,9 @@ def _check_batch(ds_config: Mapping[str, Any], world_size: int, topology: dict[s
     pipeline or model parallelism has dp = N: declare ``"topology": {"data": N}`` to have that checked).
     Example: N=16, topology pipe 2 * data 8, micro 2, accumulation 1 -> train_batch_size must be 16.
     """
-    given = {key: ds_config.get(key) for key in _BATCH_KEYS}
+    # "auto": the Hugging Face Trainer fills the value in from its own arguments and the world size it sees (the
+    # emulated one), so DeepSpeed's assertion holds by construction: such a key is left to it, unchecked here
+    given = {key: None if ds_config.get(key) == "auto" else ds_config.get(key) for key in _BATCH_KEYS}
     for key, value in given.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{key}={value!r} must be a positive integer (DeepSpeed's batch sizes)")

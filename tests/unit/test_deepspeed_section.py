@@ -91,6 +91,17 @@ def test_batch_arithmetic_must_fit_world():
     assert parse_section(cfg).topology == {"pipe": 2, "data": 8, "model": 1}
 
 
+def test_auto_batch_sizes_are_left_to_the_trainer_that_fills_them():
+    """The Hugging Face Trainer's ds_config says "auto" and fills the figures in from its own arguments and the
+    world size it sees (the emulated one): "auto" is not refused, and not checked against the world here."""
+    cfg = _cfg()
+    cfg.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
+    assert parse_section(cfg).emulation.world.world_size == 16
+    cfg.update(train_micro_batch_size_per_gpu="automatic")
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu='automatic' must be a positive integer"):
+        parse_section(cfg)
+
+
 def test_allowed_keys_documented():
     from prism_plugin.config.reference import markdown
 

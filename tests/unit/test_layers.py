@@ -20,12 +20,14 @@ PACKAGE = Path(__file__).resolve().parents[2] / "prism_plugin"
 FLOOR = {
     "config": 0, "topology": 0, "cost": 1, "graph": 1, "comm": 2, "device": 3, "runtime": 4, "launch": 4,
     "adapters": 5, "megatron": 5, "deepspeed": 5,  # prism_plugin.megatron / .deepspeed: the adapters' entry points
+    "startup": 5,  # prism_plugin.startup: the interpreter-start hook, which hands DeepSpeed to its adapter
     "recipes": 6, "programs": 6, "cli": 7,
 }
 """Layer of each top-level room of the package (module or folder)."""
-ALLOWED_SIDEWAYS = {("topology", "config"), ("graph", "cost"), ("megatron", "adapters"), ("deepspeed", "adapters")}
+ALLOWED_SIDEWAYS = {("topology", "config"), ("graph", "cost"), ("megatron", "adapters"), ("deepspeed", "adapters"),
+                    ("startup", "adapters")}
 """Same-floor imports that run one way only: topology may use config's errors, graph the cost model, the
-framework entry points (`prism_plugin.megatron`, `prism_plugin.deepspeed`) their adapter."""
+framework entry points (`prism_plugin.megatron`, `prism_plugin.deepspeed`) and the startup hook their adapter."""
 PURE = ("config", "topology", "cost", "graph")
 FRAMEWORKS = ("megatron", "deepspeed", "transformer_engine", "apex")
 
