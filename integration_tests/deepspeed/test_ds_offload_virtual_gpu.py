@@ -73,3 +73,30 @@ def test_zero2_with_the_optimizer_offloaded_to_the_cpu(tmp_path: Path) -> None:
     # emulated time, exact: CPU Adam and ZeRO's host-side partition work on the host clock
     assert vgpu["virtual_time"]["host_work_s"] == 0.000471265
     assert vgpu["virtual_time"]["step_times_s"] == [0.00112813]
+
+
+def test_zero3_with_the_optimizer_offloaded_steps_every_time(tmp_path: Path) -> None:
+    """ZeRO-3 partitions each parameter (ceil(numel / dp) elements: the same 262,304 here, every numel divides by
+    64); its host holds the fp32 partition, gradient and moments (16 B per element) and the bf16 partition (2 B), plus
+    133 B of host scalars (norms and flags). Every step is taken: before the value fix, the first step was skipped in
+    6 of 10 runs (an "invalid" gradient norm read from uninitialised memory; `tests/emulated/test_virtual_gpu.py`)."""
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": DP,
+              "bf16": {"enabled": True}, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+              "prism": {"world_size": DP, "real_ranks": [5], "profile": "dgx-h100", "device": "virtual-gpu",
+                        "output": str(tmp_path / "out")}}
+    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "ds_config.json"), "--hidden", str(HIDDEN),
+                           "--layers", str(LAYERS), "--steps", str(STEPS), "--seq", str(SEQ)],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "rank5.summary.json").read_text())
+    assert_published_schema(summary)
+    vgpu = summary["virtual_gpu"]
+    part = 2 * (4 * HIDDEN * HIDDEN // DP + 4 * HIDDEN // DP + 4 * HIDDEN * HIDDEN // DP + HIDDEN // DP)
+    assert part == 262_304
+    assert summary["iterations_marked"] == STEPS
+    assert vgpu["cpu_adam"]["steps"] == STEPS and vgpu["cpu_adam"]["bytes_streamed"] == STEPS * 28 * part
+    assert vgpu["host_memory"]["peak_bytes"] == 16 * part + 2 * part + 133
+    assert vgpu["virtual_time"]["step_times_s"] == [0.001679264]  # modelled, exact

@@ -170,6 +170,7 @@ class _AllocatorTracker(StorageTracker):
                 self.gpu.clock.sync_stream(self.gpu.shim.current_stream(args[0].device.index).key)
             return self.gpu.values.read(args[0])
         to_host = False
+        observed = (func, args, kwargs)  # what the value policy sees: the copy, not its rewrite below
         if func is aten._to_copy.default:
             kwargs = kwargs or {}
             device = kwargs.get("device")
@@ -187,7 +188,7 @@ class _AllocatorTracker(StorageTracker):
         out = func(*args, **kwargs)  # StorageTracker.__torch_dispatch__, with the leaves flattened once
         flat_out = leaves(out)
         self._track_outputs(flat_out, flat_args + flat_kwargs)
-        self.gpu.values.observe(func, args, kwargs, out)
+        self.gpu.values.observe(*observed[:2], observed[2] or {}, out)
         cublas = uses_cublas(func)
         index = _first_cuda(flat_out, flat_args) if cublas or self.gpu.clock is not None else None
         if cublas and index is not None:

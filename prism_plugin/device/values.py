@@ -51,6 +51,12 @@ _KEEP = {aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.a
          aten.bitwise_or.Tensor, aten.mul.Tensor}
 _FLIP = {aten.logical_not.default, aten.bitwise_not.default}
 _DATA_LIMIT = 4096
+_UNFILLED = frozenset({
+    torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+    torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default,
+})
+"""Ops whose output holds no values (uninitialised memory): never computed on real values, never tagged; their
+outputs are unknown until written."""
 """Largest tensor (elements) whose real values are kept: flags, counters, timestamps; never model tensors."""
 _SKIP_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,) if m.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # prism_plugin/
@@ -143,6 +149,8 @@ class ValuePolicy:
         """Compute `func` on the real values of its inputs when every tensor input has them (one is ours)."""
         if not any(isinstance(x, torch.Tensor) and id(x) in self._data for x in leaves((args, kwargs))):
             return  # the common case, tested without pytree's spec (built only when values propagate)
+        if func in _UNFILLED:  # computed on the CPU it would tag uninitialised memory as the program's values
+            return
         flat, spec = tree_flatten((args, kwargs))
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
         real = [self._data_of(x) if isinstance(x, torch.Tensor) else x for x in flat]

@@ -186,3 +186,20 @@ def test_sdpa_takes_flash_attention_as_on_an_h100(library: None) -> None:
     assert out["torch.bfloat16"] == round_size(o) + round_size(lse) + 2 * round_size(8)  # + philox seed, offset
     assert out["torch.float32"] > 2 * 32 * 4096 * 4096 * 4  # the math path keeps the fp32 scores
     assert out["torch.bfloat16 grads"] == [[2, 32, 4096, 64], [2, 8, 4096, 64], [2, 8, 4096, 64]]
+
+
+def test_a_constant_copied_to_the_host_keeps_its_value_and_an_empty_one_has_none(library: None) -> None:
+    """``.cpu()`` of a device constant (a cross-device copy the dispatch mode makes as an ``empty_like`` on the
+    host) carries the constant's value; an ``empty_like`` of a constant holds none (uninitialised memory). Before the
+    fix, both took ``empty_like`` of the real value: reads returned whatever that memory held, so ZeRO-3 with
+    optimizer offload skipped its first step in 6 of 10 runs (an "invalid" gradient norm read from it)."""
+    out = run("""
+        with VirtualGpu(gpu_spec("h100-sxm")) as vg:
+            c = torch.tensor([3.5, -1.0], device="cuda")
+            out["host"] = c.cpu()[0].item()
+            out["host_bool"] = bool((c.cpu() < 0).any())
+            out["empty"] = torch.empty_like(c)[0].item()  # no value: the policy's float answer
+            out["constants_read"] = vg.values.summary()["constants_read"]
+    """)
+    assert out["host"] == 3.5 and out["host_bool"] is True
+    assert out["empty"] == 1.0 and out["constants_read"] == 2  # the two host reads; not the empty one

@@ -71,8 +71,8 @@ def check_config(ds_config: Mapping[str, Any]) -> None:
 
     Adam/AdamW is FusedAdam (a CUDA extension) unless ``"torch_adam": true`` selects ``torch.optim.Adam(W)``
     (the same state: two moments of each parameter's size, a step counter), or the optimizer is offloaded to the
-    CPU at stage 1 or 2: then it is DeepSpeedCPUAdam, whose step `offload` answers and times. Offloading to NVMe
-    (ZeRO-Infinity's async I/O extension), parameter offload and stage 3's offloaded step are refused.
+    CPU: then it is DeepSpeedCPUAdam, whose step `offload` answers and times. Offloading to NVMe (ZeRO-Infinity's
+    async I/O extension) and parameter offload are refused.
     """
     optimizer = ds_config.get("optimizer") or {}
     name = str(optimizer.get("type", "")).lower()
@@ -83,10 +83,6 @@ def check_config(ds_config: Mapping[str, Any]) -> None:
         raise ConfigError(f'"prism.device": "virtual-gpu" with "zero_optimization.offload_optimizer.device": '
                           f"{offload!r}: offload to NVMe runs DeepSpeed's async I/O extension, which virtual GPUs do "
                           'not emulate; use "device": "cpu" (ZeRO-Offload) or drop it')
-    if offload == "cpu" and zero.get("stage") == 3:
-        raise ConfigError('"prism.device": "virtual-gpu" with "zero_optimization.offload_optimizer" at "stage": 3: '
-                          "ZeRO-3's offloaded step is not emulated yet (its step count is not reproducible on fake "
-                          'tensors); use "stage": 1 or 2 with the offload, or drop it')
     param_offload = str((zero.get("offload_param") or {}).get("device", "none")).lower()
     if param_offload not in ("none", ""):
         raise ConfigError('"prism.device": "virtual-gpu" with "zero_optimization.offload_param": parameter offload '
