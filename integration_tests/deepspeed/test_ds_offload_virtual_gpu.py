@@ -35,11 +35,12 @@ SCRIPT = Path(__file__).parent / "scripts" / "ds_virtual_gpu_train.py"
 HIDDEN, LAYERS, DP, SEQ, STEPS = 1024, 2, 64, 256, 2
 
 
-def test_zero2_with_the_optimizer_offloaded_to_the_cpu(tmp_path: Path) -> None:
+def run(tmp_path: Path, stage: int) -> tuple[subprocess.CompletedProcess, dict]:
+    """The script with ZeRO `stage` and the optimizer offloaded to the CPU, as rank 5 of 64; its summary."""
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": DP,
               "bf16": {"enabled": True}, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+              "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
               "prism": {"world_size": DP, "real_ranks": [5], "profile": "dgx-h100", "device": "virtual-gpu",
                         "output": str(tmp_path / "out")}}
     (tmp_path / "ds_config.json").write_text(json.dumps(config))
@@ -47,6 +48,13 @@ def test_zero2_with_the_optimizer_offloaded_to_the_cpu(tmp_path: Path) -> None:
                            "--layers", str(LAYERS), "--steps", str(STEPS), "--seq", str(SEQ)],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "rank5.summary.json").read_text())
+    assert_published_schema(summary)
+    return proc, summary
+
+
+def test_zero2_with_the_optimizer_offloaded_to_the_cpu(tmp_path: Path) -> None:
+    proc, summary = run(tmp_path, 2)
     mem = {line.split()[1]: int(line.split()[2]) for line in proc.stdout.splitlines() if line.startswith("MEM ")}
     flat = LAYERS * (2 * HIDDEN * 4 * HIDDEN + 5 * HIDDEN)
     part, largest = flat // DP, 4 * HIDDEN * HIDDEN
@@ -55,8 +63,6 @@ def test_zero2_with_the_optimizer_offloaded_to_the_cpu(tmp_path: Path) -> None:
     for step in range(STEPS):  # + input, loss, the two cuBLAS workspaces; no optimizer state, no norm
         assert mem[f"step{step}"] == mem["init"] + round_size(2 * SEQ * HIDDEN) + round_size(4) + 2 * 32 * 2**20
 
-    summary = json.loads((tmp_path / "out" / "rank5.summary.json").read_text())
-    assert_published_schema(summary)
     vgpu = summary["virtual_gpu"]
     itemised = 4 * (4 * part) + 2 * largest + 2 * part  # fp32 partition, grad, 2 moments; two bf16 buffers
     assert vgpu["host_memory"]["current_bytes"] == itemised + 4  # + one fp32 scalar (the host's gradient norm)
@@ -80,19 +86,7 @@ def test_zero3_with_the_optimizer_offloaded_steps_every_time(tmp_path: Path) -> 
     64); its host holds the fp32 partition, gradient and moments (16 B per element) and the bf16 partition (2 B), plus
     133 B of host scalars (norms and flags). Every step is taken: before the value fix, the first step was skipped in
     6 of 10 runs (an "invalid" gradient norm read from uninitialised memory; `tests/emulated/test_virtual_gpu.py`)."""
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": DP,
-              "bf16": {"enabled": True}, "steps_per_print": 1000,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
-              "prism": {"world_size": DP, "real_ranks": [5], "profile": "dgx-h100", "device": "virtual-gpu",
-                        "output": str(tmp_path / "out")}}
-    (tmp_path / "ds_config.json").write_text(json.dumps(config))
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "ds_config.json"), "--hidden", str(HIDDEN),
-                           "--layers", str(LAYERS), "--steps", str(STEPS), "--seq", str(SEQ)],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "out" / "rank5.summary.json").read_text())
-    assert_published_schema(summary)
+    _, summary = run(tmp_path, 3)
     vgpu = summary["virtual_gpu"]
     part = 2 * (4 * HIDDEN * HIDDEN // DP + 4 * HIDDEN // DP + 4 * HIDDEN * HIDDEN // DP + HIDDEN // DP)
     assert part == 262_304
