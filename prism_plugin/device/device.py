@@ -170,7 +170,7 @@ class _AllocatorTracker(StorageTracker):
                 self.gpu.clock.sync_stream(self.gpu.shim.current_stream(args[0].device.index).key)
             return self.gpu.values.read(args[0])
         to_host = False
-        observed = (func, args, kwargs)  # what the value policy sees: the copy, not its rewrite below
+        seen_func, seen_args, seen_kwargs = func, args, kwargs or {}  # the value policy sees the copy, not its rewrite
         if func is aten._to_copy.default:
             kwargs = kwargs or {}
             device = kwargs.get("device")
@@ -188,7 +188,7 @@ class _AllocatorTracker(StorageTracker):
         out = func(*args, **kwargs)  # StorageTracker.__torch_dispatch__, with the leaves flattened once
         flat_out = leaves(out)
         self._track_outputs(flat_out, flat_args + flat_kwargs)
-        self.gpu.values.observe(*observed[:2], observed[2] or {}, out)
+        self.gpu.values.observe(seen_func, seen_args, seen_kwargs, out)
         cublas = uses_cublas(func)
         index = _first_cuda(flat_out, flat_args) if cublas or self.gpu.clock is not None else None
         if cublas and index is not None:
@@ -261,7 +261,7 @@ class VirtualGpu:
         """Virtual time (`start_time`): each GPU op a kernel of modelled duration on its stream; None: no time."""
         self.kernel_time: KernelTime | None = None
         self.kernel_summary: Callable[[], Any] | None = None
-        """The kernel model's report (`prism_plugin.device.kernels.KernelTimer.summary`), if any."""
+        """The kernel model's report (`prism_plugin.device.kernel_timer.KernelTimer.summary`), if any."""
         self.fusion = fusion.FusionRegions(self._region_ended)
         self.fake_host_depth = 0
         """> 0 inside `fake_host`: host tensors made without data are fake (no host memory), not real."""

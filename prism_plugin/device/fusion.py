@@ -30,7 +30,7 @@ While a region runs in the thread that opened it, on this process's virtual GPU 
 Without a region cost model (`FusionRegions.region_time` None: a virtual GPU whose kernel model is a plain
 function) the region's kernel lasts the sum of its ops' modelled durations; a ``table`` kernel model without
 entries of the fused kernel (a table recorded where the region ran op by op, as on a CPU) sums its ops' entries
-(`kernels.KernelTimer.region_duration_s`).
+(`kernel_timer.KernelTimer.region_duration_s`).
 
 Limitations: under autograd the region's ops are recorded as eager ops: the tensors autograd saves are eager
 autograd's (a compiler's partitioner may save fewer and recompute), and the backward runs as those ops' kernels

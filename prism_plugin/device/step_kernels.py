@@ -21,7 +21,7 @@ from typing import Any
 from prism_plugin.cost.kernel_fit import FitModel, job_key
 from prism_plugin.cost.kernels import KernelClass
 from prism_plugin.device.clock import VirtualTime
-from prism_plugin.device.kernels import KernelTimer
+from prism_plugin.device.kernel_timer import KernelTimer
 
 __all__ = ["attach_step_figures"]
 

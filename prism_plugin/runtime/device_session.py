@@ -65,7 +65,7 @@ def start_virtual_gpu(config: EmulationConfig, process_index: int) -> VirtualGpu
 def start_virtual_time(vgpu: VirtualGpu, profile: HardwareProfile, options: VirtualTimeOptions) -> None:
     """Give `vgpu` virtual time: the options' kernel model on the profile's GPU figures and efficiencies."""
     from prism_plugin.cost.kernel_models import kernel_model
-    from prism_plugin.device.kernels import KernelTimer
+    from prism_plugin.device.kernel_timer import KernelTimer
     from prism_plugin.device.step_kernels import attach_step_figures
 
     model = kernel_model(options.kernel_model, vgpu.gpu, profile.kernels, options.kernel_table,

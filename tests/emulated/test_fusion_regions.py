@@ -31,7 +31,7 @@ from prism_plugin.cost.kernel_models import kernel_model
 from prism_plugin.cost.profiles import load_profile
 from prism_plugin.device.device import VirtualGpu
 from prism_plugin.device.fusion import fused
-from prism_plugin.device.kernels import KernelTimer
+from prism_plugin.device.kernel_timer import KernelTimer
 out = {{}}
 code = 0
 try:

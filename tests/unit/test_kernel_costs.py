@@ -17,7 +17,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from prism_plugin.cost.gpu import gpu_spec
 from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel, TableModel
 from prism_plugin.cost.profiles import load_profile
-from prism_plugin.device.kernels import KernelTimer, kernel_cost
+from prism_plugin.device.kernel_timer import KernelTimer
+from prism_plugin.device.kernels import kernel_cost
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16

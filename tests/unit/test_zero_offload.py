@@ -14,7 +14,8 @@ from prism_plugin.cost.host import HostSpec
 from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel
 from prism_plugin.cost.profiles import ProfileError, load_profile, override_profile
 from prism_plugin.device.clock import VirtualTime
-from prism_plugin.device.kernels import KernelTimer, kernel_cost
+from prism_plugin.device.kernel_timer import KernelTimer
+from prism_plugin.device.kernels import kernel_cost
 
 aten = torch.ops.aten
 
