@@ -35,5 +35,11 @@ P="$V/bin/pip"
 #    put on sys.path (prism_plugin/device/te): no CUDA extension, none of TE's GPU libraries, and not
 #    onnxscript (TE's ONNX export, which virtual GPUs refuse: a stand-in module answers TE's import of it).
 "$P" install -q -c "$C" --no-deps --upgrade --target "$V/share/prism_plugin/te" transformer-engine
+# 6. flash-attn's Python layer beside it, for TE's flash backend on virtual GPUs (--attention-backend flash): built
+#    from its sdist with its CUDA build skipped (flash-attn's own switches; FORCE_BUILD skips its download of a
+#    prebuilt CUDA wheel). Its kernels are custom operators with fake implementations (prism_plugin/device/te/flash.py).
+"$P" install -q -c "$C" "setuptools>=70.1" wheel  # what its setup.py imports, besides torch and packaging
+FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE \
+  "$P" install -q -c "$C" --no-deps --no-build-isolation --upgrade --target "$V/share/prism_plugin/te" flash-attn
 startup_hook
 echo "$want" > "$stamp"

@@ -37,7 +37,7 @@ from prism_plugin.cost.kernels import KernelCost
 from prism_plugin.device import cuda_runtime, fusion, snapshot
 from prism_plugin.device.calls import DeviceCalls
 from prism_plugin.device.clock import VirtualTime
-from prism_plugin.device.kernels import uses_cublas
+from prism_plugin.device.kernels import kernel_workspaces, uses_cublas
 from prism_plugin.device.leaves import leaves
 from prism_plugin.device.memory import StorageTracker
 from prism_plugin.device.shim import CudaShim
@@ -190,9 +190,11 @@ class _AllocatorTracker(StorageTracker):
         self._track_outputs(flat_out, flat_args + flat_kwargs)
         self.gpu.values.observe(seen_func, seen_args, seen_kwargs, out)
         cublas = uses_cublas(func)
-        index = _first_cuda(flat_out, flat_args) if cublas or self.gpu.clock is not None else None
+        workspaces = kernel_workspaces(func, args, kwargs)
+        index = _first_cuda(flat_out, flat_args) if cublas or workspaces or self.gpu.clock is not None else None
         if cublas and index is not None:
             self.cublas_workspace(index)
+        held = [self.transient(nbytes, index) for nbytes in workspaces] if index is not None else []
         if self.gpu.clock is not None:
             if index is None and self.gpu.host_time is not None:  # an op on host tensors only: the host's CPU
                 duration = self.gpu.host_time(func, args, kwargs, out)
@@ -200,6 +202,8 @@ class _AllocatorTracker(StorageTracker):
                     self.gpu.clock.host_work(duration, str(func))
             else:
                 self.gpu.time_kernel(func, args, kwargs, out, to_host, index=index)
+        for block in held:  # an extension's workspaces, freed when its kernel returns
+            self.free(block)
         return out
 
 

@@ -43,7 +43,7 @@ from torch.utils.flop_counter import flop_registry
 
 from prism_plugin.cost.kernels import KernelClass, KernelCost
 
-__all__ = ["CustomKernel", "kernel_cost", "register_kernel", "tensor_accesses", "uses_cublas"]
+__all__ = ["CustomKernel", "kernel_cost", "kernel_workspaces", "register_kernel", "tensor_accesses", "uses_cublas"]
 
 _aten = torch.ops.aten
 _GEMM = frozenset({
@@ -147,11 +147,13 @@ _INFO: dict[Any, _OpInfo] = {}
 @dataclass(frozen=True, slots=True)
 class CustomKernel:
     """How a custom operator (``torch.library``: a fake kernel of an extension, e.g. TransformerEngine's) is costed:
-    its class, and optionally its FLOPs and table shape from its arguments (by schema name)."""
+    its class, and optionally its FLOPs and table shape from its arguments (by schema name), and the workspaces its
+    C++ allocates and frees around the kernel (bytes each, held while it runs: they count in the peak)."""
 
     kernel_class: KernelClass
     flops: Callable[[dict[str, Any]], int] | None = None
     shape: Callable[[dict[str, Any]], tuple[int, ...]] | None = None
+    workspace: Callable[[dict[str, Any]], list[int]] | None = None
 
 
 _CUSTOM: dict[str, CustomKernel] = {}
@@ -161,6 +163,18 @@ def register_kernel(qualified_name: str, kernel: CustomKernel) -> None:
     """Cost custom operator `qualified_name` (``"namespace::name"``) as `kernel` (its bytes as any op's: tensors read
     plus tensors written)."""
     _CUSTOM[qualified_name] = kernel
+
+
+def kernel_workspaces(func: Any, args: tuple, kwargs: dict | None) -> list[int]:
+    """The bytes of each workspace custom operator `func` holds while its kernel runs (none for other ops)."""
+    if not isinstance(func, torch._ops.OpOverload):
+        return []
+    custom = _op_info(func).custom
+    if custom is None or custom.workspace is None:
+        return []
+    named = dict(zip(_op_info(func).positional, args, strict=False))
+    named.update(kwargs or {})
+    return [n for n in custom.workspace(named) if n > 0]
 
 
 def _op_info(func: Any) -> _OpInfo:

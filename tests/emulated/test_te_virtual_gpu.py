@@ -26,7 +26,7 @@ def model(func, args, kwargs, out):
     cost = kernel_cost(func, args, kwargs, out)
     if cost is None:
         return None
-    if cost.op.startswith("prism_te."):
+    if cost.op.startswith(("prism_te.", "flash_attn.")):
         costs.append([cost.op.split(".")[1], cost.kernel_class.value, cost.dtype, cost.flops, cost.bytes,
                       list(cost.shape)])
     return 2.0**-20
@@ -144,6 +144,38 @@ out["attention_out"] = list(o.shape)
         ["fused_attn_bwd", "attention", "bfloat16", forward * 5 // 2, [1, 8, 2048, 2048, 64, 1]],
     ]
     assert out["attention_out"] == [2048, 1, 512]
+
+
+def test_flash_backend_runs_flash_attn_with_its_workspaces(library: None) -> None:
+    """``--attention-backend flash`` (Megatron sets TE's switches so): TE calls flash-attn 2.8.3's own Python layer,
+    whose operators' fake implementations give the outputs; the C++'s workspaces are held during the backward."""
+    out = run_child(program(PRELUDE, """
+dpa = te.DotProductAttention(num_attention_heads=8, kv_channels=64, num_gqa_groups=2, attn_mask_type="causal",
+                             qkv_format="bshd")
+q = torch.empty(1, 2048, 8, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+k = torch.empty(1, 2048, 2, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+v = torch.empty(1, 2048, 2, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+take()
+o = dpa(q, k, v)
+out["after_forward"] = torch.cuda.memory_allocated()
+o.sum().backward()
+out["attention"] = take()
+out["peak"] = torch.cuda.max_memory_allocated()
+out["extension"] = type(sys.modules["flash_attn_2_cuda"]).__name__
+""", EPILOGUE), env={"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"})
+    assert out["extension"] == "_Extension"
+    causal = 2048 * 2049 // 2
+    forward = 4 * 8 * 2048 * 2048 * 64 * causal // (2048 * 2048)
+    assert [k[:4] + k[5:] for k in out["attention"] if k[0].startswith("_flash")] == [
+        ["_flash_attn_forward", "attention", "bfloat16", forward, [1, 8, 2048, 2048, 64, 1]],
+        ["_flash_attn_backward", "attention", "bfloat16", forward * 5 // 2, [1, 8, 2048, 2048, 64, 1]],
+    ]
+    # forward: q 2 MiB, k and v 0.5 MiB each, out 2 MiB, softmax_lse (1, 8, 2048) fp32 64 KiB, rng_state 512 B
+    # (one block), cu_seqlens 512 B. Backward peak adds: o.sum() and its ones 512 B each; dq, dk, dv (3 MiB);
+    # softmax_d (1, 8, 2048) fp32 64 KiB; and the C++'s workspaces: dq_accum fp32 (1, 2048, 8, 64) 4 MiB and,
+    # GQA 8 heads over 2, dk_expanded and dv_expanded (1, 2048, 8, 64) bf16 2 MiB each
+    assert out["after_forward"] == 5 * MiB + 64 * 1024 + 1024
+    assert out["peak"] == out["after_forward"] + 1024 + 3 * MiB + 64 * 1024 + 8 * MiB
 
 
 @pytest.mark.parametrize("name", ["nvshmem_finalize", "an_unknown_kernel"])

@@ -39,8 +39,9 @@ arguments before Megatron builds anything, prints one line each and lists them i
 Device mode virtual-gpu (`virtual_gpu_refusals`): the GPU is fake tensors. TransformerEngine runs there (its
 own Python layer over fake kernels: `prism_plugin.device.te`; refused only when TE's Python package
 is not installed, naming the set-up command), and with it ``--moe-grouped-gemm`` (TEGroupedLinear) and
-``--moe-permute-fusion`` (TE's Triton permutation kernels: `triton_kernels`); refused are
-``--attention-backend flash`` with TE (the flash-attn package), CUDA graphs and the other GPU-only opt-ins above
+``--moe-permute-fusion`` (TE's Triton permutation kernels: `triton_kernels`), and ``--attention-backend flash``
+(flash-attn's Python layer beside TE's: `prism_plugin.device.te.flash`; refused only when it is not installed);
+refused are CUDA graphs and the other GPU-only opt-ins above
 (``--save`` / ``--load`` run: nothing is written and no tensor value read, `checkpoint`; refused are the
 checkpoint kinds that path does not model, `checkpoint_refusals`).
 Of the defaults CPU mode switches off, only RoPE fusion with the local spec is switched off there
@@ -64,6 +65,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prism_plugin.config.errors import ConfigError
+from prism_plugin.device.te import FLASH_ATTN_VERSION, flash_available, te_path
 from prism_plugin.device.te import available as te_available
 from prism_plugin.device.te import missing_message as te_missing_message
 
@@ -142,10 +144,11 @@ def virtual_gpu_refusals(options: Mapping[str, Any] | argparse.Namespace) -> lis
                    "GEMM operands' layouts); pass --fp8-recipe delayed, tensorwise, or mxfp8 (on a B200: --prism-gpu "
                    "b200-sxm)")
     backend = _get(options, "attention_backend")
-    if getattr(backend, "name", backend) == "flash" and _get(options, "transformer_impl") != "local":
-        out.append("--attention-backend flash: TransformerEngine would call the flash-attn package, whose kernels "
-                   "virtual GPUs do not emulate; pass --attention-backend fused (cuDNN fused attention, what TE picks "
-                   "on an H100 with auto) or auto")
+    if getattr(backend, "name", backend) == "flash" and _get(options, "transformer_impl") != "local" \
+            and te_available() and not flash_available():
+        out.append(f"--attention-backend flash: flash-attn {FLASH_ATTN_VERSION}'s Python layer is not installed "
+                   f"beside TransformerEngine's ({te_path()}); run `bash scripts/setup_env.sh`, or pass "
+                   "--attention-backend fused (cuDNN fused attention, what TE picks on an H100 with auto)")
     if _get(options, "cuda_graph_impl", "none") not in (None, "none") or _get(options, "enable_cuda_graph"):
         out.append("--cuda-graph-impl / --enable-cuda-graph: CUDA graphs capture real kernels, which virtual "
                    "GPUs do not run; pass --cuda-graph-impl none")

@@ -34,10 +34,15 @@ from typing import Any
 
 from prism_plugin.device.active import Slot, slot
 
-__all__ = ["TE_VERSION", "TeNotInstalled", "available", "install", "installed", "missing_message", "te_path"]
+__all__ = ["FLASH_ATTN_VERSION", "TE_VERSION", "TeNotInstalled", "available", "flash_available", "install", "installed",
+           "missing_message", "te_path"]
 
 TE_VERSION = "2.14.0"
 """The TransformerEngine release whose PyTorch layer virtual GPUs run."""
+
+FLASH_ATTN_VERSION = "2.8.3"
+"""The flash-attn release whose Python layer virtual GPUs run for ``--attention-backend flash`` (TE 2.14's
+``FlashAttentionUtils.max_version``; `prism_plugin.device.te.flash`)."""
 
 _ENV = "PRISM_TE_PATH"
 
@@ -235,6 +240,12 @@ def available() -> bool:
         return False
 
 
+def flash_available() -> bool:
+    """Whether flash-attn's Python layer (release `FLASH_ATTN_VERSION`) is in `te_path`, beside TE: what
+    ``--attention-backend flash`` needs on virtual GPUs. False when TE is not `available`."""
+    return available() and (te_path() / f"flash_attn-{FLASH_ATTN_VERSION}.dist-info").is_dir()
+
+
 def missing_message() -> str:
     """What to do when TE is not `available` (the set-up command, or the switch that turned it off)."""
     if _switch() == "off":
@@ -288,6 +299,11 @@ def install(*, required: bool = False) -> bool:
     module.__doc__ = extension.__doc__
     extension.build_module(module)
     sys.modules["transformer_engine_torch"] = module
+    if flash_available():  # TE's FlashAttention backend: flash-attn's Python layer over a fake extension
+        from prism_plugin.device.te import flash
+
+        sys.modules.setdefault("flash_attn_2_cuda", flash.extension_module())
+        flash.register_costs()
     sys.meta_path.insert(0, _TeFinder())
     _inner_dispatch_on_fakes()
     import warnings
