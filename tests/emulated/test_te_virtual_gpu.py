@@ -178,6 +178,35 @@ out["extension"] = type(sys.modules["flash_attn_2_cuda"]).__name__
     assert out["peak"] == out["after_forward"] + 1024 + 3 * MiB + 64 * 1024 + 8 * MiB
 
 
+def test_the_fused_moe_router_is_one_kernel_per_step_with_tes_buffers(library: None) -> None:
+    """``--moe-router-fusion``: TE's fused top-k, aux-loss scores and aux loss, forward and backward."""
+    out = run("""
+from transformer_engine.pytorch.router import (fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss,
+                                               fused_topk_with_score_function)
+logits = torch.empty(4096, 8, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+take()
+before = torch.cuda.memory_allocated()
+probs, routing_map = fused_topk_with_score_function(logits, 2, False, None, None, None, "softmax", None)
+out["topk_bytes"] = torch.cuda.memory_allocated() - before
+_, scores = fused_compute_score_for_moe_aux_loss(logits, 2, "softmax")
+tokens = torch.empty(8, dtype=torch.int64, device="cuda")
+loss = fused_moe_aux_loss(scores, tokens, 4096, 8, 2, 0.01)
+(probs.sum() + loss).backward()
+out["router"] = [k[:5] for k in take() if k[0].startswith("router_")]
+""")
+    tokens_experts = 4096 * 8
+    # top-k: probs bf16, routing map bool, fp32 intermediate (as TE's C++ allocates them), each [4096, 8]
+    assert out["topk_bytes"] == tokens_experts * (2 + 1 + 4)
+    assert out["router"] == [
+        ["router_topk_fwd", "elementwise", "bfloat16", 0, tokens_experts * (2 + 2 + 1 + 4)],
+        ["router_aux_scores_fwd", "elementwise", "bfloat16", 0, tokens_experts * (2 + 4 + 1 + 4)],
+        ["router_aux_loss_fwd", "reduction", "float32", 0, tokens_experts * 4 + 8 * 8 + 4 + 8],
+        ["router_aux_loss_bwd", "elementwise", "float32", 0, 8 + 8 * 8 + 4 + tokens_experts * 4],
+        ["router_aux_scores_bwd", "elementwise", "float32", 0, tokens_experts * (4 + 4 + 2)],
+        ["router_topk_bwd", "elementwise", "float32", 0, tokens_experts * (1 + 4 + 2 + 2)],
+    ]
+
+
 @pytest.mark.parametrize("name", ["nvshmem_finalize", "an_unknown_kernel"])
 def test_kernels_without_a_fake_refuse_when_called(library: None, name: str) -> None:
     out = run_child(program(PRELUDE, f"""

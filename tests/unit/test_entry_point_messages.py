@@ -141,7 +141,10 @@ def test_megatrons_count_of_zero_gradients_has_a_stated_answer_and_tensorboard_a
 
     policy = ValuePolicy()
     log_values.state_answers(policy)
-    assert policy.stated == [log_values.COUNT_ZEROS, log_values.SINKHORN]
+    assert policy.stated == [log_values.COUNT_ZEROS, log_values.SINKHORN, log_values.FSDP_BOUNDARIES]
+    assert log_values.FSDP_BOUNDARIES.matches(
+        "/venv/site-packages/megatron/core/distributed/fsdp/src/megatron_fsdp/uneven_dtensor.py",
+        "validate_uneven_dtensor") and log_values.FSDP_BOUNDARIES.value is True
     assert log_values.SINKHORN.matches("/venv/site-packages/megatron/core/transformer/moe/moe_utils.py", "sinkhorn")
     assert log_values.SINKHORN.value is False  # one iteration: `while error > tol` ends after the first
     assert log_values.COUNT_ZEROS.matches("/venv/site-packages/megatron/core/optimizer/clip_grads.py",

@@ -23,6 +23,11 @@ until ``error > tol`` reads False, a data-dependent count of iterations. The sta
 converges after its first iteration. Every iteration allocates and frees the same small tensors, so the peak is the
 same whatever the count; the time of the iterations a real run adds (a few small kernels each) is not modelled.
 
+Megatron-FSDP (``--use-megatron-fsdp``): ``megatron_fsdp/uneven_dtensor.py``'s ``validate_uneven_dtensor``
+checks that a DTensor's shards tile it: each rank's two flags (its chunk starts at 0, ends at the size) are
+MAX-reduced over the shard group and must all be set. This rank's own flags are known, its peers' are not; the
+stated answer (`FSDP_BOUNDARIES`) is True, the check passes.
+
 ``--tensorboard-dir`` / ``--log-timers-to-tensorboard`` / ``--log-memory-to-tensorboard``: Megatron writes
 TensorBoard events through ``torch.utils.tensorboard``, which needs the ``tensorboard`` package. Without it
 Megatron warns and writes nothing; `tensorboard_note` says so in one line naming the fix
@@ -36,7 +41,8 @@ from typing import Any
 
 from prism_plugin.device.values import SiteAnswer, ValuePolicy
 
-__all__ = ["COUNT_ZEROS", "SINKHORN", "WEIGHT_HASH", "answer_weight_hash_check", "state_answers", "tensorboard_note"]
+__all__ = ["COUNT_ZEROS", "FSDP_BOUNDARIES", "SINKHORN", "WEIGHT_HASH", "answer_weight_hash_check", "state_answers",
+           "tensorboard_note"]
 
 COUNT_ZEROS = SiteAnswer(
     path_suffix="megatron/core/optimizer/clip_grads.py", function="count_zeros_fp32", value=0,
@@ -51,6 +57,13 @@ SINKHORN = SiteAnswer(
            "modelled)")
 """The stated answer of ``sinkhorn``'s convergence test."""
 
+FSDP_BOUNDARIES = SiteAnswer(
+    path_suffix="megatron_fsdp/uneven_dtensor.py", function="validate_uneven_dtensor", value=True,
+    reason="Megatron-FSDP's chunk-boundary check passes: some shard starts at 0 and some ends at the tensor's size "
+           "(the shards tile it); the check MAX-reduces each rank's flags over the shard group, whose other members "
+           "are virtual")
+"""The stated answer of Megatron-FSDP's DTensor boundary check (``torch.all(boundary_checks)``)."""
+
 
 WEIGHT_HASH = ("megatron/core/utils.py:check_param_hashes_across_dp_replicas",
                "True (--check-weight-hash-across-dp-replicas-interval: every virtual replica mirrors this rank's "
@@ -62,6 +75,7 @@ def state_answers(values: ValuePolicy) -> None:
     """State this module's answers on `values` (the virtual GPU's value policy)."""
     values.state(COUNT_ZEROS)
     values.state(SINKHORN)
+    values.state(FSDP_BOUNDARIES)
 
 
 def answer_weight_hash_check(values: ValuePolicy) -> None:

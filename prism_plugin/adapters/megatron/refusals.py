@@ -39,7 +39,8 @@ arguments before Megatron builds anything, prints one line each and lists them i
 Device mode virtual-gpu (`virtual_gpu_refusals`): the GPU is fake tensors. TransformerEngine runs there (its
 own Python layer over fake kernels: `prism_plugin.device.te`; refused only when TE's Python package
 is not installed, naming the set-up command), and with it ``--moe-grouped-gemm`` (TEGroupedLinear) and
-``--moe-permute-fusion`` (TE's Triton permutation kernels: `triton_kernels`), and ``--attention-backend flash``
+``--moe-permute-fusion`` (TE's Triton permutation kernels: `triton_kernels`), ``--moe-router-fusion`` (TE's fused
+router kernels: `prism_plugin.device.te.router`), and ``--attention-backend flash``
 (flash-attn's Python layer beside TE's: `prism_plugin.device.te.flash`; refused only when it is not installed);
 refused are CUDA graphs and the other GPU-only opt-ins above
 (``--save`` / ``--load`` run: nothing is written and no tensor value read, `checkpoint`; refused are the
@@ -154,9 +155,9 @@ def virtual_gpu_refusals(options: Mapping[str, Any] | argparse.Namespace) -> lis
                    "GPUs do not run; pass --cuda-graph-impl none")
     te_runs = _get(options, "transformer_impl", "transformer_engine") == "transformer_engine"
     for dest, flag, kernel in _GPU_ONLY_OPT_INS:
-        if dest in ("moe_grouped_gemm", "moe_permute_fusion") and te_runs:
-            continue  # TEGroupedLinear's grouped GEMM is a fake kernel (device/te); TE's Triton permutation kernels
-            # are launchers of their reads and writes (triton_kernels)
+        if dest in ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion") and te_runs:
+            continue  # TEGroupedLinear's grouped GEMM and TE's fused router are fake kernels (device/te); TE's Triton
+            # permutation kernels are launchers of their reads and writes (triton_kernels)
         if _get(options, dest):
             out.append(f"{flag}: {kernel}, which virtual GPUs (fake tensors) cannot run; drop {flag}")
     out.extend(checkpoint_refusals(options))

@@ -159,6 +159,20 @@ def _common(module: types.ModuleType, exec_module: Any) -> None:
     module.load_framework_extension = _load_framework_extension  # type: ignore[attr-defined]
 
 
+def _grouped_mlp(module: types.ModuleType, exec_module: Any) -> None:
+    """``transformer_engine.pytorch.ops.fused.forward_grouped_mlp`` registers its CuTe grouped-MLP fusion at import
+    when ``NVTE_CUTEDSL_FUSED_GROUPED_MLP`` is set, after asking the device's compute capability, which fails in a
+    process with no virtual GPU started yet (the launcher parsing Megatron's arguments). The fusion needs
+    cudnn-frontend's SM100 kernels, which no virtual-GPU process has, so TE would not register it there either: its
+    import runs with the switch off."""
+    saved = os.environ.pop("NVTE_CUTEDSL_FUSED_GROUPED_MLP", None)
+    try:
+        exec_module(module)
+    finally:
+        if saved is not None:
+            os.environ["NVTE_CUTEDSL_FUSED_GROUPED_MLP"] = saved
+
+
 def _attention_utils(module: types.ModuleType, exec_module: Any) -> None:
     """TE's attention-backend choice with the q/k/v type a GPU run has: TE accepts ``torch.Tensor`` and
     ``Float8Tensor`` by exact type, and a virtual GPU's tensors are ``FakeTensor`` (FusedAttention would be
@@ -208,6 +222,7 @@ def torch_tensor() -> type:
 _AFTER_IMPORT = {
     "transformer_engine.common": _common,
     "transformer_engine.pytorch.attention.dot_product_attention.utils": _attention_utils,
+    "transformer_engine.pytorch.ops.fused.forward_grouped_mlp": _grouped_mlp,
 }
 
 

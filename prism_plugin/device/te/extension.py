@@ -6,13 +6,13 @@ TE's C++ allocates (same shapes, dtypes, order; ``torch.empty`` on the input's d
 model holds them) and launches its kernels as ``prism_te`` operators (`ops`), one per kernel TE launches, so the
 kernel model times them. The enums and classes keep TE's names; their values need only be consistent here.
 
-What is answered: GEMMs (``generic_gemm``: BF16/FP16/FP32 and FP8 operands, with bias, GeLU epilogue,
-accumulation into an existing output: Megatron's gradient-accumulation fusion, and FP8 output), layer and RMS
-norms (zero-centred gamma included; FP8 output), quantization (`quantize`: delayed and current scaling, MXFP8,
-block scaling), cuDNN fused attention forward and backward (BSHD/SBHD layouts, causal and no mask, GQA; BF16/FP16),
-fused RoPE, the activations and their backward, multi-tensor optimizer kernels (TE's FusedAdam, scale, l2norm),
-and the version queries TE makes (a policy answer each: `CUDNN_VERSION`, `CUBLASLT_VERSION`). What is not answered
-raises `NotImplementedError` naming the function when it is called (never at import): userbuffers
+What is answered: GEMMs (``generic_gemm``: BF16/FP16/FP32 and FP8 operands, with bias, GeLU epilogue, accumulation
+into an existing output: Megatron's gradient-accumulation fusion, and FP8 output), layer and RMS norms (zero-centred
+gamma included; FP8 output), quantization (`quantize`: delayed and current scaling, MXFP8, block scaling), cuDNN
+fused attention forward and backward (BSHD/SBHD layouts, causal and no mask, GQA; BF16/FP16), fused RoPE, the fused
+MoE router (`router`), the activations and their backward, multi-tensor optimizer kernels (TE's FusedAdam, scale,
+l2norm), and the version queries TE makes (a policy answer each: `CUDNN_VERSION`, `CUBLASLT_VERSION`). What is not
+answered raises `NotImplementedError` naming the function when it is called (never at import): userbuffers
 (TP-communication overlap), NVSHMEM, THD (packed) attention, FP8 attention.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from prism_plugin.cost.kernels import KernelClass
-from prism_plugin.device.te import ops, quantize, userbuffers
+from prism_plugin.device.te import ops, quantize, router, userbuffers
 from prism_plugin.device.te.dtypes import TORCH_DTYPE, DType
 
 __all__ = ["CUBLASLT_VERSION", "CUDNN_VERSION", "build_module"]
@@ -555,6 +555,7 @@ def build_module(module: Any) -> None:
         "multi_tensor_compute_scale_inv_e8m0": _multi_tensor("multi_tensor_compute_scale_inv_e8m0",
                                                              KernelClass.ELEMENTWISE, lambda lists: [1]),
     }
+    names.update(router.names())  # --moe-router-fusion
     for name in _ACTIVATIONS:
         forward, backward = _activation(name)
         names[name], names[f"d{name}"] = forward, backward
