@@ -173,6 +173,24 @@ def _grouped_mlp(module: types.ModuleType, exec_module: Any) -> None:
             os.environ["NVTE_CUTEDSL_FUSED_GROUPED_MLP"] = saved
 
 
+def _cpu_offload_v1(module: types.ModuleType, exec_module: Any) -> None:
+    """TE's activation-offload marking (``cpu_offload_v1.mark_activation_offload``, Megatron's fine-grained
+    activation offloading) marks a plain tensor by exact type and takes anything else for a quantized tensor; a
+    virtual GPU's tensors are ``FakeTensor``: they are marked as the plain tensors they stand for."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    exec_module(module)
+    mark = module.mark_activation_offload
+
+    def mark_activation_offload(*tensors: Any) -> None:
+        for tensor in tensors:
+            if type(tensor) is FakeTensor:
+                tensor.activation_offloading = True
+        mark(*(t for t in tensors if type(t) is not FakeTensor))
+
+    module.mark_activation_offload = mark_activation_offload  # type: ignore[attr-defined]
+
+
 def _attention_utils(module: types.ModuleType, exec_module: Any) -> None:
     """TE's attention-backend choice with the q/k/v type a GPU run has: TE accepts ``torch.Tensor`` and
     ``Float8Tensor`` by exact type, and a virtual GPU's tensors are ``FakeTensor`` (FusedAttention would be
@@ -223,6 +241,7 @@ _AFTER_IMPORT = {
     "transformer_engine.common": _common,
     "transformer_engine.pytorch.attention.dot_product_attention.utils": _attention_utils,
     "transformer_engine.pytorch.ops.fused.forward_grouped_mlp": _grouped_mlp,
+    "transformer_engine.pytorch.cpu_offload_v1": _cpu_offload_v1,
 }
 
 
