@@ -96,6 +96,7 @@ class OutputSettings:
 class MegatronSettings:
     attention: str
     moe_routing: str
+    iterations: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -209,7 +210,8 @@ def resolve(values: Mapping[str, object], entry: Entry, *, environ: Mapping[str,
                                kineto=_opt(parsed["kineto"]), memory_snapshot=_opt(parsed["memory_snapshot"]),
                                memory_snapshot_max_entries=_int(parsed["memory_snapshot_max_entries"])),
         faults=tuple(parsed["faults"]),  # type: ignore[arg-type]
-        megatron=MegatronSettings(attention=str(parsed["attention"]), moe_routing=str(parsed["moe_routing"])),
+        megatron=MegatronSettings(attention=str(parsed["attention"]), moe_routing=str(parsed["moe_routing"]),
+                                  iterations=None if parsed.get("iterations") is None else _int(parsed["iterations"])),
         deepspeed=DeepSpeedSettings(topology=parsed["topology"], pipe_activations=parsed["pipe_activations"]),
         given=frozenset(given), from_environment=frozenset(from_env), policy_defaults=policy_defaults)
 

@@ -320,6 +320,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(name="moe_routing", group=Group.MEGATRON, parse=_routing, default="balanced", env="PRISM_MOE_ROUTING",
             metavar="balanced|skew:SEED[,ALPHA]",
             help="Virtual GPUs: the tokens each expert receives (MoE routing holds no values)."),
+    Setting(name="iterations", group=Group.MEGATRON, parse=_int_at_least(1, 3), metavar="K",
+            entries=frozenset({Entry.DROP_IN}),
+            help="Train the job's first K iterations, then stop as Megatron does at --train-iters (its dataset sized "
+                 "for K, its learning-rate schedule kept); unset: the job's whole length."),
     # DeepSpeed
     Setting(name="topology", group=Group.DEEPSPEED, parse=_mapping, entries=_DS_ONLY, metavar="{pipe,data,model}",
             help="Declared pipe/data/model sizes, checked against world_size."),

@@ -48,3 +48,12 @@ def test_an_unknowable_vocabulary_is_refused_naming_vocab_size() -> None:
                      ns(tokenizer_type="HuggingFaceTokenizer", mock_data=True, vocab_size=128256),
                      exists=lambda path: False)
     assert out.argv == ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256"]
+
+
+def test_gpt2_files_without_a_tokenizer_type_name_the_type_megatron_needs() -> None:
+    """GPT-3 175B's published example gives GPT-2's files and no --tokenizer-type, which megatron-core 0.19 refuses
+    (``tokenizer_type None is not supported``): the message names the type, and the alternative."""
+    argv = ["--vocab-file", "/data/gpt2-vocab.json", "--merge-file", "/data/gpt2-merges.txt", "--mock-data"]
+    with pytest.raises(ConfigError, match="--tokenizer-type GPT2BPETokenizer") as info:
+        substitute(argv, ns(tokenizer_type=None, mock_data=True), exists=lambda path: False)
+    assert "--vocab-size V" in str(info.value)

@@ -101,6 +101,11 @@ def substitute(argv: Sequence[str], namespace: Any,
         said.append(f"Megatron's mock data (sequence length {getattr(namespace, 'seq_length', '?')})")
     if absent_tokenizer:
         vocab = getattr(namespace, "vocab_size", None) or _FIXED_VOCAB.get(tokenizer or "")
+        if vocab is None and tokenizer is None:
+            raise ConfigError(f"{', '.join(absent_tokenizer)}: not on this host, and --tokenizer-type is unset, which "
+                              "megatron-core 0.19 refuses (it builds no tokenizer without a type); name it, e.g. "
+                              "--tokenizer-type GPT2BPETokenizer for GPT-2's vocab and merge files, or pass "
+                              "--vocab-size V to emulate with a null tokenizer of that size")
         if vocab is None:
             raise ConfigError(f"{', '.join(absent_tokenizer)}: not on this host, and the vocabulary size of "
                               f"--tokenizer-type {tokenizer} cannot be known without it; pass --vocab-size V (the "

@@ -6,7 +6,7 @@
         [--prism-record DIR] [--prism-replay DIR] [--prism-trace DIR] [--prism-trace-iterations K] \
         [--prism-iteration-marker auto|explicit|optimizer-step] [--prism-no-timing] \
         [--prism-fault SPEC ...] [--prism-timeout S] [--prism-device real|virtual-gpu] [--prism-gpu MODEL] \\
-        [--prism-moe-routing balanced|skew:SEED[,ALPHA]] [--prism-attention local|flash]
+        [--prism-moe-routing balanced|skew:SEED[,ALPHA]] [--prism-attention local|flash] [--prism-iterations K]
 
 (or ``prism megatron ...``; without torchrun, K > 1 real ranks are launched as K local processes by the
 shared watch loop of `prism_plugin.runtime.lifecycle`, as ``prism run`` does.)
@@ -193,6 +193,21 @@ def _with_absent_data_replaced(script_argv: list[str]) -> tuple[list[str], Any]:
     return [script_argv[0], *replaced.argv], None
 
 
+def _shortened(script_argv: list[str], ns: Any, iterations: int) -> tuple[list[str], Any]:
+    """``--prism-iterations K``: the script's arguments training its first K iterations (`job_length`), and
+    Megatron's parse of them (None: parse the new ones); one line says so (from the first process)."""
+    from prism_plugin.adapters.megatron.job_length import shorten
+    from prism_plugin.adapters.megatron.refusals import parse_megatron_argv
+
+    ns = parse_megatron_argv(script_argv[1:]) if ns is None else ns
+    shortened = shorten(script_argv[1:], ns, iterations)
+    if shortened.note is None:
+        return script_argv, ns
+    if os.environ.get("RANK", "0") == "0":
+        print(shortened.note, file=sys.stderr, flush=True)
+    return [script_argv[0], *shortened.argv], None
+
+
 def _check_layout(config: EmulationConfig, ns: Any) -> None:
     """N must fit the job's tp/pp/cp/ep layout; an execution graph must load and match N."""
     from prism_plugin.topology import MegatronLayout
@@ -330,6 +345,9 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
 
         install_for_process()
     script_argv, ns = _with_absent_data_replaced(script_argv)
+    iterations = flags.settings().megatron.iterations
+    if iterations is not None:
+        script_argv, ns = _shortened(script_argv, ns, iterations)
     _check_job(config, script_argv[1:], cpu_mode, ns)
     process_index = int(os.environ.get("RANK", "0"))
     k = int(os.environ.get("WORLD_SIZE", "1"))

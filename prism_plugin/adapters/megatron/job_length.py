@@ -1,0 +1,51 @@
+"""``--prism-iterations K``: emulate the first K iterations of a long job (Megatron's drop-in).
+
+A launch script states its whole run (GPT-3 175B's example: ``--train-iters 500000``). Megatron sizes its
+datasets for the whole run before the first iteration (train samples = iterations x global batch: 768 million
+samples there, whose mock-data index alone took over 3 GB and minutes of host time here before any iteration ran),
+and an emulation needs a few iterations. `shorten` rewrites the length the job states to K:
+
+- ``--train-iters N`` becomes ``--train-iters K`` (K < N); ``--train-samples S`` becomes K x the global batch;
+- the learning-rate schedule stays the job's: when the job leaves ``--lr-decay-iters`` (``--lr-decay-samples``)
+  unset, Megatron decays over the whole run, so the original length is passed there; warm-up given as a fraction
+  is a fraction of that length, so it stays too;
+- everything else is unchanged: the run ends as Megatron ends one at ``--train-iters`` (a final checkpoint save when
+  the job saves: emulated on virtual GPUs, nothing written).
+
+One line says what was shortened. K at or beyond the job's own length changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from prism_plugin.adapters.megatron.absent_data import Substitution, _values, _without
+
+__all__ = ["shorten"]
+
+
+def shorten(argv: Sequence[str], namespace: Any, iterations: int) -> Substitution:
+    """`argv` (the script's Megatron arguments, `namespace` Megatron's parse of them) running `iterations`
+    iterations."""
+    argv = list(argv)
+    train_iters = getattr(namespace, "train_iters", None)
+    train_samples = getattr(namespace, "train_samples", None)
+    if train_iters is not None and iterations < train_iters:
+        out = _without(argv, ("--train-iters",)) + ["--train-iters", str(iterations)]
+        if getattr(namespace, "lr_decay_iters", None) is None and not _values(argv, "--lr-decay-samples"):
+            out += ["--lr-decay-iters", str(train_iters)]
+        return Substitution(out, f"prism: --prism-iterations {iterations}: the emulation trains the first "
+                                 f"{iterations} of the job's {train_iters} iterations (--train-iters {iterations}; "
+                                 "the learning-rate schedule is the job's)")
+    if train_samples is not None:
+        samples = iterations * int(namespace.global_batch_size)
+        if samples >= train_samples:
+            return Substitution(argv, None)
+        out = _without(argv, ("--train-samples",)) + ["--train-samples", str(samples)]
+        if getattr(namespace, "lr_decay_samples", None) is None:
+            out += ["--lr-decay-samples", str(train_samples)]
+        return Substitution(out, f"prism: --prism-iterations {iterations}: the emulation trains the first {samples} "
+                                 f"of the job's {train_samples} samples (--train-samples {samples}; the "
+                                 "learning-rate schedule is the job's)")
+    return Substitution(argv, None)
