@@ -11,7 +11,7 @@ JOB = ["--num-layers", "96", "--train-iters", "500000", "--lr-warmup-fraction", 
 
 def _ns(**kw: object) -> SimpleNamespace:
     base = {"train_iters": None, "train_samples": None, "lr_decay_iters": None, "lr_decay_samples": None,
-            "global_batch_size": 1536}
+            "global_batch_size": 1536, "eval_iters": 0, "eval_interval": None}
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -37,3 +37,12 @@ def test_k_at_or_beyond_the_jobs_length_changes_nothing() -> None:
     assert shorten(JOB, _ns(train_iters=500000), 500000).note is None
     assert shorten(["--train-samples", "100"], _ns(train_samples=100), 1).note is None
     assert shorten([], _ns(), 5).argv == []
+
+
+def test_an_evaluation_beyond_the_first_k_iterations_is_left_out() -> None:
+    """Megatron evaluates at the end of training; the job at iteration K would not when K < --eval-interval."""
+    argv = [*JOB, "--eval-iters", "10", "--eval-interval", "1000"]
+    out = shorten(argv, _ns(train_iters=500000, eval_iters=10, eval_interval=1000), 2)
+    assert out.argv[-2:] == ["--eval-iters", "0"] and "--eval-iters 0" in str(out.note)
+    kept = shorten(argv, _ns(train_iters=500000, eval_iters=10, eval_interval=1000), 1000)
+    assert "--eval-iters" in kept.argv and kept.argv[kept.argv.index("--eval-iters") + 1] == "10"

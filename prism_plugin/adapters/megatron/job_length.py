@@ -9,6 +9,9 @@ and an emulation needs a few iterations. `shorten` rewrites the length the job s
 - the learning-rate schedule stays the job's: when the job leaves ``--lr-decay-iters`` (``--lr-decay-samples``)
   unset, Megatron decays over the whole run, so the original length is passed there; warm-up given as a fraction
   is a fraction of that length, so it stays too;
+- when no evaluation falls in the first K iterations (K below ``--eval-interval``), ``--eval-iters 0``: Megatron
+  evaluates at the end of training, which the job at iteration K would not (GPT-3 175B's: 10 forward-only
+  iterations of 192 micro-batches after the 2 trained);
 - everything else is unchanged: the run ends as Megatron ends one at ``--train-iters`` (a final checkpoint save when
   the job saves: emulated on virtual GPUs, nothing written).
 
@@ -35,9 +38,10 @@ def shorten(argv: Sequence[str], namespace: Any, iterations: int) -> Substitutio
         out = _without(argv, ("--train-iters",)) + ["--train-iters", str(iterations)]
         if getattr(namespace, "lr_decay_iters", None) is None and not _values(argv, "--lr-decay-samples"):
             out += ["--lr-decay-iters", str(train_iters)]
+        out, said = _no_final_evaluation(out, namespace, iterations)
         return Substitution(out, f"prism: --prism-iterations {iterations}: the emulation trains the first "
                                  f"{iterations} of the job's {train_iters} iterations (--train-iters {iterations}; "
-                                 "the learning-rate schedule is the job's)")
+                                 f"the learning-rate schedule is the job's{said})")
     if train_samples is not None:
         samples = iterations * int(namespace.global_batch_size)
         if samples >= train_samples:
@@ -45,7 +49,17 @@ def shorten(argv: Sequence[str], namespace: Any, iterations: int) -> Substitutio
         out = _without(argv, ("--train-samples",)) + ["--train-samples", str(samples)]
         if getattr(namespace, "lr_decay_samples", None) is None:
             out += ["--lr-decay-samples", str(train_samples)]
+        out, said = _no_final_evaluation(out, namespace, iterations)
         return Substitution(out, f"prism: --prism-iterations {iterations}: the emulation trains the first {samples} "
                                  f"of the job's {train_samples} samples (--train-samples {samples}; the "
-                                 "learning-rate schedule is the job's)")
+                                 f"learning-rate schedule is the job's{said})")
     return Substitution(argv, None)
+
+
+def _no_final_evaluation(argv: list[str], namespace: Any, iterations: int) -> tuple[list[str], str]:
+    """`argv` with ``--eval-iters 0`` when the job evaluates but not within its first `iterations`."""
+    interval = getattr(namespace, "eval_interval", None)
+    if not getattr(namespace, "eval_iters", 0) or interval is None or iterations >= interval:
+        return argv, ""
+    return (_without(argv, ("--eval-iters",)) + ["--eval-iters", "0"],
+            f"; no evaluation: its first is at iteration {interval}, --eval-iters 0")
