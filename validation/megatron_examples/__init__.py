@@ -38,6 +38,10 @@ class Example:
     added: tuple[str, ...] = ()
     why_added: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    makes: tuple[str, ...] = ()
+    """Folders the script creates before it launches (``mkdir -p``), under the run's folder."""
+    prism: tuple[str, ...] = ()
+    """Prism flags besides the world, the rank, the device and the iterations."""
 
 
 EXAMPLES = {e.name: e for e in (
@@ -63,7 +67,8 @@ EXAMPLES = {e.name: e for e in (
     Example(
         name="llama3_8b_fp8",
         source="examples/llama/train_llama3_8b_h100_fp8.sh (NVIDIA/Megatron-LM 157006d6d9bf), MOCK data",
-        world_size=8, rank=7, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+        world_size=8, rank=7, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, makes=("{folder}/cache",),
+        prism=("--prism-oom", "report"),  # modelled: it does not fit an 80 GB H100 at TP1 CP1 (see the docs)
         args=("--use-mcore-models", "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
               "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
               "--kv-channels", "128", "--seq-length", "8192", "--max-position-embeddings", "8192",
@@ -143,12 +148,14 @@ def command(example: Example, folder: Path, iterations: int) -> list[str]:
     return [sys.executable, "-m", "prism_plugin.megatron", "prism_plugin/programs/pretrain_gpt.py", *args,
             *example.added, "--prism-world-size", str(example.world_size), "--prism-real-ranks", str(example.rank),
             "--prism-device", "virtual-gpu", "--prism-iterations", str(iterations), "--prism-output",
-            str(folder / "out")]
+            str(folder / "out"), *example.prism]
 
 
 def run(example: Example, folder: Path, *, iterations: int = 1, timeout_s: float = 1200.0) -> ExampleRun:
     """Run `example` in `folder` until it ends (or `timeout_s`, then stopped)."""
     env = {**os.environ, **example.env}
+    for made in example.makes:
+        Path(made.format(folder=folder)).mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     marks: dict[str, float] = {}
     tail: list[str] = []
@@ -161,7 +168,7 @@ def run(example: Example, folder: Path, *, iterations: int = 1, timeout_s: float
             marks.setdefault("startup_s", now)
         if " iteration        1/" in line:
             marks.setdefault("first_iteration_s", now)
-        tail = (tail + [line])[-30:]
+        tail = (tail + [line])[-80:]
         if now > timeout_s:
             proc.kill()
             break

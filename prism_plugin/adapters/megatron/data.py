@@ -23,6 +23,12 @@ split is not foreseen), instead of keeping its own "no data loader here" zeros.
 
 Not applied with the RECORDED policy (the recorded payloads are the real batch) nor ZEROS (an
 explicit choice), nor on TP rank 0, nor when TP rank 0 is real.
+
+Rank 0's dataset build: Megatron builds each dataset on rank 0 first, which writes its index files to
+``--data-cache-path``; after a barrier the other ranks build theirs by reading those files
+(``BlendedMegatronDatasetBuilder.build_generic_dataset``). When rank 0 is virtual nobody writes them, and a real
+rank stopped on the missing files (Megatron-LM's Llama 3 8B example, rank 7 of 8). So the lowest real rank builds as
+rank 0 (``get_rank`` answers 0 inside that function), then meets the others at the barrier, whatever the data policy.
 """
 
 from __future__ import annotations
@@ -80,9 +86,11 @@ def install(session: Any, patches: Patches) -> list[int]:
     from prism_plugin.adapters.megatron.adapter import rebind_everywhere
 
     filled = [0]
+    world = session.config.world
+    if not world.is_real(0) and min(world.real_ranks) == session.rank:
+        _install_rank0_dataset_build(patches)
     if session.config.data_policy is not DataPolicy.MIRROR:
         return filled
-    world = session.config.world
     original = mutils.get_batch_on_this_tp_rank
     signature = inspect.signature(original)
 
@@ -120,3 +128,21 @@ def _install_run_flags(patches: Patches) -> None:
         return loaders
 
     rebind_everywhere(original, build_train_valid_test_data_loaders, patches)
+
+
+def _install_rank0_dataset_build(patches: Patches) -> None:
+    """The lowest real rank builds the datasets as rank 0 does when rank 0 is virtual (module docstring)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    original = BlendedMegatronDatasetBuilder.build_generic_dataset
+
+    @functools.wraps(original)
+    def build_generic_dataset(*args: Any, **kwargs: Any) -> Any:
+        get_rank = torch.distributed.get_rank
+        torch.distributed.get_rank = lambda group=None: 0 if group is None else get_rank(group)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.distributed.get_rank = get_rank
+
+    patches.setattr(BlendedMegatronDatasetBuilder, "build_generic_dataset", staticmethod(build_generic_dataset))
