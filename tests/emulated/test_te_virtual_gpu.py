@@ -98,6 +98,24 @@ out["kernels"] = take()
     ]
 
 
+def test_an_fp8_modules_checkpoint_state_pickles_its_scaling_state_as_zeros(library: None) -> None:
+    """A checkpoint of an FP8 job: TE pickles each module's scaling state (copied to the host); fake tensors hold
+    no values, so they are written as zero tensors of their shapes (the checkpoint itself is not written)."""
+    out = run(LINEAR + """
+with te.autocast(enabled=True, recipe=DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16)):
+    y = lin(x)
+import pickle
+from torch.utils._python_dispatch import _disable_current_modes
+extra = lin.get_extra_state()
+with _disable_current_modes():  # read back as the host would, outside the virtual GPU
+    state = pickle.loads(extra.numpy().tobytes())
+out["extra"] = [str(extra.dtype), list(state["scale_fwd"].shape), list(state["amax_history_fwd"].shape),
+                float(state["amax_history_fwd"].abs().sum()), type(state["scale_fwd"]).__name__]
+""")
+    # TE's forward scaling state of a Linear: 3 scales (input, weight, output), a 16 x 3 amax history
+    assert out["extra"] == ["torch.uint8", [3], [16, 3], 0.0, "Tensor"]
+
+
 def test_current_scaling_computes_the_amax_then_casts(library: None) -> None:
     out = run(LINEAR + """
 with te.autocast(enabled=True, recipe=Float8CurrentScaling(fp8_format=Format.HYBRID)):

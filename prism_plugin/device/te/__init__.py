@@ -191,6 +191,46 @@ def _cpu_offload_v1(module: types.ModuleType, exec_module: Any) -> None:
     module.mark_activation_offload = mark_activation_offload  # type: ignore[attr-defined]
 
 
+class _PickleFakesAsZeros:
+    """``pickle`` as TE's ``module/base.py`` sees it on virtual GPUs: ``dumps`` writes a fake tensor (the FP8 scaling
+    state ``get_extra_state`` copies to the host for a checkpoint) as a real zero tensor of its shape and dtype, as
+    many bytes as the real one (fake tensors hold no values and do not pickle); everything else is ``pickle``'s."""
+
+    def __getattr__(self, name: str) -> Any:
+        import pickle
+
+        return getattr(pickle, name)
+
+    @staticmethod
+    def dumps(obj: Any, protocol: int | None = None) -> bytes:
+        import io
+        import pickle
+
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        proto = pickle.DEFAULT_PROTOCOL if protocol is None else protocol
+
+        class Pickler(pickle.Pickler):
+            def reducer_override(self, value: Any) -> Any:
+                if not isinstance(value, FakeTensor):
+                    return NotImplemented
+                with _disable_current_modes():
+                    return torch.zeros(value.shape, dtype=value.dtype).__reduce_ex__(proto)
+
+        buffer = io.BytesIO()
+        Pickler(buffer, proto).dump(obj)
+        return buffer.getvalue()
+
+
+def _module_base(module: types.ModuleType, exec_module: Any) -> None:
+    """``transformer_engine.pytorch.module.base`` pickling its FP8 state for a checkpoint (`_PickleFakesAsZeros`): a
+    checkpoint save of an FP8 job (emulated: nothing is written) stopped on pickling fake tensors."""
+    exec_module(module)
+    module.pickle = _PickleFakesAsZeros()  # type: ignore[attr-defined]
+
+
 def _attention_utils(module: types.ModuleType, exec_module: Any) -> None:
     """TE's attention-backend choice with the q/k/v type a GPU run has: TE accepts ``torch.Tensor`` and
     ``Float8Tensor`` by exact type, and a virtual GPU's tensors are ``FakeTensor`` (FusedAttention would be
@@ -242,6 +282,7 @@ _AFTER_IMPORT = {
     "transformer_engine.pytorch.attention.dot_product_attention.utils": _attention_utils,
     "transformer_engine.pytorch.ops.fused.forward_grouped_mlp": _grouped_mlp,
     "transformer_engine.pytorch.cpu_offload_v1": _cpu_offload_v1,
+    "transformer_engine.pytorch.module.base": _module_base,
 }
 
 
