@@ -33,9 +33,14 @@ from megatron.core import mpu  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
-from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank  # noqa: E402
+from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank  # noqa: E402
+from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank, get_batch_on_this_tp_rank  # noqa: E402
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0  # noqa: E402
-from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args  # noqa: E402
+from megatron.training.argument_utils import (  # noqa: E402
+    core_transformer_config_from_args,
+    gpt_config_from_args,
+    pretrain_cfg_container_from_args,
+)
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 
 try:  # megatron-core wheel: helpers prebuilt, no Makefile for compile_helpers() to run
@@ -49,10 +54,19 @@ except ImportError:  # a source checkout: Megatron compiles them
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 
 
-def get_batch(data_iterator):
+def _mtp_on_this_rank(vp_stage):
+    """Whether this rank (model chunk `vp_stage`) holds multi-token-prediction layers, as upstream asks: they read
+    the tokens, wherever they sit."""
+    config = core_transformer_config_from_args(get_args())
+    return mtp_on_this_rank(config.pipeline_model_parallel_layout, config.mtp_num_layers, ignore_virtual=False,
+                            vp_stage=vp_stage)
+
+
+def get_batch(data_iterator, vp_stage=None):
     """This rank's micro-batch: read on TP rank 0, broadcast to the other TP ranks, split over CP."""
     args = get_args()
-    if not (mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage()):
+    mtp = bool(args.mtp_num_layers) and _mtp_on_this_rank(vp_stage)
+    if not (mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage() or mtp):
         return None, None, None, None, None
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch = {}
@@ -71,7 +85,7 @@ def get_batch(data_iterator):
         tp_rank=tp_rank,
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
-        mtp_on_this_rank=False,
+        mtp_on_this_rank=mtp,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
@@ -91,7 +105,8 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model, return_schedule_plan=False):
-    tokens, labels, loss_mask, position_ids, attention_mask = get_batch(data_iterator)
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, position_ids, attention_mask = get_batch(data_iterator, vp_stage)
 
     def reduce(output):
         return loss_func(loss_mask, output)
