@@ -109,17 +109,40 @@ EVERY_OTHER_CASE = (
     "gpt3_mcore_tp2_pp2_ep2_etp2_te_4experts2parallel",
     "gpt3_mcore_tp2_pp2_ep2_etp2_te_4experts2parallel_dp_last",
     "gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel",
+    # TE's flash backend (flash-attn's Python layer over a fake extension), context parallelism's ring among them
+    "gpt3_mcore_cp2_pp2_ep2_te_4experts2parallel_nondeterministic",
+    "gpt3_mcore_cp2_pp2_ep2_te_4experts2parallel_nondeterministic_dp_last",
+    "gpt3_mcore_te_tp2_pp1_resume_torch_dist_cp2_nondeterministic",
+    "gpt3_mcore_te_tp2_pp2_cp2",
+    "gpt3_mcore_te_tp2_pp2_cp2_calculate_per_token_loss",
+    "gpt3_mcore_te_tp2_pp2_cp2_calculate_per_token_loss_nondeterministic",
+    "gpt3_mcore_te_tp2_pp2_cp2_etp4_calculate_per_token_loss_dp_last",
+    "gpt3_mcore_te_tp2_pp2_cp2_etp4_calculate_per_token_loss_nondeterministic_dp_last",
+    "gpt3_mcore_te_tp2_pp2_cp2_etp4_dp_last",
+    "gpt3_mcore_te_tp2_pp2_cp2_etp4_nondeterministic_dp_last",
+    "gpt3_mcore_te_tp2_pp2_cp2_nondeterministic",
+    "gpt3_mcore_te_tp2_pp2_resume_torch_dist_cp2_nondeterministic",
+    "gpt3_mcore_tp2_cp2_pp2_ep2_te_4experts2parallel",
+    "gpt3_mcore_tp2_cp2_pp2_ep2_te_4experts2parallel_dp_last",
+    "gpt3_mcore_te_tp2_pp1_resume_torch_dist_multi_dist_optimizer_instances",
+    "gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4",
+    "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading",
 )
 """The other cases that run on a virtual H100 (38 of 78 at 50f9da057bc0, and since: the two weight-hash-check cases,
-the two all-gather-dispatcher cases and the eight sinkhorn-router cases;
-the rest are refused up front or stop in a path listed in recipes/RESULTS.md): about 25 s each on a 2-core host,
-so heavy."""
+the two all-gather-dispatcher cases and the eight sinkhorn-router cases; at d38c4b8b5354 the 14 flash-backend
+cases, multi_dist_optimizer_instances, a2a_ovlp and the offloading case without MTP; the rest are refused up front
+or stop in a path listed in recipes/RESULTS.md): about 25 s each on a 2-core host, so heavy."""
 MISSED = {
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer":
         "-1.08% at 50f9da057bc0: not diagnosed",
     "gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4":
         "+2.47% since the all-gather dispatcher runs: balanced routing (the policy) against the real run's routing; "
         "not diagnosed further",
+    "gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4":
+        "+4.63% since Megatron's combined 1F1B schedule (MoE all-to-all overlap) runs (session 13): not diagnosed",
+    "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading":
+        "+112.4% at d38c4b8b5354 (over twice the golden peak): not diagnosed; what the activation offloading "
+        "frees on the device is the first suspect",
 }
 """Cases where the goal is missed today, with the measured error; strict: one that comes within the goal fails here
 until it is taken off this list."""
