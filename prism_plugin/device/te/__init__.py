@@ -160,11 +160,11 @@ def _common(module: types.ModuleType, exec_module: Any) -> None:
 
 
 def _grouped_mlp(module: types.ModuleType, exec_module: Any) -> None:
-    """``transformer_engine.pytorch.ops.fused.forward_grouped_mlp`` registers its CuTe grouped-MLP fusion at import
-    when ``NVTE_CUTEDSL_FUSED_GROUPED_MLP`` is set, after asking the device's compute capability, which fails in a
-    process with no virtual GPU started yet (the launcher parsing Megatron's arguments). The fusion needs
-    cudnn-frontend's SM100 kernels, which no virtual-GPU process has, so TE would not register it there either: its
-    import runs with the switch off."""
+    """TE's ``ops.fused.forward_grouped_mlp`` and ``backward_grouped_mlp`` register their CuTe grouped-MLP fusions at
+    import when ``NVTE_CUTEDSL_FUSED_GROUPED_MLP`` is set, after asking the device's compute capability, which fails
+    in a process with no virtual GPU started yet (the launcher parsing Megatron's arguments). The fusions need
+    cudnn-frontend's SM100 kernels, which no virtual-GPU process has, so TE would not register them there either:
+    their imports run with the switch off."""
     saved = os.environ.pop("NVTE_CUTEDSL_FUSED_GROUPED_MLP", None)
     try:
         exec_module(module)
@@ -281,6 +281,7 @@ _AFTER_IMPORT = {
     "transformer_engine.common": _common,
     "transformer_engine.pytorch.attention.dot_product_attention.utils": _attention_utils,
     "transformer_engine.pytorch.ops.fused.forward_grouped_mlp": _grouped_mlp,
+    "transformer_engine.pytorch.ops.fused.backward_grouped_mlp": _grouped_mlp,
     "transformer_engine.pytorch.cpu_offload_v1": _cpu_offload_v1,
     "transformer_engine.pytorch.module.base": _module_base,
 }
