@@ -143,7 +143,8 @@ def test_logging_flags_of_megatrons_functional_tests_run(saved: Any) -> None:
     zeros = [b for b in values["by_site"] if b["site"].endswith("clip_grads.py:275 (count_zeros_fp32)")]
     assert zeros == [{"site": zeros[0]["site"], "value": "0", "count": 2}]  # one read per iteration
     assert [s["function"] for s in values["stated"]] == ["megatron/core/optimizer/clip_grads.py:count_zeros_fp32",
-                                                         "megatron/core/transformer/moe/moe_utils.py:sinkhorn"]
+                                                         "megatron/core/transformer/moe/moe_utils.py:sinkhorn",
+                                                         "megatron_fsdp/uneven_dtensor.py:validate_uneven_dtensor"]
     norms = [b for b in values["by_site"] if "(calc_params_l2_norm)" in b["site"]]
     assert [b["count"] for b in norms] == [2] and norms[0]["value"] == "1.0"
     # --check-weight-hash-across-dp-replicas-interval 1: the replicas' hashes match (mirrored): Megatron checks once
