@@ -18,7 +18,8 @@ on integer sizes and made-up device addresses (nothing is allocated):
   blocks before reserving more; ``expandable_segments`` grows one segment per (stream, pool) by 2 MiB
   (small) or 20 MiB (large) pages and unmaps free pages at `empty_cache`.
 
-Statistics carry torch's names (``allocated_bytes.all.current``, ``reserved_bytes.all.peak``, ...).
+Statistics carry torch's names (``allocated_bytes.all.current``, ``reserved_bytes.all.peak``, ...; kept by
+`allocator_stats.AllocatorStats`).
 Non-goals: CUDA graph private pools, ``recordStream`` events (a freed block is reusable at once), IPC,
 ``release_lock_on_cudamalloc``, and memory outside the allocator (context, cuBLAS workspaces, NCCL
 buffers: the device total adds those separately). Pure: no torch. With `history` set
@@ -44,6 +45,7 @@ from prism_plugin.cost.allocator_config import (
     format_size,
     round_size,
 )
+from prism_plugin.cost.allocator_stats import AllocatorStats
 
 __all__ = ["AllocatorConfig", "Block", "CachingAllocatorModel", "DeviceOutOfMemory"]
 
@@ -106,30 +108,6 @@ class _Pool:
         return bisect.bisect_left(self.keys, (stream, size, -1))
 
 
-_POOLS = ("all", "small_pool", "large_pool")
-_STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes", "active_bytes",
-          "inactive_split_bytes", "requested_bytes")
-_COUNTERS = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free", "oversize_allocations",
-             "oversize_segments")
-
-
-class _Stat:
-    __slots__ = ("current", "peak", "allocated", "freed")
-
-    def __init__(self) -> None:
-        self.current = self.peak = self.allocated = self.freed = 0
-
-    def add(self, amount: int) -> None:
-        if amount >= 0:
-            self.current += amount
-            self.peak = max(self.peak, self.current)
-            self.allocated += amount
-        else:
-            self.current += amount
-            assert self.current >= 0, "negative allocator statistic"
-            self.freed -= amount
-
-
 class CachingAllocatorModel:
     """One device's caching allocator, driven by `malloc` / `free` / `empty_cache` calls.
 
@@ -159,38 +137,23 @@ class CachingAllocatorModel:
         self.active: dict[int, Block] = {}
         self.ooms: list[dict[str, int]] = []
         self.peak_fragmentation = 0.0  # 1 - allocated / reserved when allocated bytes last reached their peak
-        self._stats = {(s, p): _Stat() for s in _STATS for p in _POOLS}
-        self._pair = {(s, small): (self._stats[(s, "all")], self._stats[(s, "small_pool" if small else "large_pool")])
-                      for s in _STATS for small in (True, False)}
-        """(statistic, small pool?) -> its "all" and its pool's `_Stat`: `_add`'s two updates, looked up once."""
-        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._stats = AllocatorStats()
         self._next_ptr = 0x7F0000000000
         self._gc = self.allowed is not None and self.config.garbage_collection_threshold > 0
         self.history: Any = None  # an allocator_history.AllocatorHistory (which imports this module) when recording
 
     # -- statistics -----------------------------------------------------------------------------------
-    def _add(self, name: str, small: bool, amount: int) -> None:
-        both, pool = self._pair[(name, small)]
-        both.add(amount)
-        pool.add(amount)
-
     def stat(self, name: str, pool: str = "all", metric: str = "current") -> int:
         """One statistic, e.g. ``stat("reserved_bytes", "all", "peak")``, or a counter (``stat("num_ooms")``)."""
-        if name in self._counters:
-            return self._counters[name]
-        return getattr(self._stats[(name, pool)], metric)
+        return self._stats.get(name, pool, metric)
 
     def memory_stats(self) -> dict[str, int]:
         """The flat dictionary `torch.cuda.memory_stats()` returns (the keys this model keeps)."""
-        out = {f"{s}.{p}.{m}": getattr(st, m) for (s, p), st in self._stats.items()
-               for m in ("current", "peak", "allocated", "freed")}
-        out.update(self._counters)
-        out["max_split_size"] = -1 if self.config.max_split_size_bytes == NO_LIMIT else self.config.max_split_size_bytes
-        return dict(sorted(out.items()))
+        limit = self.config.max_split_size_bytes
+        return self._stats.memory_stats(-1 if limit == NO_LIMIT else limit)
 
     def reset_peak_stats(self) -> None:
-        for st in self._stats.values():
-            st.peak = st.current
+        self._stats.reset_peaks()
 
     # -- the public calls -----------------------------------------------------------------------------
     def malloc(self, size: int, stream: int = 0) -> Block:
@@ -219,10 +182,10 @@ class CachingAllocatorModel:
         """Return `block` to its pool (torch's ``free``: no stream uses, so at once)."""
         assert block.allocated and self.active.get(block.ptr) is block, "free of a block not in use"
         block.allocated = False
-        self._add("allocation", block.small, -1)
-        self._add("allocated_bytes", block.small, -block.size)
+        self._stats.add("allocation", block.small, -1)
+        self._stats.add("allocated_bytes", block.small, -block.size)
         if block.size >= self.config.max_split_size_bytes:
-            self._counters["oversize_allocations"] -= 1
+            self._stats.counters["oversize_allocations"] -= 1
         if self.history is not None:
             self.history.on_free(block)
         self._free_block(block)
@@ -273,7 +236,7 @@ class CachingAllocatorModel:
 
     def _alloc_block(self, pool: _Pool, stream: int, rounded: int, alloc: int, *, retry: bool) -> Block | None:
         if retry:
-            self._counters["num_alloc_retries"] += 1
+            self._stats.counters["num_alloc_retries"] += 1
         if self.allowed is not None and self.reserved + alloc > self.allowed:
             return None
         if self.config.expandable_segments:
@@ -284,17 +247,17 @@ class CachingAllocatorModel:
 
     def _reserve(self, block: Block) -> Block:
         self.reserved += block.size
-        self._add("segment", block.small, 1)
-        self._add("reserved_bytes", block.small, block.size)
+        self._stats.add("segment", block.small, 1)
+        self._stats.add("reserved_bytes", block.small, block.size)
         if block.size >= self.config.max_split_size_bytes:
-            self._counters["oversize_segments"] += 1
-        self._counters["num_device_alloc"] += 1
+            self._stats.counters["oversize_segments"] += 1
+        self._stats.counters["num_device_alloc"] += 1
         if self.history is not None:
             self.history.on_segment_alloc(block)
         return block
 
     def _out_of_memory(self, pool: _Pool, stream: int, alloc: int, rounded: int = 0) -> Block:
-        self._counters["num_ooms"] += 1
+        self._stats.counters["num_ooms"] += 1
         if self.history is not None:
             self.history.on_oom(rounded or alloc, stream, max(0, self.capacity - self.reserved))
         allocated, reserved = self.stat("allocated_bytes"), self.stat("reserved_bytes")
@@ -340,22 +303,22 @@ class CachingAllocatorModel:
             pool.insert(remaining)
             if not block.expandable:
                 if already_split:
-                    self._add("inactive_split_bytes", pool.small, -block.size)
+                    self._stats.add("inactive_split_bytes", pool.small, -block.size)
                 else:
-                    self._add("inactive_split_bytes", pool.small, remaining.size)
-                    self._add("inactive_split", pool.small, 1)
+                    self._stats.add("inactive_split_bytes", pool.small, remaining.size)
+                    self._stats.add("inactive_split", pool.small, 1)
         elif already_split and not block.expandable:
-            self._add("inactive_split_bytes", pool.small, -block.size)
-            self._add("inactive_split", pool.small, -1)
+            self._stats.add("inactive_split_bytes", pool.small, -block.size)
+            self._stats.add("inactive_split", pool.small, -1)
         block.allocated = True
         block.requested = orig
         self.active[block.ptr] = block
         for name, amount in (("allocation", 1), ("allocated_bytes", block.size), ("active", 1),
                              ("active_bytes", block.size), ("requested_bytes", orig)):
-            self._add(name, pool.small, amount)
+            self._stats.add(name, pool.small, amount)
         if block.size >= self.config.max_split_size_bytes:
-            self._counters["oversize_allocations"] += 1
-        stat = self._stats[("allocated_bytes", "all")]
+            self._stats.counters["oversize_allocations"] += 1
+        stat = self._stats.by_pool[("allocated_bytes", "all")]
         if stat.current == stat.peak:
             self.peak_fragmentation = 1.0 - stat.current / self.reserved if self.reserved else 0.0
         return block
@@ -376,12 +339,12 @@ class CachingAllocatorModel:
             net_bytes += block.size
         if not block.expandable:
             if net_blocks:
-                self._add("inactive_split", pool.small, net_blocks)
+                self._stats.add("inactive_split", pool.small, net_blocks)
             if net_bytes:
-                self._add("inactive_split_bytes", pool.small, net_bytes)
-        self._add("active", pool.small, -1)
-        self._add("active_bytes", pool.small, -size)
-        self._add("requested_bytes", pool.small, -requested)
+                self._stats.add("inactive_split_bytes", pool.small, net_bytes)
+        self._stats.add("active", pool.small, -1)
+        self._stats.add("active_bytes", pool.small, -size)
+        self._stats.add("requested_bytes", pool.small, -requested)
 
     def _try_merge(self, dst: Block, src: Block | None, pool: _Pool) -> int:
         if src is None or src.allocated or dst.mapped != src.mapped:
@@ -405,12 +368,12 @@ class CachingAllocatorModel:
     def _release_block(self, block: Block) -> None:
         assert not block.expandable
         pool = self._pool_of(block)
-        self._counters["num_device_free"] += 1
+        self._stats.counters["num_device_free"] += 1
         self.reserved -= block.size
-        self._add("segment", block.small, -1)
-        self._add("reserved_bytes", block.small, -block.size)
+        self._stats.add("segment", block.small, -1)
+        self._stats.add("reserved_bytes", block.small, -block.size)
         if block.size >= self.config.max_split_size_bytes:
-            self._counters["oversize_segments"] -= 1
+            self._stats.counters["oversize_segments"] -= 1
         if self.history is not None:
             self.history.on_segment_free(block)
         pool.remove(block)
@@ -523,8 +486,8 @@ class CachingAllocatorModel:
         self._try_merge(block, block.next, pool)
         pool.insert(block)
         self.reserved += mapped
-        self._add("reserved_bytes", pool.small, mapped)
-        self._counters["num_device_alloc"] += 1
+        self._stats.add("reserved_bytes", pool.small, mapped)
+        self._stats.counters["num_device_alloc"] += 1
         return True
 
     def _try_allocate_expandable(self, pool: _Pool, stream: int, size: int) -> Block | None:
@@ -570,8 +533,8 @@ class CachingAllocatorModel:
         self._try_merge(block, block.next, pool)
         pool.unmapped[block.ptr] = block
         self.reserved -= end - begin
-        self._add("reserved_bytes", pool.small, -(end - begin))
-        self._counters["num_device_free"] += 1
+        self._stats.add("reserved_bytes", pool.small, -(end - begin))
+        self._stats.counters["num_device_free"] += 1
 
     # -- snapshots --------------------------------------------------------------------------------------
     def segments(self) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prism_plugin.adapters.megatron.argv import flag_values, without_flags
 from prism_plugin.config.errors import ConfigError
 
 __all__ = ["Substitution", "substitute"]
@@ -37,35 +38,6 @@ class Substitution:
 
     argv: list[str]
     note: str | None
-
-
-def _values(argv: Sequence[str], flag: str) -> list[str]:
-    """The values given to `flag` (``--flag a b`` or ``--flag=a``), [] when absent."""
-    out: list[str] = []
-    for i, token in enumerate(argv):
-        if token == flag:
-            j = i + 1
-            while j < len(argv) and not argv[j].startswith("--"):
-                out.append(argv[j])
-                j += 1
-        elif token.startswith(flag + "="):
-            out.append(token.split("=", 1)[1])
-    return out
-
-
-def _without(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
-    """`argv` without `flags` and their values."""
-    out: list[str] = []
-    skipping = False
-    for token in argv:
-        if token.startswith("--"):
-            skipping = token.split("=", 1)[0] in flags
-            if skipping:
-                continue
-        elif skipping:
-            continue
-        out.append(token)
-    return out
 
 
 def _prefixes(values: Sequence[str]) -> list[str]:
@@ -88,16 +60,16 @@ def substitute(argv: Sequence[str], namespace: Any,
     absent_data = []
     if not getattr(namespace, "mock_data", False):
         for flag in _DATA_LISTS:
-            absent_data += [p for p in _prefixes(_values(argv, flag))
+            absent_data += [p for p in _prefixes(flag_values(argv, flag))
                             if not (exists(p + ".bin") and exists(p + ".idx")) and not exists(p)]
-        absent_data += [p for flag in _DATA_FILES for p in _values(argv, flag) if not exists(p)]
+        absent_data += [p for flag in _DATA_FILES for p in flag_values(argv, flag) if not exists(p)]
     tokenizer = getattr(namespace, "tokenizer_type", None)
-    absent_tokenizer = [p for flag in _TOKENIZER_FILES for p in _values(argv, flag) if not exists(p)]
+    absent_tokenizer = [p for flag in _TOKENIZER_FILES for p in flag_values(argv, flag) if not exists(p)]
     if not absent_data and not absent_tokenizer:
         return Substitution(argv, None)
     rewritten, said = argv, []
     if absent_data:  # Megatron's mock dataset, with the job's tokenizer (real or null)
-        rewritten = _without(rewritten, (*_DATA_LISTS, *_DATA_FILES, "--split", "--mock-data")) + ["--mock-data"]
+        rewritten = without_flags(rewritten, (*_DATA_LISTS, *_DATA_FILES, "--split", "--mock-data")) + ["--mock-data"]
         said.append(f"Megatron's mock data (sequence length {getattr(namespace, 'seq_length', '?')})")
     if absent_tokenizer:
         vocab = getattr(namespace, "vocab_size", None) or _FIXED_VOCAB.get(tokenizer or "")
@@ -110,7 +82,7 @@ def substitute(argv: Sequence[str], namespace: Any,
             raise ConfigError(f"{', '.join(absent_tokenizer)}: not on this host, and the vocabulary size of "
                               f"--tokenizer-type {tokenizer} cannot be known without it; pass --vocab-size V (the "
                               "tokenizer's vocabulary) to emulate with a null tokenizer of that size")
-        rewritten = _without(rewritten, (*_TOKENIZER_FILES, "--tokenizer-type", "--vocab-size"))
+        rewritten = without_flags(rewritten, (*_TOKENIZER_FILES, "--tokenizer-type", "--vocab-size"))
         rewritten += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(int(vocab))]
         said.append(f"a null tokenizer of the job's vocabulary ({int(vocab)})")
     absent = ", ".join([*absent_data, *absent_tokenizer])

@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from prism_plugin.adapters.megatron.absent_data import Substitution, _values, _without
+from prism_plugin.adapters.megatron.absent_data import Substitution
+from prism_plugin.adapters.megatron.argv import flag_values, without_flags
 
 __all__ = ["shorten"]
 
@@ -35,8 +36,8 @@ def shorten(argv: Sequence[str], namespace: Any, iterations: int) -> Substitutio
     train_iters = getattr(namespace, "train_iters", None)
     train_samples = getattr(namespace, "train_samples", None)
     if train_iters is not None and iterations < train_iters:
-        out = _without(argv, ("--train-iters",)) + ["--train-iters", str(iterations)]
-        if getattr(namespace, "lr_decay_iters", None) is None and not _values(argv, "--lr-decay-samples"):
+        out = without_flags(argv, ("--train-iters",)) + ["--train-iters", str(iterations)]
+        if getattr(namespace, "lr_decay_iters", None) is None and not flag_values(argv, "--lr-decay-samples"):
             out += ["--lr-decay-iters", str(train_iters)]
         out, said = _no_final_evaluation(out, namespace, iterations)
         return Substitution(out, f"prism: --prism-iterations {iterations}: the emulation trains the first "
@@ -46,7 +47,7 @@ def shorten(argv: Sequence[str], namespace: Any, iterations: int) -> Substitutio
         samples = iterations * int(namespace.global_batch_size)
         if samples >= train_samples:
             return Substitution(argv, None)
-        out = _without(argv, ("--train-samples",)) + ["--train-samples", str(samples)]
+        out = without_flags(argv, ("--train-samples",)) + ["--train-samples", str(samples)]
         if getattr(namespace, "lr_decay_samples", None) is None:
             out += ["--lr-decay-samples", str(train_samples)]
         out, said = _no_final_evaluation(out, namespace, iterations)
@@ -61,5 +62,5 @@ def _no_final_evaluation(argv: list[str], namespace: Any, iterations: int) -> tu
     interval = getattr(namespace, "eval_interval", None)
     if not getattr(namespace, "eval_iters", 0) or interval is None or iterations >= interval:
         return argv, ""
-    return (_without(argv, ("--eval-iters",)) + ["--eval-iters", "0"],
+    return (without_flags(argv, ("--eval-iters",)) + ["--eval-iters", "0"],
             f"; no evaluation: its first is at iteration {interval}, --eval-iters 0")

@@ -58,7 +58,7 @@ from prism_plugin.device import cuda_runtime
 _PRELOADED = cuda_runtime.preload_if_launched()  # --prism-device virtual-gpu: before torch is imported (`virtual`)
 
 import tempfile  # noqa: E402
-from collections.abc import Mapping  # noqa: E402
+from collections.abc import Callable, Mapping  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
@@ -70,6 +70,7 @@ from prism_plugin.config.resolve import Settings, resolve, spellings  # noqa: E4
 from prism_plugin.config.settings import Entry, flag_names  # noqa: E402
 
 if TYPE_CHECKING:
+    from prism_plugin.adapters.megatron.absent_data import Substitution
     from prism_plugin.runtime.lifecycle import EmulatedRun
 
 __all__ = ["PrismFlags", "split_prism_flags", "main"]
@@ -177,35 +178,20 @@ def _check_job(config: EmulationConfig, script_args: list[str], cpu_mode: bool, 
     return ns
 
 
-def _with_absent_data_replaced(script_argv: list[str]) -> tuple[list[str], Any]:
-    """The script's arguments with data and tokenizer files absent on this host replaced by Megatron's mock data and
-    a null tokenizer of the job's vocabulary (`absent_data`), and Megatron's parse of them when nothing was
-    replaced (None: parse the new ones); one line says what was replaced (from the first process)."""
-    from prism_plugin.adapters.megatron.absent_data import substitute
-    from prism_plugin.adapters.megatron.refusals import parse_megatron_argv
-
-    ns = parse_megatron_argv(script_argv[1:])
-    replaced = substitute(script_argv[1:], ns)
-    if replaced.note is None:
-        return script_argv, ns
-    if os.environ.get("RANK", "0") == "0":
-        print(replaced.note, file=sys.stderr, flush=True)
-    return [script_argv[0], *replaced.argv], None
-
-
-def _shortened(script_argv: list[str], ns: Any, iterations: int) -> tuple[list[str], Any]:
-    """``--prism-iterations K``: the script's arguments training its first K iterations (`job_length`), and
-    Megatron's parse of them (None: parse the new ones); one line says so (from the first process)."""
-    from prism_plugin.adapters.megatron.job_length import shorten
+def _rewritten(script_argv: list[str], ns: Any,
+               rewrite: Callable[[list[str], Any], Substitution]) -> tuple[list[str], Any]:
+    """The script's arguments as `rewrite` changes them (given its Megatron arguments and Megatron's parse `ns` of
+    them, parsed here when None), and Megatron's parse of the result (None: parse the new ones); the rewrite's note
+    is printed on one line (from the first process)."""
     from prism_plugin.adapters.megatron.refusals import parse_megatron_argv
 
     ns = parse_megatron_argv(script_argv[1:]) if ns is None else ns
-    shortened = shorten(script_argv[1:], ns, iterations)
-    if shortened.note is None:
+    rewritten = rewrite(script_argv[1:], ns)
+    if rewritten.note is None:
         return script_argv, ns
     if os.environ.get("RANK", "0") == "0":
-        print(shortened.note, file=sys.stderr, flush=True)
-    return [script_argv[0], *shortened.argv], None
+        print(rewritten.note, file=sys.stderr, flush=True)
+    return [script_argv[0], *rewritten.argv], None
 
 
 def _check_layout(config: EmulationConfig, ns: Any) -> None:
@@ -344,10 +330,15 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
         from prism_plugin.adapters.megatron.fused_kernels import install_for_process
 
         install_for_process()
-    script_argv, ns = _with_absent_data_replaced(script_argv)
+    from prism_plugin.adapters.megatron.absent_data import substitute
+
+    # data and tokenizer files absent on this host: Megatron's mock data and a null tokenizer (`absent_data`)
+    script_argv, ns = _rewritten(script_argv, None, substitute)
     iterations = flags.settings().megatron.iterations
-    if iterations is not None:
-        script_argv, ns = _shortened(script_argv, ns, iterations)
+    if iterations is not None:  # --prism-iterations K: the job's first K iterations (`job_length`)
+        from prism_plugin.adapters.megatron.job_length import shorten
+
+        script_argv, ns = _rewritten(script_argv, ns, lambda argv, parsed: shorten(argv, parsed, iterations))
     _check_job(config, script_argv[1:], cpu_mode, ns)
     process_index = int(os.environ.get("RANK", "0"))
     k = int(os.environ.get("WORLD_SIZE", "1"))
