@@ -49,6 +49,7 @@ def main() -> int:
                      "first_iteration_s": result.first_iteration_s and round(result.first_iteration_s, 1),
                      "modelled_step_times_s": result.step_times_s,
                      "peak_allocated_bytes": result.peak_allocated_bytes,
+                     "fast_forward": result.fast_forward,
                      **({} if result.first_iteration_s else {"log_tail": result.log_tail})})
     firsts = [r["first_iteration_s"] for r in runs if r["first_iteration_s"]]
     starts = [r["startup_s"] for r in runs if r["startup_s"]]

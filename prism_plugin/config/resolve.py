@@ -43,7 +43,8 @@ CONFIG_FIELDS: Mapping[str, str] = {
 }
 """Each setting the launcher's JSON carries, to its `EmulationConfig` (or `VirtualWorld`) field."""
 
-_NEED_VIRTUAL_GPU = ("virtual_time", "kernel_model", "kernel_table", "kernel_fit", "program_time", "oom")
+_NEED_VIRTUAL_GPU = ("virtual_time", "fast_forward", "kernel_model", "kernel_table", "kernel_fit", "program_time",
+                     "oom")
 
 
 def spellings(entry: Entry) -> dict[str, str]:
@@ -72,6 +73,7 @@ class TimeSettings:
     iteration_marker: IterationMarker
     graph: Path | None
     graph_max_outside: float
+    fast_forward: bool = True
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -202,7 +204,8 @@ def resolve(values: Mapping[str, object], entry: Entry, *, environ: Mapping[str,
                           kernel_table=_opt_path(parsed["kernel_table"]), kernel_fit=_opt_path(parsed["kernel_fit"]),
                           program_time=str(parsed["program_time"]),
                           iteration_marker=IterationMarker(str(parsed["iteration_marker"])),
-                          graph=_opt_path(parsed["graph"]), graph_max_outside=_float(parsed["graph_max_outside"])),
+                          graph=_opt_path(parsed["graph"]), graph_max_outside=_float(parsed["graph_max_outside"]),
+                          fast_forward=bool(parsed["fast_forward"])),
         data=DataSettings(data_policy=DataPolicy(str(policy)), record=_opt_path(parsed["record"]),
                           replay=_opt_path(parsed["replay"])),
         outputs=OutputSettings(output=_opt_path(parsed["output"]), trace=_opt_path(parsed["trace"]),

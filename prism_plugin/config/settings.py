@@ -264,6 +264,10 @@ SETTINGS: tuple[Setting, ...] = (
             env="PRISM_VIRTUAL_TIME", metavar="on|off",
             help="Virtual GPUs: modelled kernel and communication time on emulated streams (on), or memory only "
                  "(off)."),
+    Setting(name="fast_forward", group=Group.TIME, parse=_on_off, default=True, env="PRISM_FAST_FORWARD",
+            metavar="on|off",
+            help="Virtual GPUs: advance a pipeline schedule's proven steady-state periods without running them again "
+                 "(memory and emulated time stay those of running them; docs/fast-forward.md); off: run every one."),
     Setting(name="kernel_model", group=Group.TIME, parse=_choice("roofline", "table", "fit"), default="roofline",
             env="PRISM_KERNEL_MODEL", metavar="roofline|table|fit",
             help="How a kernel's time is modelled: the GPU's roofline, a recorded table (--kernel-table) or a fitted "

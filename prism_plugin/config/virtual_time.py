@@ -17,7 +17,7 @@ from pathlib import Path
 __all__ = ["TIME_VARIABLES", "VirtualTimeOptions"]
 
 TIME_VARIABLES = ("PRISM_VIRTUAL_TIME", "PRISM_KERNEL_MODEL", "PRISM_KERNEL_TABLE", "PRISM_KERNEL_FIT",
-                  "PRISM_PROGRAM_TIME")
+                  "PRISM_PROGRAM_TIME", "PRISM_FAST_FORWARD")
 """The variables `VirtualTimeOptions.from_env` reads (besides CUDA's own ``CUDA_LAUNCH_BLOCKING``)."""
 
 
@@ -41,6 +41,9 @@ class VirtualTimeOptions:
     kernel_fit: Path | None = None
     program_time: bool = False
     launch_blocking: bool = False
+    fast_forward: bool = True
+    """``PRISM_FAST_FORWARD``: ``on`` (the default) or ``off``: a framework adapter fast-forwards proven repeated work
+    (`prism_plugin.device.fast_forward`)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> VirtualTimeOptions:
@@ -55,4 +58,4 @@ class VirtualTimeOptions:
                        environ={name: env[name] for name in TIME_VARIABLES if name in env}).time
         return cls(enabled=time.virtual_time, kernel_model=time.kernel_model, kernel_table=time.kernel_table,
                    kernel_fit=time.kernel_fit, program_time=time.program_time == "emulated",
-                   launch_blocking=env.get("CUDA_LAUNCH_BLOCKING", "0") == "1")
+                   launch_blocking=env.get("CUDA_LAUNCH_BLOCKING", "0") == "1", fast_forward=time.fast_forward)

@@ -155,6 +155,24 @@ class CachingAllocatorModel:
     def reset_peak_stats(self) -> None:
         self._stats.reset_peaks()
 
+    # -- repeated work (`prism_plugin.device.fast_forward`) ---------------------------------------------
+    def layout(self) -> tuple[Any, ...]:
+        """Everything the model's next decisions depend on: each block (address, size, stream, in use,
+        requested, segment), the statistics' current values, the OOMs so far and the next segment's address.
+        Two points with equal layouts and equal requests after them get equal answers."""
+        blocks = sorted((b.ptr, b.size, b.stream, b.allocated, b.requested, b.mapped, b.small, b.expandable, b.base)
+                        for b in itertools.chain(self.active.values(), self.small.blocks, self.large.blocks,
+                                                 self.small.unmapped.values(), self.large.unmapped.values()))
+        return (tuple(blocks), self._stats.levels(), self.reserved, len(self.ooms), self._next_ptr)
+
+    def totals(self) -> dict[str, int]:
+        """The running totals of the statistics (`allocator_stats.AllocatorStats.totals`)."""
+        return self._stats.totals()
+
+    def advance(self, deltas: dict[str, int], times: int) -> None:
+        """Repeated work fast-forwarded: the running totals grow by `times` x `deltas`; blocks and peaks stay."""
+        self._stats.advance(deltas, times)
+
     # -- the public calls -----------------------------------------------------------------------------
     def malloc(self, size: int, stream: int = 0) -> Block:
         """The block a request of `size` bytes (> 0) on `stream` gets (torch's ``DeviceCachingAllocator::malloc``)."""

@@ -35,6 +35,7 @@ from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import DeviceTotal, GpuSpec
 from prism_plugin.cost.kernels import KernelCost
 from prism_plugin.device import cuda_runtime, fusion, snapshot
+from prism_plugin.device.active import Slot, slot
 from prism_plugin.device.calls import DeviceCalls
 from prism_plugin.device.clock import VirtualTime
 from prism_plugin.device.kernels import kernel_workspaces, uses_cublas
@@ -43,7 +44,7 @@ from prism_plugin.device.memory import StorageTracker
 from prism_plugin.device.shim import CudaShim
 from prism_plugin.device.values import ValuePolicy
 
-__all__ = ["VirtualGpu"]
+__all__ = ["VirtualGpu", "current_gpu"]
 
 aten = torch.ops.aten
 KernelTime = Callable[[Any, tuple, dict, Any], "float | None"]
@@ -148,6 +149,10 @@ class _AllocatorTracker(StorageTracker):
         if block is not None and not self.gpu.fusion.hold(block):  # held: freed when the region ends
             self.free(block)
 
+    def live_count(self) -> tuple[int, int]:
+        """How many device and fake host storages are alive."""
+        return len(self._blocks), len(self._host)
+
     def free(self, block: Block) -> None:
         self.gpu.shim.allocators[self._device_of(block)].free(block)
 
@@ -188,6 +193,8 @@ class _AllocatorTracker(StorageTracker):
         out = func(*args, **kwargs)  # StorageTracker.__torch_dispatch__, with the leaves flattened once
         flat_out = leaves(out)
         self._track_outputs(flat_out, flat_args + flat_kwargs)
+        if self.gpu.silent:  # work a fast-forward skipped (`fast_forward.FastForward.silent`): no time, no answer
+            return out
         self.gpu.values.observe(seen_func, seen_args, seen_kwargs, out)
         cublas = uses_cublas(func)
         workspaces = kernel_workspaces(func, args, kwargs)
@@ -243,6 +250,14 @@ def _object_collectives_on_cpu(patches: Any) -> None:
         patches.setattr(dist, name, wrapped)
 
 
+_GPUS: Slot[VirtualGpu] = slot("virtual_gpu", stack=True)
+
+
+def current_gpu() -> VirtualGpu | None:
+    """This process's started virtual GPUs, if any."""
+    return _GPUS.current()
+
+
 class VirtualGpu:
     """`num_devices` virtual GPUs of model `gpu` in this process; this process uses device `device`."""
 
@@ -264,10 +279,14 @@ class VirtualGpu:
         self.clock: VirtualTime | None = None
         """Virtual time (`start_time`): each GPU op a kernel of modelled duration on its stream; None: no time."""
         self.kernel_time: KernelTime | None = None
+        self.kernel_timer: Any = None
+        """The kernel model's tallies (`prism_plugin.device.kernel_timer.KernelTimer`), with virtual time."""
         self.kernel_summary: Callable[[], Any] | None = None
         """The kernel model's report (`prism_plugin.device.kernel_timer.KernelTimer.summary`), if any."""
         self.fusion = fusion.FusionRegions(self._region_ended)
         self.fake_host_depth = 0
+        self.silent = False
+        """Inside `fast_forward.FastForward.silent`: ops keep their memory but take no time and no answer."""
         """> 0 inside `fake_host`: host tensors made without data are fake (no host memory), not real."""
         self.host_time: KernelTime | None = None
         """The modelled host seconds of an op on host tensors only (None: host ops take no modelled time): set
@@ -388,12 +407,14 @@ class VirtualGpu:
         self.tracker.start()
         self._int_devices.__enter__()
         self._started = True
+        _GPUS.enter(self)
         return self
 
     def stop(self) -> None:
         if not self._started:
             return
         self._started = False
+        _GPUS.leave(self)
         if self.snapshot_path is not None:  # PRISM_MEMORY_SNAPSHOT: the allocator's state and history, for memory_viz
             snapshot.write_snapshot(self.allocators, self.snapshot_path)
         self._int_devices.__exit__(None, None, None)

@@ -162,8 +162,21 @@ class KernelTimer:
         tally.flops += cost.flops
         tally.bytes += cost.bytes
 
+    def totals(self) -> dict[tuple[str, str, str], float]:
+        """Each op's tallies as running totals, keyed (op, class, figure): what repeated work adds to."""
+        return {(t.op, k.value, f): getattr(t, f) for (_, k), t in self._tallies.items()
+                for f in ("count", "total_s", "flops", "bytes")}
+
+    def advance(self, deltas: dict[tuple[str, str, str], float], times: int) -> None:
+        """Repeated work fast-forwarded (`prism_plugin.device.fast_forward`): each tally grows by `times` x its
+        delta (every op in `deltas` ran in the proven work, so it has a tally)."""
+        by_key = {(t.op, k.value): t for (_, k), t in self._tallies.items()}
+        for (op, kind, figure), delta in deltas.items():
+            tally = by_key[(op, kind)]
+            setattr(tally, figure, getattr(tally, figure) + times * delta)
+
     def summary(self, top: int = 15) -> KernelSummary:
-        tallies = sorted(self._tallies.values(), key=lambda t: (-t.total_s, t.op))
+        tallies = sorted(self._tallies.values(), key=lambda t: (-round(t.total_s, 12), t.op))
         by_class: dict[str, float] = {}
         for t in tallies:
             by_class[t.kernel_class.value] = by_class.get(t.kernel_class.value, 0.0) + t.total_s

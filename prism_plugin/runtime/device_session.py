@@ -75,6 +75,7 @@ def start_virtual_time(vgpu: VirtualGpu, profile: HardwareProfile, options: Virt
         print(f"prism: kernel table {options.kernel_table} was measured on {table_device!r}, not on this run's "
               f"{vgpu.gpu.name!r}: its kernels take that device's times", file=sys.stderr, flush=True)
     timer = KernelTimer(model)
+    vgpu.kernel_timer = timer
     clock = vgpu.start_time(timer.duration_s, profile.kernels.launch_overhead_s, program_time=options.program_time,
                             region_time=timer.region_duration_s)
     attach_step_figures(vgpu, timer, clock)  # per-step class times, efficiencies, job key (and fit) for the summary

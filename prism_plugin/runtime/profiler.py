@@ -192,6 +192,10 @@ class ProfilerRanges:
         self._open = threading.local()
         self._undo: Callable[[], None] | None = None
 
+    def idle(self) -> bool:
+        """Whether it records nothing now (no torch.profiler runs): repeated work may be fast-forwarded."""
+        return not torch._C._autograd._profiler_enabled()
+
     # -- the op seam -------------------------------------------------------------------------------
     def on_op(self, event: OpEvent) -> None:
         if not torch._C._autograd._profiler_enabled():

@@ -175,6 +175,8 @@ class Session:
         self.observers: tuple[OpObserver, ...] = parts.observers(self.counters)
         """The op observers, in the order of `prism_plugin.comm.context` (which says why)."""
         self.groups_created = 0
+        self.virtual_groups: list[VirtualGroup] = []
+        """This rank's groups, in creation order (their sequence numbers: `prism_plugin.device.fast_forward`)."""
         self._placements: dict[int, GroupPlacement] = {}
         self._costs: dict[tuple[int, OpKind, int, int | None], float] = {}
         self._patches = Patches()
@@ -214,6 +216,7 @@ class Session:
         if group_desc is not None:
             pg.setGroupDesc(group_desc)
         self.groups_created += 1
+        self.virtual_groups.append(vg)
         return pg
 
     def make_inner_group(self, prefix: str, rank: int, size: int, device_type: str,

@@ -138,6 +138,11 @@ class ExampleRun:
         return list(self.summary.get("virtual_gpu", {}).get("virtual_time", {}).get("step_times_s") or [])
 
     @property
+    def fast_forward(self) -> dict[str, Any]:
+        """The summary's fast-forward figures (micro-batches skipped, periods advanced); empty when off."""
+        return dict(self.summary.get("megatron", {}).get("fast_forward") or {})
+
+    @property
     def peak_allocated_bytes(self) -> int | None:
         devices = self.summary.get("virtual_gpu", {}).get("devices") or [{}]
         return devices[0].get("peak_allocated_bytes")
@@ -148,7 +153,7 @@ def command(example: Example, folder: Path, iterations: int) -> list[str]:
     return [sys.executable, "-m", "prism_plugin.megatron", "prism_plugin/programs/pretrain_gpt.py", *args,
             *example.added, "--prism-world-size", str(example.world_size), "--prism-real-ranks", str(example.rank),
             "--prism-device", "virtual-gpu", "--prism-iterations", str(iterations), "--prism-output",
-            str(folder / "out"), *example.prism]
+            str(folder / "out"), "--prism-timeline", "off", *example.prism]  # a timeline turns fast-forward off
 
 
 def run(example: Example, folder: Path, *, iterations: int = 1, timeout_s: float = 1200.0) -> ExampleRun:

@@ -124,6 +124,8 @@ class MegatronAdapter:
         """Settings the launch left to a policy default (``setting``, ``value``, ``reason``), for the summary."""
         self.checkpoints: Any = None
         """Virtual GPUs: the checkpoint seams' records (`checkpoint.CheckpointSeams`)."""
+        self.fast_forward: Any = None
+        """Virtual GPUs: the 1F1B schedule's fast-forward (`fast_forward.ScheduleFastForward`), when on."""
 
     # -- install / uninstall -------------------------------------------------------------------------
     def install(self) -> MegatronAdapter:
@@ -222,15 +224,36 @@ class MegatronAdapter:
 
         import prism_plugin
 
+        self.fast_forward = self._start_fast_forward()
         for name in _SCHEDULES:
             original = getattr(schedules, name)
+            inner = original
+            if self.fast_forward is not None and name == "forward_backward_pipelining_without_interleaving":
+                inner = self.fast_forward.wrap(original)
 
-            def marked(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            def marked(*args: Any, _original: Any = inner, **kwargs: Any) -> Any:
                 prism_plugin.mark_iteration()
                 return _original(*args, **kwargs)
 
             functools.update_wrapper(marked, original)
             rebind_everywhere(original, marked, self._patches)
+
+    def _start_fast_forward(self) -> Any:
+        """Virtual GPUs with virtual time and ``--prism-fast-forward`` on (the default): the 1F1B schedule's seams
+        (`fast_forward`); None otherwise."""
+        if not self.virtual_gpu:
+            return None
+        from prism_plugin.config.virtual_time import VirtualTimeOptions
+        from prism_plugin.device.device import current_gpu
+
+        gpu = current_gpu()
+        if gpu is None or gpu.clock is None or not VirtualTimeOptions.from_env().fast_forward:
+            return None
+        from prism_plugin.adapters.megatron.fast_forward import ScheduleFastForward
+
+        driver = ScheduleFastForward(gpu, self.session)
+        driver.install(self._patches)
+        return driver
 
     def _hook_parse_args(self) -> None:
         """megatron.training's ``parse_args`` (wherever bound): its namespace gets the CPU-mode switch-offs."""
@@ -279,6 +302,7 @@ class MegatronAdapter:
             **({"moe_routing": self.moe_routing.summary()} if self.moe_routing is not None else {}),
             **({"host_calls_skipped": self.host_calls.summary()} if self.host_calls is not None else {}),
             **({"checkpoints": self.checkpoints.summary()} if self.checkpoints is not None else {}),
+            **({"fast_forward": self.fast_forward.summary()} if self.fast_forward is not None else {}),
             "policy_defaults": [*self.policy_defaults, *self._storage_defaults()],
             **_job_figures(),
         }

@@ -1,0 +1,85 @@
+"""Fast-forward of Megatron's 1F1B steady state through the drop-in (issue 22, part 1; DESIGN.md section 14).
+
+The same job runs twice on a virtual H100, with ``--prism-fast-forward on`` (the default) and ``off``: a 4-layer
+GPT, pipeline-parallel 4, 32 micro-batches per iteration, 2 iterations. Fast-forward must skip part of the steady
+state (the summary counts it) and give the full run's figures: every number of the rank's summary but wall times
+(memory to the byte, emulated times to 1e-9 s, kernel and communication counts, value-policy answers), and
+Megatron's own memory log lines.
+
+- rank 0 (the first stage, 3 warm-up micro-batches: a period of 3 iterations), local spec;
+- heavy: rank 2 of 8 (TP2 with sequence parallelism, the second stage), TransformerEngine with FP8 (hybrid,
+  delayed scaling).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "prism_plugin" / "programs" / "pretrain_gpt.py"
+ARGS = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "1024", "--num-attention-heads", "4",
+        "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
+        "--global-batch-size", "32", "--train-iters", "2", "--lr", "1e-4", "--mock-data", "--tokenizer-type",
+        "NullTokenizer", "--vocab-size", "1024", "--bf16", "--use-distributed-optimizer", "--log-interval", "1",
+        "--eval-iters", "0", "--eval-interval", "1000", "--disable-gloo-process-groups",
+        "--pipeline-model-parallel-size", "4"]
+WALL = {"fast_forward", "wall_s", "write_s", "late_median_us", "late_p90_us", "late_max_us"}
+
+
+def _run(tmp_path: Path, fast_forward: str, world: int, rank: int, extra: list[str]) -> tuple[dict[str, Any], str]:
+    proc = subprocess.run([sys.executable, "-m", "prism_plugin.megatron", str(SCRIPT), *ARGS, *extra,
+                           "--prism-world-size", str(world), "--prism-real-ranks", str(rank), "--prism-profile",
+                           "dgx-h100", "--prism-device", "virtual-gpu", "--prism-fast-forward", fast_forward],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PRISM_SUMMARY ")]
+    assert lines, proc.stdout[-3000:]
+    return json.loads(lines[-1].split(" ", 1)[1]), proc.stdout
+
+
+def _assert_same(a: Any, b: Any, path: str = "") -> None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() - WALL == b.keys() - WALL, path
+        for k in a.keys() - WALL:
+            _assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-9), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+def _memory_lines(log: str) -> list[str]:
+    return re.findall(r"\[Rank \d+\] \(after \d+ iterations\) memory \(MB\).*", log)
+
+
+@pytest.mark.parametrize(("world", "rank", "extra"), [
+    pytest.param(4, 0, ["--transformer-impl", "local"], id="first-stage-local"),
+    pytest.param(8, 2, ["--transformer-impl", "transformer_engine", "--tensor-model-parallel-size", "2",
+                        "--sequence-parallel", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+                 id="middle-stage-te-fp8", marks=pytest.mark.heavy),
+])
+def test_fast_forward_gives_the_full_runs_figures(tmp_path: Path, world: int, rank: int, extra: list[str]) -> None:
+    fast, fast_log = _run(tmp_path, "on", world, rank, extra)
+    full, full_log = _run(tmp_path, "off", world, rank, extra)
+    ff = fast["megatron"]["fast_forward"]
+    assert ff["schedule_calls"] == {"fast-forwarded": 2}, ff
+    assert ff["microbatches"] == 64 and ff["microbatches_skipped"] >= 16, ff
+    assert "fast_forward" not in full["megatron"]
+    _assert_same(fast, full)
+    assert _memory_lines(fast_log) == _memory_lines(full_log) and len(_memory_lines(full_log)) == 2

@@ -1,0 +1,399 @@
+"""Exact fast-forward of repeated work on a virtual GPU (DESIGN.md section 14).
+
+A training step repeats itself: in a pipeline schedule's steady state every period of micro-batches runs the
+same ops on the same shapes. `FastForward` proves that a period repeats, then advances this process's virtual
+GPU by whole periods without dispatching them again. A framework adapter marks the period boundaries (`mark`),
+asks whether the last periods are proven (`proven`), advances (`advance`) and skips the program's calls for
+those periods inside `silent`, keeping the program's objects as they were at the boundary.
+
+**Recording.** From the first mark on, every kernel and communication op (stream, name, start relative to the
+host at its period's start, duration) and every allocator request is recorded: a malloc by (device, size,
+stream), a free by its *distance*, how many mallocs ago the freed block was allocated.
+
+**The proof.** Marks ``b0, b1, b2`` and the two periods between them. The period is proven when both recorded
+the same events (times within `TOLERANCE_S`; every free's distance known, so nothing freed in them is older than
+the recording), the streams stand at the same places relative to the host at the marks, no backward pass runs and
+no fusion region is open there, the live storages and fake host bytes are the same, and the running totals
+(kernels, seconds, launches, kernel tallies, value-policy answers, communication counts and bytes, group
+sequence numbers, and the adapter's own: data consumed) grew by the same amounts in both. The allocator's block
+layout need not repeat (its small pool rarely does): the allocator is replayed, not extrapolated.
+
+**The advance** by ``n`` periods:
+
+- the allocator models run the second period's requests ``n`` more times (`_AllocatorLog.replay`: malloc by size
+  and stream, free by distance), so blocks, fragmentation, segments, every statistic and peak are what the full
+  execution gives, OOMs included; each live storage made in the recording then holds its counterpart of the last
+  replayed period (the same malloc ``n`` periods later), as the program's objects stand for the skipped work's last;
+- the host and every stream the period moved jump by ``n`` times the period's emulated duration; every other
+  running total grows by ``n`` times its period delta.
+
+While the adapter skips the program's calls the device is silent (`silent`): an op the schedule itself makes
+between the skipped calls takes no time and no answer; anything that allocates or changes a figure makes it raise
+`FastForwardBroken`: the fast-forward would no longer be exact.
+
+**Not fast-forwarded** (it runs for real; `unavailable` says why): without virtual time; with a timeline, memory
+history, a kernel table or a traced, recorded, replayed, profiled or fault-injected communication layer; with
+several real ranks (their clocks couple at each exchange); with the allocator's garbage collection (block ages).
+
+Limitations: a CUDA event recorded in one period and waited on in a later one would not be shifted by the advance
+(Megatron's non-interleaved schedule has none); float sums of the advanced clock differ from the executed ones by
+rounding, far below a nanosecond.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TOLERANCE_S", "FastForward", "FastForwardBroken"]
+
+TOLERANCE_S = 1e-10
+"""How far two recorded times (relative to their period's start) may differ and still be the same: rounding of
+the executed sums, five orders of magnitude below the nanosecond the summary reports."""
+
+_CLOCK_TOTALS = ("kernels", "kernel_s", "launches", "comm_ops", "host_syncs", "exchanges", "peer_wait_s",
+                 "host_work_s")
+_LAYOUT_PARTS = ("the fake host bytes", "the live storages", "the cuBLAS workspaces", "the running backward passes",
+                 "the futures waited on in backward", "the open fusion regions", "the iteration marks",
+                 "the groups used")
+
+
+class FastForwardBroken(RuntimeError):
+    """Work the adapter skipped changed the device: the fast-forward would not be exact."""
+
+
+@dataclass
+class _Capture:
+    """The virtual GPU at one mark."""
+
+    host_s: float
+    ends: dict[Any, float]
+    positions: dict[Any, float]
+    """Each stream's place relative to the host (``max(end - host, 0)``)."""
+    layout: tuple[Any, ...]
+    totals: dict[Any, float]
+    mallocs: int
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, with floats within `TOLERANCE_S` (tuples and lists element by element)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, int | float) and isinstance(b, int | float) and abs(a - b) <= TOLERANCE_S
+    if isinstance(a, tuple | list):
+        return isinstance(b, tuple | list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _same_map(a: dict[Any, Any], b: dict[Any, Any]) -> bool:
+    return all(_same(a.get(k, 0), b.get(k, 0)) for k in set(a) | set(b))
+
+
+def _delta(a: dict[Any, float], b: dict[Any, float]) -> dict[Any, float]:
+    return {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b)}
+
+
+class _AllocatorLog:
+    """The allocator requests of the recording (malloc by size and stream, free by distance) and their replay."""
+
+    def __init__(self, allocators: list[Any]) -> None:
+        self.allocators = allocators
+        self.mallocs = 0
+        """Mallocs since the recording began (the next one's number)."""
+        self.born: dict[int, int] = {}
+        """id(block) -> its malloc's number, for the blocks allocated in the recording and alive."""
+        self.blocks: dict[int, Any] = {}
+        """Malloc number -> its block, while alive."""
+        self.events: list[tuple[Any, ...]] | None = None
+
+    def tap(self) -> None:
+        for model in self.allocators:
+            if "malloc" not in vars(model):
+                self._tap(model)
+
+    def untap(self) -> None:
+        for model in self.allocators:
+            vars(model).pop("malloc", None)
+            vars(model).pop("free", None)
+        self.events = None
+
+    def _tap(self, model: Any) -> None:
+        malloc, free, device = model.malloc, model.free, model.device
+
+        def tapped_malloc(size: int, stream: int = 0) -> Any:
+            block = malloc(size, stream)
+            self._born(block)
+            if self.events is not None:
+                self.events.append(("m", device, size, stream))
+            return block
+
+        def tapped_free(block: Any) -> None:
+            made = self.born.pop(id(block), None)
+            if made is not None:
+                del self.blocks[made]
+            if self.events is not None:
+                self.events.append(("f", device, None if made is None else self.mallocs - made))
+            free(block)
+
+        model.malloc, model.free = tapped_malloc, tapped_free
+
+    def _born(self, block: Any) -> None:
+        self.born[id(block)] = self.mallocs
+        self.blocks[self.mallocs] = block
+        self.mallocs += 1
+
+    def replay(self, period: list[tuple[Any, ...]], times: int) -> int:
+        """Run the allocator requests of `period` (events as recorded) `times` more times on the models
+        themselves (untapped); returns the mallocs one period makes."""
+        by_device = {m.device: m for m in self.allocators}
+        per_period = sum(1 for e in period if e[0] == "m")
+        for _ in range(times):
+            for event in period:
+                if event[0] == "m":
+                    _, device, size, stream = event
+                    self._born(type(by_device[device]).malloc(by_device[device], size, stream))
+                elif event[0] == "f":
+                    _, device, distance = event
+                    made = self.mallocs - distance
+                    block = self.blocks.pop(made)
+                    del self.born[id(block)]
+                    type(by_device[device]).free(by_device[device], block)
+        return per_period
+
+    def counterpart(self, block: Any, made: int | None, shift: int, *, since: int) -> Any:
+        """What `block` (of malloc `made`, None: before the recording) stands for after a replay of `shift`
+        mallocs: the block of malloc ``made + shift`` when `made` is `since` or later (in the proven periods), else
+        `block` itself (older: it lives on, and must still be allocated)."""
+        if made is None or made < since:
+            if not block.allocated:
+                raise FastForwardBroken("prism fast-forward: a block older than the proven periods was freed by "
+                                        "their replay; the fast-forward would not be exact")
+            return block
+        other = self.blocks.get(made + shift)
+        if other is None:
+            raise FastForwardBroken(f"prism fast-forward: the block of malloc {made} has no live counterpart "
+                                    f"{shift} mallocs later; the fast-forward would not be exact")
+        return other
+
+
+class FastForward:
+    """Proves and advances repeated work on virtual GPU `gpu` (`prism_plugin.device.device.VirtualGpu`), whose
+    communication goes through `session` (`prism_plugin.runtime.session.Session`, None: no communication)."""
+
+    def __init__(self, gpu: Any, session: Any = None) -> None:
+        self.gpu = gpu
+        self.session = session
+        self._log = _AllocatorLog(gpu.allocators)
+        self._captures: list[_Capture] = []
+        self._periods: list[list[tuple[Any, ...]]] = []
+        self._events: list[tuple[Any, ...]] | None = None
+        self._extra_totals: dict[str, float] = {}
+        self.advanced_periods = 0
+        self.advanced_s = 0.0
+        self.not_proven: Counter[str] = Counter()
+        """Why marks did not prove a period, by reason (the first failed condition of the proof)."""
+
+    # -- when it applies ----------------------------------------------------------------------------------------
+    def unavailable(self) -> str | None:
+        """Why this virtual GPU's work cannot be fast-forwarded (None: it can)."""
+        gpu, clock = self.gpu, self.gpu.clock
+        if clock is None:
+            return "no virtual time"
+        if clock.record is not None and self._events is None:
+            return "a timeline records every kernel"
+        for model in gpu.allocators:
+            if model.history is not None:
+                return "the allocator's memory history is recorded"
+            if model.config.garbage_collection_threshold > 0:
+                return "the allocator's garbage collection (block ages)"
+        timer = gpu.kernel_timer
+        if timer is None:
+            return "no kernel tallies"
+        if type(timer.model).__name__ == "TableModel":
+            return "the kernel table model counts its lookups"
+        session = self.session
+        if session is not None:
+            if len(session.real_ranks) > 1:
+                return "several real ranks (their clocks couple at every exchange)"
+            others = [type(o).__name__ for o in session.observers if o is not session.counters and o is not clock
+                      and not (callable(getattr(o, "idle", None)) and o.idle())]
+            if others:
+                return f"the communication layer is observed ({', '.join(others)})"
+        return None
+
+    # -- marks and the proof --------------------------------------------------------------------------------------
+    def mark(self, **extra_totals: float) -> None:
+        """A boundary between two periods of the repeated work; `extra_totals`: the adapter's own running totals
+        (data consumed), proven and advanced with the device's."""
+        self._extra_totals = dict(extra_totals)
+        if self._events is not None:
+            self._periods = [*self._periods[-2:], self._events]
+        self._captures = [*self._captures[-3:], self._capture()]
+        events: list[tuple[Any, ...]] = []
+        self._events = self._log.events = events
+        base = self.gpu.clock.host_s
+
+        def record(row: str, name: str, start_s: float, end_s: float) -> None:
+            events.append(("k", row, name, start_s - base, end_s - start_s))
+
+        self.gpu.clock.record = record
+        self._log.tap()
+
+    def proven(self) -> bool:
+        """Whether the last two periods prove the next repeats them (module docstring); counts why not."""
+        reason = self._unproven()
+        if reason is not None:
+            self.not_proven[reason] += 1
+        return reason is None
+
+    def _unproven(self) -> str | None:
+        periods = self._compared()
+        if isinstance(periods, str):
+            return periods
+        captures = self._captures[-periods - 1:]
+        for name, *parts in zip(_LAYOUT_PARTS, *(c.layout for c in captures), strict=False):
+            if any(part != parts[0] for part in parts):
+                return f"{name} differ at the period boundaries"
+        if not all(_same_map(a.positions, b.positions) for a, b in zip(captures, captures[1:], strict=False)):
+            return "the streams stand elsewhere relative to the host"
+        recorded = self._periods[-periods:]
+        if not all(_same(a, b) for a, b in zip(recorded, recorded[1:], strict=False)):
+            return "the periods ran different kernels, ops or allocations"
+        deltas = [_delta(a.totals, b.totals) for a, b in zip(captures, captures[1:], strict=False)]
+        if not all(_same_map(a, b) for a, b in zip(deltas, deltas[1:], strict=False)):
+            return "the running totals grew differently"
+        return None
+
+    def _compared(self) -> int | str:
+        """How many of the last periods the proof compares: two, or three when the last period frees a block
+        allocated before the one before it (a lifetime longer than a period, e.g. Megatron's popped output
+        tensor, let go one iteration after its micro-batch's backward); or why none can be."""
+        if len(self._periods) < 2:
+            return "fewer than two periods recorded"
+        last, mallocs = self._periods[-1], self._captures[-2].mallocs
+        earliest = mallocs
+        for event in last:
+            if event[0] == "m":
+                mallocs += 1
+            elif event[0] == "f":
+                if event[2] is None:
+                    return "a block allocated before the recording was freed"
+                earliest = min(earliest, mallocs - event[2])
+        for periods in (2, 3):
+            if len(self._periods) >= periods and earliest >= self._captures[-periods - 1].mallocs:
+                return periods
+        return "a block older than the recorded periods was freed"
+
+    # -- the advance ------------------------------------------------------------------------------------------------
+    def advance(self, periods: int) -> dict[str, float]:
+        """Advance this virtual GPU by `periods` repeats of the proven period (call right after a `proven` mark);
+        returns the adapter's extra totals to advance (each grown by `periods` x its delta). Ends the recording."""
+        assert periods > 0 and self._unproven() is None
+        compared = self._compared()
+        assert isinstance(compared, int)
+        first, c1, c2 = self._captures[-compared - 1], self._captures[-2], self._captures[-1]
+        period = self._periods[-1]
+        gpu, clock, log = self.gpu, self.gpu.clock, self._log
+        clock.record, log.events, self._events = None, None, None
+        tracker = gpu.tracker
+        made = {key: log.born.get(id(block)) for key, block in tracker._blocks.items()}  # blocks are reused
+        shift = periods * log.replay(period, periods)
+        for key, block in list(tracker._blocks.items()):
+            tracker._blocks[key] = log.counterpart(block, made[key], shift, since=first.mallocs)
+        log.untap()
+        deltas = _delta(c1.totals, c2.totals)
+        period_s = c2.host_s - c1.host_s
+        moved = [k for k, t in clock.ends.items() if c1.ends.get(k) != t]
+        clock.host_s += periods * period_s
+        for key in moved:
+            clock.ends[key] += periods * period_s
+        by_part: dict[str, dict[Any, float]] = {}
+        for (part, key), delta in deltas.items():
+            if delta:
+                by_part.setdefault(part, {})[key] = delta
+        for name, delta in by_part.get("clock", {}).items():
+            setattr(clock, name, getattr(clock, name) + periods * delta)
+        gpu.kernel_timer.advance(by_part.get("kernels", {}), periods)
+        values = gpu.values
+        for key, delta in by_part.get("values", {}).items():
+            if key == "constants_read":
+                values.constants_read += periods * int(delta)
+            else:
+                values.answers[key] += periods * int(delta)
+        session = self.session
+        if session is not None:
+            counters = session.counters
+            for (kind, figure), delta in by_part.get("comm", {}).items():
+                if figure == "modelled_s":
+                    counters.modelled_comm_s += periods * delta
+                else:
+                    getattr(counters, figure)[kind] += periods * int(delta)
+            for index, delta in by_part.get("seq", {}).items():
+                session.virtual_groups[index].seq += periods * int(delta)
+        self.advanced_periods += periods
+        self.advanced_s += periods * period_s
+        self._reset()
+        return {key: periods * delta for key, delta in by_part.get("extra", {}).items()}
+
+    @contextmanager
+    def silent(self) -> Iterator[None]:
+        """The adapter skips the program's calls: ops made meanwhile take no time and no answer; anything that
+        changes the device's figures raises `FastForwardBroken` at the end."""
+        before = self._capture(allocators=True)
+        self.gpu.silent = True
+        try:
+            yield
+        finally:
+            self.gpu.silent = False
+        after = self._capture(allocators=True)
+        if before.layout != after.layout or not _same_map(before.totals, after.totals) \
+                or before.host_s != after.host_s or before.ends != after.ends:
+            raise FastForwardBroken(
+                "prism fast-forward: the program changed the virtual GPU between the calls it skipped (it allocated, "
+                "launched or read a value there), so the fast-forward would not be exact; run with "
+                "--prism-fast-forward off and report the job")
+
+    def stop(self) -> None:
+        """The repeated work ended (the schedule returned): drop the marks and the recording."""
+        self.gpu.clock.record = None
+        self._log.untap()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._events = None
+        self._captures, self._periods = [], []
+        self._log = _AllocatorLog(self.gpu.allocators)
+
+    def summary(self) -> dict[str, Any]:
+        return {"periods_advanced": self.advanced_periods, "emulated_s_advanced": round(self.advanced_s, 9),
+                "not_proven": dict(self.not_proven)}
+
+    # -- captures -----------------------------------------------------------------------------------------------------
+    def _capture(self, *, allocators: bool = False) -> _Capture:
+        gpu, clock = self.gpu, self.gpu.clock
+        host = clock.host_s
+        positions = {k: max(t - host, 0.0) for k, t in clock.ends.items()}
+        tracker = gpu.tracker
+        layout: tuple[Any, ...] = (tracker.host_bytes, tracker.live_count(), len(tracker.workspaces),
+                                   clock.backward_depth, clock._future_wait_s > 0.0, gpu.fusion.folds(),
+                                   len(clock.marks))
+        totals: dict[Any, float] = {("clock", n): getattr(clock, n) for n in _CLOCK_TOTALS}
+        if allocators:
+            layout = (*layout, tuple(m.layout() for m in gpu.allocators))
+            for model in gpu.allocators:
+                totals.update({("allocator", (model.device, k)): v for k, v in model.totals().items()})
+        totals.update({("kernels", k): v for k, v in gpu.kernel_timer.totals().items()})
+        totals.update({("values", k): v for k, v in gpu.values.answers.items()})
+        totals[("values", "constants_read")] = gpu.values.constants_read
+        session = self.session
+        if session is not None:
+            counters = session.counters
+            totals.update({("comm", (k, "op_counts")): v for k, v in counters.op_counts.items()})
+            totals.update({("comm", (k, "op_bytes")): v for k, v in counters.op_bytes.items()})
+            totals[("comm", (None, "modelled_s"))] = counters.modelled_comm_s
+            totals.update({("seq", i): vg.seq for i, vg in enumerate(session.virtual_groups)})
+            layout = (*layout, tuple((name, use[1], frozenset(use[2])) for name, use in counters.comm_use.items()))
+        totals.update({("extra", k): v for k, v in self._extra_totals.items()})
+        return _Capture(host, dict(clock.ends), positions, layout, totals, self._log.mallocs)

@@ -1,0 +1,140 @@
+"""Exact fast-forward (`prism_plugin.device.fast_forward`) on a virtual H100, driven as a schedule adapter drives it.
+
+The child program is a 1F1B-like steady state without Megatron: ``W`` micro-batches of an MLP in flight in a
+first-in first-out list, each steady iteration one forward (appended) and one backward (of the oldest), a
+period of ``W`` iterations. With fast-forward on, it marks every period, and once one is proven advances the
+device by whole periods and skips them by turning its list ``W`` times per period (inside ``silent``); with it
+off, it runs every iteration. Both print every figure the virtual GPU keeps: the full
+``torch.cuda.memory_stats()``, the memory summary, the clock's summary and the kernel tallies. They must be
+equal: integers exactly, times to 1e-12 s (the advance multiplies where the run adds).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.emulated.children import EPILOGUE, program, run_child
+
+PRELUDE = """
+import json, sys
+from collections import deque
+from prism_plugin.device import cuda_runtime
+cuda_runtime.preload()
+import torch
+from prism_plugin.config.virtual_time import VirtualTimeOptions
+from prism_plugin.cost.gpu import gpu_spec
+from prism_plugin.cost.profiles import load_profile
+from prism_plugin.device.device import VirtualGpu
+from prism_plugin.device.fast_forward import FastForward, FastForwardBroken
+from prism_plugin.runtime.device_session import start_virtual_time
+out = {}
+code = 0
+try:
+    vg = VirtualGpu(gpu_spec("h100-sxm")).start()
+    start_virtual_time(vg, load_profile("dgx-h100"), VirtualTimeOptions())
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)).to("cuda")
+    ff = FastForward(vg)
+    def forward():
+        x = torch.randn(16, 512, device="cuda")
+        small = torch.ones(3, device="cuda")  # small-pool churn: its block placement does not repeat
+        return (model(x) * small.sum()).float().pow(2).mean()
+"""
+
+STEADY = """
+    W, M, FF = {w}, {m}, {ff}
+    fifo = deque(forward() for _ in range(W))
+    steady, i, skipped, proofs = M - W, 0, 0, []
+    while i < steady:
+        if FF and i % W == 1 % W:
+            ff.mark()
+            if ff.proven():
+                n = (steady - 2 - i) // W
+                if n >= 1:
+                    ff.advance(n)
+                    with ff.silent():
+                        fifo.rotate(-n * W)
+                    i += n * W
+                    skipped += n * W
+                    continue
+        fifo.append(forward())
+        fifo.popleft().backward()
+        i += 1
+    while fifo:
+        fifo.popleft().backward()
+    torch.cuda.synchronize()
+    ff.stop()
+    out["skipped"] = skipped
+    out["not_proven"] = dict(ff.not_proven)
+    out["stats"] = torch.cuda.memory_stats()
+    summary = vg.summary()
+    out["device"] = summary["devices"][0]
+    out["clock"] = summary["virtual_time"]
+    out["tallies"] = [[t.op, t.count, t.total_s, t.flops, t.bytes] for t in sorted(
+        vg.kernel_timer._tallies.values(), key=lambda t: t.op)]
+"""
+
+
+def _run(w: int, m: int, ff: bool) -> dict:
+    return run_child(program(PRELUDE, STEADY.format(w=w, m=m, ff=ff), EPILOGUE))
+
+
+def _assert_same(a: object, b: object, path: str = "") -> None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert math.isclose(a, b, rel_tol=0, abs_tol=1e-12), (path, a, b)  # type: ignore[arg-type]
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize(("w", "m"), [(3, 40), (1, 20)])
+def test_fast_forward_gives_every_figure_of_the_full_run(library: None, w: int, m: int) -> None:
+    full, fast = _run(w, m, ff=False), _run(w, m, ff=True)
+    assert full["skipped"] == 0
+    assert fast["skipped"] >= (m - w) // 2, fast  # most of the steady state was advanced, not run
+    for key in ("stats", "device", "clock", "tallies"):
+        _assert_same(fast[key], full[key], key)
+    assert fast["clock"]["kernels"] == full["clock"]["kernels"] > 0
+
+
+def test_work_that_grows_is_never_proven(library: None) -> None:
+    out = run_child(program(PRELUDE, """
+        kept = []
+        for i in range(12):
+            ff.mark()
+            kept.append(forward().detach())  # one more live tensor each period: the live storages grow
+            out.setdefault("proven", []).append(ff.proven())
+        ff.stop()
+        out["not_proven"] = dict(ff.not_proven)
+    """, EPILOGUE))
+    assert not any(out["proven"])
+    assert out["not_proven"].get("the live storages differ at the period boundaries", 0) >= 8
+
+
+def test_skipped_calls_that_touch_the_device_raise(library: None) -> None:
+    out = run_child(program(PRELUDE, """
+        fifo = deque(forward() for _ in range(2))
+        for i in range(8):
+            ff.mark()
+            if ff.proven():
+                ff.advance(1)
+                try:
+                    with ff.silent():
+                        forward()  # the adapter skipped the calls, yet the program ran one: not exact any more
+                except FastForwardBroken as exc:
+                    out["raised"] = str(exc)
+                break
+            fifo.append(forward())
+            fifo.popleft().backward()
+        out["silent_after"] = vg.silent
+    """, EPILOGUE))
+    assert "--prism-fast-forward off" in out["raised"]
+    assert out["silent_after"] is False
