@@ -8,7 +8,8 @@ Megatron's own memory log lines.
 
 - rank 0 (the first stage, 3 warm-up micro-batches: a period of 3 iterations), local spec;
 - heavy: rank 2 of 8 (TP2 with sequence parallelism, the second stage), TransformerEngine with FP8 (hybrid,
-  delayed scaling).
+  delayed scaling); rank 0 of 8 with TE and 4 experts over EP2 (all-to-all dispatcher, grouped GEMM), 32
+  micro-batches per call (the MoE routing policy's answer counts are advanced with the device's).
 """
 
 from __future__ import annotations
@@ -73,13 +74,16 @@ def _memory_lines(log: str) -> list[str]:
     pytest.param(8, 2, ["--transformer-impl", "transformer_engine", "--tensor-model-parallel-size", "2",
                         "--sequence-parallel", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
                  id="middle-stage-te-fp8", marks=pytest.mark.heavy),
+    pytest.param(8, 0, ["--transformer-impl", "transformer_engine", "--num-experts", "4", "--moe-token-dispatcher-type",
+                        "alltoall", "--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--disable-bias-linear",
+                        "--global-batch-size", "64"], id="first-stage-te-moe-ep2", marks=pytest.mark.heavy),
 ])
 def test_fast_forward_gives_the_full_runs_figures(tmp_path: Path, world: int, rank: int, extra: list[str]) -> None:
     fast, fast_log = _run(tmp_path, "on", world, rank, extra)
     full, full_log = _run(tmp_path, "off", world, rank, extra)
     ff = fast["megatron"]["fast_forward"]
     assert ff["schedule_calls"] == {"fast-forwarded": 2}, ff
-    assert ff["microbatches"] == 64 and ff["microbatches_skipped"] >= 16, ff
+    assert ff["microbatches"] == 64 and ff["microbatches_skipped"] >= 16, ff  # 2 calls of 32 micro-batches
     assert "fast_forward" not in full["megatron"]
     _assert_same(fast, full)
     assert _memory_lines(fast_log) == _memory_lines(full_log) and len(_memory_lines(full_log)) == 2

@@ -169,10 +169,6 @@ class CachingAllocatorModel:
         """The running totals of the statistics (`allocator_stats.AllocatorStats.totals`)."""
         return self._stats.totals()
 
-    def advance(self, deltas: dict[str, int], times: int) -> None:
-        """Repeated work fast-forwarded: the running totals grow by `times` x `deltas`; blocks and peaks stay."""
-        self._stats.advance(deltas, times)
-
     # -- the public calls -----------------------------------------------------------------------------
     def malloc(self, size: int, stream: int = 0) -> Block:
         """The block a request of `size` bytes (> 0) on `stream` gets (torch's ``DeviceCachingAllocator::malloc``)."""

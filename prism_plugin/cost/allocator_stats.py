@@ -71,8 +71,8 @@ class AllocatorStats:
         return dict(sorted(out.items()))
 
     def totals(self) -> dict[str, int]:
-        """The running totals (each statistic's ``allocated`` / ``freed``, and the counters): what grows with
-        repeated work, by `memory_stats` key."""
+        """The running totals (each statistic's ``allocated`` / ``freed``, and the counters), by `memory_stats`
+        key: what work that leaves the blocks as it found them still changes."""
         out = {f"{s}.{p}.{m}": getattr(st, m) for (s, p), st in self.by_pool.items() for m in ("allocated", "freed")}
         out.update(self.counters)
         return out
@@ -80,17 +80,6 @@ class AllocatorStats:
     def levels(self) -> tuple[int, ...]:
         """Every statistic's ``current`` value: equal before and after repeated work that holds nothing new."""
         return tuple(st.current for st in self.by_pool.values())
-
-    def advance(self, deltas: dict[str, int], times: int) -> None:
-        """Add `times` x `deltas` (keys of `totals`) to the running totals: repeated work fast-forwarded
-        (`prism_plugin.device.fast_forward`); currents and peaks stay (the work was proven to leave them)."""
-        for key, delta in deltas.items():
-            if key in self.counters:
-                self.counters[key] += times * delta
-                continue
-            name, pool, metric = key.split(".")
-            st = self.by_pool[(name, pool)]
-            setattr(st, metric, getattr(st, metric) + times * delta)
 
     def reset_peaks(self) -> None:
         """Every peak becomes its current value (``torch.cuda.reset_peak_memory_stats``)."""

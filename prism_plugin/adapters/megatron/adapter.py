@@ -251,7 +251,7 @@ class MegatronAdapter:
             return None
         from prism_plugin.adapters.megatron.fast_forward import ScheduleFastForward
 
-        driver = ScheduleFastForward(gpu, self.session)
+        driver = ScheduleFastForward(gpu, self.session, routing=self.moe_routing, host_calls=self.host_calls)
         driver.install(self._patches)
         return driver
 

@@ -65,10 +65,14 @@ class _Run:
         self.warmup: int | None = None
         """Forwards before the first steady exchange (None: still warming up)."""
         self.exchanges = 0
-        """Steady ``send_backward_recv_forward`` calls so far."""
+        """Steady ``send_backward_recv_forward`` calls so far: the index of the steady iteration under way."""
         self.fifo: deque[tuple[Any, Any]] = deque()
+        """The micro-batches in flight (input, output), as the schedule's own two lists hold them."""
         self.popped: tuple[Any, Any] = (None, None)
         self.grad_out: Any = None
+        """The popped micro-batch and the received gradient, kept only from a steady iteration's backward (its
+        exchange) to its boundary exchange, where the schedule's locals hold them too: any longer would change
+        when the program's objects die."""
         self.grad_in: Any = None
         self.tokens: Any = None
         self.skipping = 0
@@ -81,12 +85,22 @@ class _Run:
     def period(self) -> int:
         return max(self.warmup or 0, 1)
 
+    def at_mark(self) -> bool:
+        """Whether the steady iteration under way ends at a mark (its exchange with the previous stage)."""
+        index = self.exchanges
+        return (self.warmup is not None and not self.advanced and index % self.period == 1 % self.period
+                and index < self.num_microbatches - self.warmup - 1)
+
 
 class ScheduleFastForward:
     """The seams above, for virtual GPU `gpu` and its communication `session`."""
 
-    def __init__(self, gpu: Any, session: Any) -> None:
+    def __init__(self, gpu: Any, session: Any, *, routing: Any = None, host_calls: Any = None) -> None:
         self.engine = FastForward(gpu, session)
+        self.routing = routing
+        """The MoE routing policy (`moe.RoutingPolicy`): its answer counts are the adapter's running totals."""
+        self.host_calls = host_calls
+        """The skipped host-hardware calls (`host_calls.HostCalls`): counted per call, so running totals too."""
         self.run: _Run | None = None
         self.calls: Counter[str] = Counter()
         """Schedule calls by outcome (fast-forwarded, or why not)."""
@@ -97,7 +111,6 @@ class ScheduleFastForward:
         import megatron.core.pipeline_parallel.p2p_communication as p2p
         import megatron.core.pipeline_parallel.schedules as schedules
 
-        self._schedules = schedules
         forward, backward, deallocate = schedules.forward_step, schedules.backward_step, \
             schedules.deallocate_output_tensor
         patches.setattr(schedules, "forward_step", functools.wraps(forward)(
@@ -161,7 +174,7 @@ class ScheduleFastForward:
             return forward(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
                            forward_data_store, config, *rest, **kwargs)
         if run.skipping:
-            return run.fifo[0][1] if run.fifo else run.popped[1], run.tokens
+            return run.fifo[0][1] if run.fifo else run.held["output"], run.tokens
         output, tokens = forward(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
                                  forward_data_store, config, *rest, **kwargs)
         run.held.pop("output", None)  # the program let go of these here (the schedule's locals got new values)
@@ -177,11 +190,13 @@ class ScheduleFastForward:
         if run is None:
             return exchange(comm, output_tensor, *args, **kwargs)
         if run.skipping:
-            return run.grad_out
+            return run.held["grad_out"]
         if run.warmup is None:
             run.warmup = run.forwards - 1
-        run.grad_out = exchange(comm, output_tensor, *args, **kwargs)
-        return run.grad_out
+        received = exchange(comm, output_tensor, *args, **kwargs)
+        if run.at_mark():
+            run.grad_out = received
+        return received
 
     def _backward(self, backward: Any, input_tensor: Any, output_tensor: Any, output_tensor_grad: Any,
                   config: Any, *rest: Any, **kwargs: Any) -> Any:
@@ -193,9 +208,10 @@ class ScheduleFastForward:
                 run.fifo.rotate(-1)
             run.skipping -= 1
             return run.grad_in
-        if run.fifo and run.fifo[0][1] is output_tensor:
-            run.popped = run.fifo.popleft()
+        pair = run.fifo.popleft() if run.fifo and run.fifo[0][1] is output_tensor else (None, None)
         run.grad_in = backward(input_tensor, output_tensor, output_tensor_grad, config, *rest, **kwargs)
+        if run.at_mark():
+            run.popped = pair
         return run.grad_in
 
     def _send_backward_recv_forward(self, exchange: Any, comm: Any, input_tensor_grad: Any, *args: Any,
@@ -205,43 +221,74 @@ class ScheduleFastForward:
             return exchange(comm, input_tensor_grad, *args, **kwargs)
         if run.skipping:
             run.exchanges += 1
-            return run.fifo[0][0] if run.fifo else run.popped[0]
+            return run.fifo[0][0] if run.fifo else run.held["input"]
         if run.silence is not None:  # the first exchange after the skipped iterations: the device speaks again
             silence, run.silence = run.silence, None
             silence.__exit__(None, None, None)
+            run.held.pop("grad_out")  # the schedule's own local holds it now, as at the boundary
+        marked = run.at_mark()
+        popped, grad_out = run.popped, run.grad_out
+        run.popped, run.grad_out = (None, None), None
         index, run.exchanges = run.exchanges, run.exchanges + 1
-        if run.warmup is not None and not run.advanced and index % run.period == 1 % run.period:
-            skipped = self._boundary(run, index)
+        if marked:
+            skipped = self._boundary(run, index, popped, grad_out)
             if skipped is not None:
                 return skipped
+        del popped, grad_out
         received = exchange(comm, input_tensor_grad, *args, **kwargs)
         run.held.pop("input", None)
         return received
 
-    def _boundary(self, run: _Run, index: int) -> Any:
-        """A mark before steady exchange `index`; when proven, advance and start skipping (returns what the
-        skipped exchange returns), else None."""
+    def _boundary(self, run: _Run, index: int, popped: tuple[Any, Any], grad_out: Any) -> Any:
+        """A mark before steady exchange `index` (`popped`, `grad_out`: the schedule's locals there); when proven,
+        advance and start skipping (returns what the skipped exchange returns), else None."""
         engine = self.engine
-        engine.mark(data=run.data.taken if run.data is not None else 0)
+        engine.mark(**self._totals(run))
         if not engine.proven():
             return None
         steady = run.num_microbatches - (run.warmup or 0)
         periods = (steady - 2 - index) // run.period
         if periods < 1:
             return None
-        extra = engine.advance(periods)
-        if run.data is not None:
-            for _ in range(int(extra.get("data", 0))):
-                next(run.data)
+        self._advance(run, engine.advance(periods))
         run.advanced = True
         run.skipping = periods * run.period
         self.microbatches_skipped += run.skipping
         # held until the program would have let go of them: the popped micro-batch's input at the next exchange,
-        # its output and the forward's token count at the next forward
-        run.held = {"input": run.popped[0], "output": run.popped[1], "tokens": run.tokens}
+        # its output and the forward's token count at the next forward; the gradient until the schedule holds it
+        run.held = {"input": popped[0], "output": popped[1], "tokens": run.tokens, "grad_out": grad_out}
         run.silence = engine.silent()
         run.silence.__enter__()
-        return run.fifo[0][0] if run.fifo else run.popped[0]
+        return run.fifo[0][0] if run.fifo else run.held["input"]
+
+    def _totals(self, run: _Run) -> dict[str, float]:
+        """The adapter's running totals a micro-batch adds to: data taken, MoE routing answers, host calls."""
+        totals: dict[str, float] = {"data": run.data.taken if run.data is not None else 0}
+        routing = self.routing
+        if routing is not None:
+            totals["moe.tokens_sent"], totals["moe.tokens_received"] = routing.tokens_sent, routing.tokens_received
+            totals.update({f"moe.site.{site}": n for site, n in routing.calls.items()})
+            totals.update({f"moe.layer.{layer}": entry["calls"] for layer, entry in routing.by_layer.items()})
+        if self.host_calls is not None:
+            totals.update({f"host.{name}": n for name, n in self.host_calls.skipped.items()})
+        return totals
+
+    def _advance(self, run: _Run, grown: dict[str, float]) -> None:
+        """Apply the adapter's totals grown over the advanced periods (`_totals`' keys)."""
+        for key, amount in grown.items():
+            count = int(amount)
+            kind, _, name = key.partition(".")
+            if key == "data" and run.data is not None:
+                for _ in range(count):
+                    next(run.data)
+            elif key in ("moe.tokens_sent", "moe.tokens_received"):
+                setattr(self.routing, name, getattr(self.routing, name) + count)
+            elif key.startswith("moe.site."):
+                self.routing.calls[key.removeprefix("moe.site.")] += count
+            elif key.startswith("moe.layer."):
+                self.routing.by_layer[int(key.removeprefix("moe.layer."))]["calls"] += count
+            elif kind == "host":
+                self.host_calls.skipped[name] += count
 
     def summary(self) -> dict[str, Any]:
         return {"schedule_calls": dict(self.calls), "microbatches": self.microbatches,
