@@ -91,6 +91,17 @@ def _same_map(a: dict[Any, Any], b: dict[Any, Any]) -> bool:
     return all(_same(a.get(k, 0), b.get(k, 0)) for k in set(a) | set(b))
 
 
+def _from_malloc(period: list[tuple[Any, ...]], mallocs_before: int, first: int) -> list[tuple[Any, ...]]:
+    """The events of `period` (which began after `mallocs_before` mallocs) from the malloc numbered `first` on."""
+    made = mallocs_before
+    for i, event in enumerate(period):
+        if event[0] == "m":
+            if made == first:
+                return period[i:]
+            made += 1
+    return []
+
+
 def _delta(a: dict[Any, float], b: dict[Any, float]) -> dict[Any, float]:
     return {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b)}
 
@@ -249,9 +260,10 @@ class FastForward:
         return reason is None
 
     def _unproven(self) -> str | None:
-        periods = self._compared()
-        if isinstance(periods, str):
-            return periods
+        compared = self._compared()
+        if isinstance(compared, str):
+            return compared
+        periods = 2
         captures = self._captures[-periods - 1:]
         for name, *parts in zip(_LAYOUT_PARTS, *(c.layout for c in captures), strict=False):
             if any(part != parts[0] for part in parts):
@@ -267,9 +279,10 @@ class FastForward:
         return None
 
     def _compared(self) -> int | str:
-        """How many of the last periods the proof compares: two, or three when the last period frees a block
-        allocated before the one before it (a lifetime longer than a period, e.g. Megatron's popped output
-        tensor, let go one iteration after its micro-batch's backward); or why none can be."""
+        """The first malloc of the proof's window: the last two periods, and the tail of the one before them when
+        the last period frees a block allocated there (a lifetime a little longer than a period: Megatron's popped
+        output tensor, let go one iteration after its micro-batch's backward), which must repeat the same tail of
+        the period after it; or why no window proves anything."""
         if len(self._periods) < 2:
             return "fewer than two periods recorded"
         last, mallocs = self._periods[-1], self._captures[-2].mallocs
@@ -281,19 +294,25 @@ class FastForward:
                 if event[2] is None:
                     return "a block allocated before the recording was freed"
                 earliest = min(earliest, mallocs - event[2])
-        for periods in (2, 3):
-            if len(self._periods) >= periods and earliest >= self._captures[-periods - 1].mallocs:
-                return periods
-        return "a block older than the recorded periods was freed"
+        start = self._captures[-3].mallocs
+        if earliest >= start:
+            return start
+        if len(self._periods) < 3 or earliest < self._captures[-4].mallocs:
+            return "a block older than the recorded periods was freed"
+        period = self._captures[-2].mallocs - start
+        if not _same(_from_malloc(self._periods[-3], self._captures[-4].mallocs, earliest),
+                     _from_malloc(self._periods[-2], start, earliest + period)):
+            return "the periods ran different kernels, ops or allocations"
+        return earliest
 
     # -- the advance ------------------------------------------------------------------------------------------------
     def advance(self, periods: int) -> dict[str, float]:
         """Advance this virtual GPU by `periods` repeats of the proven period (call right after a `proven` mark);
         returns the adapter's extra totals to advance (each grown by `periods` x its delta). Ends the recording."""
         assert periods > 0 and self._unproven() is None
-        compared = self._compared()
-        assert isinstance(compared, int)
-        first, c1, c2 = self._captures[-compared - 1], self._captures[-2], self._captures[-1]
+        since = self._compared()
+        assert isinstance(since, int)
+        c1, c2 = self._captures[-2], self._captures[-1]
         period = self._periods[-1]
         gpu, clock, log = self.gpu, self.gpu.clock, self._log
         clock.record, log.events, self._events = None, None, None
@@ -301,7 +320,7 @@ class FastForward:
         made = {key: log.born.get(id(block)) for key, block in tracker._blocks.items()}  # blocks are reused
         shift = periods * log.replay(period, periods)
         for key, block in list(tracker._blocks.items()):
-            tracker._blocks[key] = log.counterpart(block, made[key], shift, since=first.mallocs)
+            tracker._blocks[key] = log.counterpart(block, made[key], shift, since=since)
         log.untap()
         deltas = _delta(c1.totals, c2.totals)
         period_s = c2.host_s - c1.host_s

@@ -142,6 +142,7 @@ class ScheduleFastForward:
             if counting is not None:
                 kwargs["data_iterator"] = counting
             run = self.run = _Run(kwargs["num_microbatches"], counting)
+            self.engine.mark(**self._totals(run))  # the recording starts with the warm-up: every block is numbered
             try:
                 return schedule(*args, **kwargs)
             finally:
