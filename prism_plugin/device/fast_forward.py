@@ -6,15 +6,17 @@ GPU by whole periods without dispatching them again. A framework adapter marks t
 asks whether the last periods are proven (`proven`), advances (`advance`) and skips the program's calls for
 those periods inside `silent`, keeping the program's objects as they were at the boundary.
 
-**Recording.** From the first mark on, every kernel and communication op (stream, name, start relative to the
-host at its period's start, duration) and every allocator request is recorded: a malloc by (device, size,
-stream), a free by its *distance*, how many mallocs ago the freed block was allocated.
+**Recording.** From the first mark on (an adapter marks the start of the repeated work, so every block it frees
+was numbered), every kernel and communication op (stream, name, start relative to the host at its period's start,
+duration) and every allocator request is recorded: a malloc by (device, size, stream), a free by its *distance*,
+how many mallocs ago the freed block was allocated.
 
-**The proof.** Marks ``b0, b1, b2`` and the two periods between them. The period is proven when both recorded
-the same events (times within `TOLERANCE_S`; every free's distance known, so nothing freed in them is older than
-the recording), the streams stand at the same places relative to the host at the marks, no backward pass runs and
-no fusion region is open there, the live storages and fake host bytes are the same, and the running totals
-(kernels, seconds, launches, kernel tallies, value-policy answers, communication counts and bytes, group
+**The proof.** Marks ``b0, b1, b2`` and the two periods between them. The period is proven when both recorded the
+same events (times within `TOLERANCE_S`); when the last one frees a block allocated before ``b0`` (a lifetime a
+little longer than a period), the period before ``b0`` was recorded and its tail from that block on repeats the
+same tail of the next period; the streams stand at the same places relative to the host at the marks, no backward
+pass runs and no fusion region is open there, the live storages and fake host bytes are the same, and the running
+totals (kernels, seconds, launches, kernel tallies, value-policy answers, communication counts and bytes, group
 sequence numbers, and the adapter's own: data consumed) grew by the same amounts in both. The allocator's block
 layout need not repeat (its small pool rarely does): the allocator is replayed, not extrapolated.
 
