@@ -8,7 +8,8 @@ rank of a stage does the same work (no partition boundaries) and its class descr
 
 emulate profiles one rank per stage (0 and 4), builds the graph and replays it; the hybrid runs of ranks 1 (stage
 0) and 5 (stage 1), their virtual peers, stage neighbours included, arriving when the replay says, take exactly
-the replay's step (modelled, to the reported nanosecond). About 35 s.
+the replay's step (modelled, to the reported nanosecond). ``--jobs 2``: the two profiling runs, then the two
+hybrid runs, at once (one core each; the modelled figures do not change). About 35 s.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def test_a_two_stage_deepspeed_pipeline_replays_exactly_for_ranks_of_both_stages
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(CONFIG))
     proc = subprocess.run([sys.executable, "-m", "prism_plugin.cli.main", "emulate", "--world-size", "8",
-                           "--output", str(tmp_path / "em"), "--json", "--seq-length", "512", "--hybrid", "1,5", "--",
-                           str(SCRIPT), "--deepspeed_config", str(config), "--hidden", "1024", "--blocks", "4",
-                           "--seq", "512", "--steps", "3"], capture_output=True, text=True, timeout=900)
+                           "--output", str(tmp_path / "em"), "--json", "--seq-length", "512", "--hybrid", "1,5",
+                           "--jobs", "2", "--", str(SCRIPT), "--deepspeed_config", str(config), "--hidden", "1024",
+                           "--blocks", "4", "--seq", "512", "--steps", "3"],
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert (report["layout"], report["classes_of_ranks"]) == ("pipe=2,model=1,data=4", 2)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from integration_tests.at_once import at_once
 from prism_plugin.config.kinds import DataPolicy
 from prism_plugin.recipes.load import load_recipe
 from prism_plugin.recipes.plans import RunPlan, emulation_plan
@@ -65,8 +66,9 @@ def _compare(tmp_path: Path, name: str, steps: int, prefix: tuple[str, ...] = FA
     recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
     recipe = dataclasses.replace(recipe, steps=dataclasses.replace(recipe.steps, total=steps, warmup=1))
     emu = dataclasses.replace(recipe.emulated[0], data_policy=DataPolicy.MIRROR)
-    real = _run(emulation_plan(recipe, emu, 0, tmp_path / "real", None), fake=False)
-    fake = _run(emulation_plan(recipe, emu, 0, tmp_path / "fake", None), fake=True, prefix=prefix)
+    plans = {name: emulation_plan(recipe, emu, 0, tmp_path / name, None) for name in ("real", "fake")}
+    real, fake = at_once(lambda: _run(plans["real"], fake=False),  # both at once: bytes do not depend on the load
+                         lambda: _run(plans["fake"], fake=True, prefix=prefix))
     assert real["memory_source"] == fake["memory_source"] == "cpu tensor-storage tracker (prism_plugin.device.memory)"
     assert len(real["steps"]) == len(fake["steps"]) == steps
     by_step = [(s["peak_bytes"], s["live_bytes"]) for s in real["steps"]]

@@ -90,6 +90,7 @@ PINNED_STEP_MS = {"tp1 pp1 vp1 cp1 ep1 mbs1 norc dopt bf16": 10.126, "tp2 pp1 vp
 """Each candidate's modelled step (prism emulate's report, rounded to the microsecond)."""
 
 
+@pytest.mark.heavy  # ~45-60 s; test_emulate.py's Ray test takes the Ray path (run_on_ray, the same figures) in CI
 def test_the_runs_go_to_ray_with_the_same_figures(tmp_path: Path) -> None:
     """``--ray local``: the memory run and the profiling runs are Ray tasks; the figures are the local runs'."""
     pytest.importorskip("ray")

@@ -159,12 +159,18 @@ def test_the_startup_hook_emulates_an_unedited_script_from_its_section(tmp_path)
         "launch": [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port()), str(SCRIPT),
                    "--config", str(launch_cfg), "--mode", "zero"],
     }
-    out = {}
-    for name, cmd in runs.items():
+    for name in runs:
         (tmp_path / name).mkdir()
-        proc = subprocess.run([*cmd, "--out", name], env=_env() if name == "launch" else env, cwd=tmp_path,
-                              text=True, capture_output=True, timeout=240)
-        out[name] = _results(proc, tmp_path / name)
+    # the two one-process runs at once (as in test_patched_deepspeed_honours_prism_section), then the launcher's two
+    procs = {name: subprocess.Popen([*runs[name], "--out", name], env=env, cwd=tmp_path, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name in ("zero", "pipe")}
+    out = {}
+    for name, popen in procs.items():
+        stdout, stderr = popen.communicate(timeout=240)
+        out[name] = _results(subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr), tmp_path / name)
+    proc = subprocess.run([*runs["launch"], "--out", "launch"], env=_env(), cwd=tmp_path, text=True,
+                          capture_output=True, timeout=240)
+    out["launch"] = _results(proc, tmp_path / "launch")
     assert out["zero"][5]["world_size"] == 16 and out["pipe"][9]["world_size"] == 16
     assert all(x > 0 for x in out["pipe"][9]["losses"])  # the last of 2 stages: real losses
     assert sorted(out["launch"]) == [0, 5] and all(r["world_size"] == 8 for r in out["launch"].values())

@@ -22,10 +22,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
+from integration_tests.at_once import outcomes
 from integration_tests.summary_schema import assert_published_schema
 from prism_plugin.cost.allocator_config import round_size
 
@@ -53,8 +55,15 @@ def run(tmp_path: Path, stage: int) -> tuple[subprocess.CompletedProcess, dict]:
     return proc, summary
 
 
-def test_zero2_with_the_optimizer_offloaded_to_the_cpu(tmp_path: Path) -> None:
-    proc, summary = run(tmp_path, 2)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[tuple[subprocess.CompletedProcess, dict]]]:
+    """ZeRO-2's run and ZeRO-3's, started together (one core each; every figure checked is counted or modelled)."""
+    zero2, zero3 = tmp_path_factory.mktemp("zero2"), tmp_path_factory.mktemp("zero3")
+    return outcomes(zero2=lambda: run(zero2, 2), zero3=lambda: run(zero3, 3))
+
+
+def test_zero2_with_the_optimizer_offloaded_to_the_cpu(runs: dict) -> None:
+    proc, summary = runs["zero2"].result()
     mem = {line.split()[1]: int(line.split()[2]) for line in proc.stdout.splitlines() if line.startswith("MEM ")}
     flat = LAYERS * (2 * HIDDEN * 4 * HIDDEN + 5 * HIDDEN)
     part, largest = flat // DP, 4 * HIDDEN * HIDDEN
@@ -81,12 +90,12 @@ def test_zero2_with_the_optimizer_offloaded_to_the_cpu(tmp_path: Path) -> None:
     assert vgpu["virtual_time"]["step_times_s"] == [0.00112813]
 
 
-def test_zero3_with_the_optimizer_offloaded_steps_every_time(tmp_path: Path) -> None:
+def test_zero3_with_the_optimizer_offloaded_steps_every_time(runs: dict) -> None:
     """ZeRO-3 partitions each parameter (ceil(numel / dp) elements: the same 262,304 here, every numel divides by
     64); its host holds the fp32 partition, gradient and moments (16 B per element) and the bf16 partition (2 B), plus
     133 B of host scalars (norms and flags). Every step is taken: before the value fix, the first step was skipped in
     6 of 10 runs (an "invalid" gradient norm read from uninitialised memory; `tests/emulated/test_virtual_gpu.py`)."""
-    _, summary = run(tmp_path, 3)
+    _, summary = runs["zero3"].result()
     vgpu = summary["virtual_gpu"]
     part = 2 * (4 * HIDDEN * HIDDEN // DP + 4 * HIDDEN // DP + 4 * HIDDEN * HIDDEN // DP + HIDDEN // DP)
     assert part == 262_304

@@ -16,7 +16,8 @@ Per-rank bytes (every tensor rounded to 512 B; P = this stage's parameters, dp =
   outputs, received-activation clones and their gradients, sent to stage 0; the receive buffer) and nine 0-dim
   tensors in place of the three (the 4 micro-batch MSE losses, ``total_loss``, ``agg_loss``, ``dp_group_loss``,
   ``agg_train_loss``, ZeRO's stashed grad norm).
-The emulated step (virtual time: kernel model and emulated streams, the dgx-h100 profile) is modelled.
+The emulated step (virtual time: kernel model and emulated streams, the dgx-h100 profile) is modelled. The three runs
+(stage 1, stage 0, stage 1 without the spec) start together (`integration_tests.at_once`: one core each).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from integration_tests.at_once import at_once
 from prism_plugin.cost.allocator_config import round_size
 
 pytestmark = pytest.mark.slow
@@ -55,8 +57,18 @@ def run(tmp_path: Path, config: dict) -> subprocess.CompletedProcess:
                           cwd=tmp_path)
 
 
-def test_pipeline_stage_1_as_rank_5_of_8_on_a_virtual_h100(tmp_path: Path) -> None:
-    proc = run(tmp_path, ds_config(tmp_path / "out"))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Each test's run (its process and its folder), all three started together."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("stage1", "stage0", "no_spec")}
+    configs = {"stage1": ds_config(folders["stage1"] / "out"), "stage0": ds_config(folders["stage0"] / "out", rank=2),
+               "no_spec": ds_config(folders["no_spec"] / "out", pipe_activations=False)}
+    procs = at_once(*(lambda name=name: run(folders[name], configs[name]) for name in folders))
+    return {name: (proc, folders[name]) for name, proc in zip(folders, procs, strict=True)}
+
+
+def test_pipeline_stage_1_as_rank_5_of_8_on_a_virtual_h100(runs: dict) -> None:
+    proc, tmp_path = runs["stage1"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = {" ".join(x.split()[:2]): x.split()[2] for x in proc.stdout.splitlines() if x.startswith(("MEM", "LOSS"))}
     block = 2 * (HIDDEN * 4 * HIDDEN) + 4 * HIDDEN + HIDDEN  # Linear(h, 4h) + Linear(4h, h)
@@ -90,12 +102,12 @@ def test_pipeline_stage_1_as_rank_5_of_8_on_a_virtual_h100(tmp_path: Path) -> No
     assert sum(n for (site, value), n in reads.items() if value == meta) == 6  # type, dtype, ndims, 3 dims
 
 
-def test_pipeline_stage_0_as_rank_2_of_8_on_a_virtual_h100(tmp_path: Path) -> None:
+def test_pipeline_stage_0_as_rank_2_of_8_on_a_virtual_h100(runs: dict) -> None:
     """The first stage (rank 2: stage 0, data-parallel rank 2) sends its activations to virtual stage 1 and receives
     the gradients into the buffer it sizes from its own outputs: no tensor-meta read. After each step: the model
     states as on stage 1, 3 u (2 pipeline buffers of loaded inputs, the gradient receive buffer) and five 0-dim
     tensors (``loss``, ``agg_loss``, the two of the loss broadcast from the last stage, ZeRO's grad norm)."""
-    proc = run(tmp_path, ds_config(tmp_path / "out", rank=2))
+    proc, tmp_path = runs["stage0"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = {" ".join(x.split()[:2]): x.split()[2] for x in proc.stdout.splitlines() if x.startswith(("MEM", "LOSS"))}
     p = BLOCKS // 2 * (2 * (HIDDEN * 4 * HIDDEN) + 4 * HIDDEN + HIDDEN)
@@ -113,7 +125,7 @@ def test_pipeline_stage_0_as_rank_2_of_8_on_a_virtual_h100(tmp_path: Path) -> No
     assert summary["virtual_gpu"]["virtual_time"]["step_times_s"] == [0.028331849] * (STEPS - 1)
 
 
-def test_pipeline_stage_without_pipe_activations_is_refused_naming_the_key(tmp_path: Path) -> None:
-    proc = run(tmp_path, ds_config(tmp_path / "out", pipe_activations=False))
+def test_pipeline_stage_without_pipe_activations_is_refused_naming_the_key(runs: dict) -> None:
+    proc, _ = runs["no_spec"]
     assert proc.returncode != 0
     assert "stage 0's tensor-meta message" in proc.stderr and '"pipe_activations"' in proc.stderr

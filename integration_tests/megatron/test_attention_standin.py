@@ -13,10 +13,13 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from integration_tests.at_once import outcomes
 
 pytestmark = pytest.mark.slow
 
@@ -52,13 +55,20 @@ def _summary(tmp: Path, *extra: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def local(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _summary(tmp_path_factory.mktemp("local"))
+def standin_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[dict[str, Any]]]:
+    """The local spec's run and the flash stand-in's, started together (one core each; figures modelled)."""
+    local, flash = tmp_path_factory.mktemp("local"), tmp_path_factory.mktemp("flash")
+    return outcomes(local=lambda: _summary(local), flash=lambda: _summary(flash, "--prism-attention", "flash"))
 
 
 @pytest.fixture(scope="module")
-def flash(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _summary(tmp_path_factory.mktemp("flash"), "--prism-attention", "flash")
+def local(standin_runs: dict[str, Future[dict[str, Any]]]) -> dict[str, Any]:
+    return standin_runs["local"].result()
+
+
+@pytest.fixture(scope="module")
+def flash(standin_runs: dict[str, Future[dict[str, Any]]]) -> dict[str, Any]:
+    return standin_runs["flash"].result()
 
 
 def _ops(summary: dict[str, Any]) -> dict[str, int]:

@@ -4,7 +4,8 @@ A small GPT (2 layers, hidden 512, 8 heads, seq 2048, vocab 1024, bf16, the loca
 main grads) runs one forward and backward through the drop-in (``python -m prism_plugin.megatron``, device
 virtual-gpu, rank 0 of 8), once with ``bias_activation_fusion``, ``bias_dropout_fusion``,
 ``gradient_accumulation_fusion``, ``masked_softmax_fusion`` and ``persist_layer_norm`` on and once with all of them
-off. The memory figures are the caching-allocator model's (exact to the byte), the times modelled (virtual time).
+off (the two runs start together: `integration_tests.at_once`). The memory figures are the caching-allocator
+model's (exact to the byte), the times modelled (virtual time).
 
 What disappears with the fusions, exactly: the unfused masked softmax (Megatron's ``forward_torch_softmax``) casts
 the bf16 scores to fp32, masks them in place with a fresh causal mask and takes the softmax in fp32, so autograd
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from integration_tests.at_once import at_once
 
 pytestmark = pytest.mark.slow
 
@@ -81,8 +84,9 @@ def _run(tmp: Path, *extra: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
-    return {"fused": _run(tmp_path_factory.mktemp("fused")),
-            "unfused": _run(tmp_path_factory.mktemp("unfused"), "--unfused")}
+    fused, unfused = tmp_path_factory.mktemp("fused"), tmp_path_factory.mktemp("unfused")
+    runs = at_once(lambda: _run(fused), lambda: _run(unfused, "--unfused"))
+    return dict(zip(("fused", "unfused"), runs, strict=True))
 
 
 def test_each_fused_kernel_is_one_region_in_the_kernel_tally(runs: dict) -> None:

@@ -4,7 +4,8 @@ The same job runs twice on a virtual H100, with ``--prism-fast-forward on`` (the
 GPT, pipeline-parallel 4, 32 micro-batches per iteration, 2 iterations. Fast-forward must skip part of the steady
 state (the summary counts it) and give the full run's figures: every number of the rank's summary but wall times
 (memory to the byte, emulated times to 1e-9 s, kernel and communication counts, value-policy answers), and
-Megatron's own memory log lines.
+Megatron's own memory log lines. The two runs start together (`integration_tests.at_once`): every figure compared is
+modelled, none measured.
 
 - rank 0 (the first stage, 3 warm-up micro-batches: a period of 3 iterations), local spec;
 - heavy: rank 2 of 8 (TP2 with sequence parallelism, the second stage), TransformerEngine with FP8 (hybrid,
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from integration_tests.at_once import at_once
 
 pytestmark = pytest.mark.slow
 
@@ -79,8 +82,8 @@ def _memory_lines(log: str) -> list[str]:
                         "--global-batch-size", "64"], id="first-stage-te-moe-ep2", marks=pytest.mark.heavy),
 ])
 def test_fast_forward_gives_the_full_runs_figures(tmp_path: Path, world: int, rank: int, extra: list[str]) -> None:
-    fast, fast_log = _run(tmp_path, "on", world, rank, extra)
-    full, full_log = _run(tmp_path, "off", world, rank, extra)
+    (fast, fast_log), (full, full_log) = at_once(lambda: _run(tmp_path, "on", world, rank, extra),
+                                                 lambda: _run(tmp_path, "off", world, rank, extra))
     ff = fast["megatron"]["fast_forward"]
     assert ff["schedule_calls"] == {"fast-forwarded": 2}, ff
     assert ff["microbatches"] == 64 and ff["microbatches_skipped"] >= 16, ff  # 2 calls of 32 micro-batches

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from integration_tests.at_once import at_once
 from integration_tests.summary_schema import assert_published_schema
 
 pytestmark = pytest.mark.slow
@@ -149,8 +150,9 @@ def test_sequence_parallel_trains_on_a_virtual_h100_and_shards_the_activations(t
     peak is lower than without SP (the layer-norm
     and dropout activations are 1/TP of the sequence)."""
     runs = {}
-    for name, extra in (("sp", ("--sequence-parallel",)), ("plain", ())):
-        proc = _run(tmp_path / name, 7, *extra)
+    jobs = (("sp", ("--sequence-parallel",)), ("plain", ()))
+    procs = at_once(*(lambda name=name, extra=extra: _run(tmp_path / name, 7, *extra) for name, extra in jobs))
+    for (name, _), proc in zip(jobs, procs, strict=True):  # the two runs at once (one core each; figures modelled)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
         runs[name] = json.loads((tmp_path / name / "out" / "rank7.summary.json").read_text())
     sp, plain = runs["sp"], runs["plain"]

@@ -26,10 +26,13 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
+
+from integration_tests.at_once import outcomes
 
 pytestmark = pytest.mark.slow
 
@@ -66,8 +69,18 @@ def _emulated_bytes(s: dict) -> int:
     return s["param_buffer_bytes"] + s["grad_buffer_bytes"] + s["main_param_bytes"] + s["moment_bytes"]
 
 
-def test_tp8_dp8_rank_holds_exactly_megatrons_theoretical_weight_and_optimizer_bytes(tmp_path: Path) -> None:
-    s = _state(tmp_path, 64, 7, "--global-batch-size", "8")  # TP rank 7, DP rank 0 of 8
+@pytest.fixture(scope="module")
+def states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[dict]]:
+    """The two tests' runs, started together (one core each; sizes, not times)."""
+    tp8_dp8, pp2_dp5 = tmp_path_factory.mktemp("tp8_dp8"), tmp_path_factory.mktemp("pp2_dp5")
+    return outcomes(
+        tp8_dp8=lambda: _state(tp8_dp8, 64, 7, "--global-batch-size", "8"),
+        pp2_dp5=lambda: _state(pp2_dp5, 80, 79, "--pipeline-model-parallel-size", "2", "--overlap-grad-reduce",
+                               "--global-batch-size", "10"))
+
+
+def test_tp8_dp8_rank_holds_exactly_megatrons_theoretical_weight_and_optimizer_bytes(states: dict) -> None:
+    s = states["tp8_dp8"].result()  # TP rank 7, DP rank 0 of 8
     theory = s["theory"]
     params = 2 * EMBEDDING + 2 * LAYER + H  # embedding + output layer + 2 layers + the final norm
     assert params == s["params"] == theory["parameters"] == 186_667_008  # Megatron's count (18 B / param) agrees
@@ -80,10 +93,9 @@ def test_tp8_dp8_rank_holds_exactly_megatrons_theoretical_weight_and_optimizer_b
     assert _emulated_bytes(s) == theory["weight_and_optimizer_bytes"] == 1_400_002_560  # 7.5 B / param, exact
 
 
-def test_pp2_dp5_last_stage_differs_from_the_theory_by_padding_shard_and_placement(tmp_path: Path) -> None:
+def test_pp2_dp5_last_stage_differs_from_the_theory_by_padding_shard_and_placement(states: dict) -> None:
     # TP8 PP2 DP5 (world 80), rank 79: the last stage's TP rank 7, DP rank 4 of 5 (the last), buckets overlapped
-    s = _state(tmp_path, 80, 79, "--pipeline-model-parallel-size", "2", "--overlap-grad-reduce",
-               "--global-batch-size", "10")
+    s = states["pp2_dp5"].result()
     theory, dp = s["theory"], 5
     params = LAYER + EMBEDDING + H  # one layer, the output layer, the whole final norm
     assert params == s["params"] == 93_335_552

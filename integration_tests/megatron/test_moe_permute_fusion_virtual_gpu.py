@@ -8,7 +8,8 @@
   one micro-batch hide behind the other's compute, so the modelled step is shorter.
 
 The job: 2 layers of width 1024, 4 experts top-2, grouped GEMM, the all-to-all dispatcher, EP 2, micro-batch 2 of
-seq 1024, rank 0 of 8, two iterations, the TransformerEngine spec. About 60 s."""
+seq 1024, rank 0 of 8, two iterations, the TransformerEngine spec. About 60 s of runs; each test's two start
+together (`integration_tests.at_once`: one core each, every figure compared modelled or counted)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from integration_tests.at_once import at_once
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +54,7 @@ def _triton(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def test_the_fused_permutation_runs_as_te_kernels(tmp_path: Path) -> None:
-    plain = _run(tmp_path / "plain")
-    fused = _run(tmp_path / "fused", "--moe-permute-fusion")
+    plain, fused = at_once(lambda: _run(tmp_path / "plain"), lambda: _run(tmp_path / "fused", "--moe-permute-fusion"))
     assert _triton(plain) == {}
     kernels = _triton(fused)
     layers_x_iterations = 2 * 2
@@ -79,8 +81,8 @@ def test_the_fused_permutation_runs_as_te_kernels(tmp_path: Path) -> None:
 
 def test_the_all_to_all_overlap_schedule_hides_communication(tmp_path: Path) -> None:
     # 4 micro-batches per data rank (global batch 64): the combined schedule pairs them
-    plain = _run(tmp_path / "plain", global_batch=64)
-    overlap = _run(tmp_path / "overlap", "--overlap-moe-expert-parallel-comm", global_batch=64)
+    plain, overlap = at_once(lambda: _run(tmp_path / "plain", global_batch=64),
+                             lambda: _run(tmp_path / "overlap", "--overlap-moe-expert-parallel-comm", global_batch=64))
     assert plain["op_counts"]["all_to_all"] == overlap["op_counts"]["all_to_all"] == 2 * 2 * 4 * 6
     steps = [s["virtual_gpu"]["virtual_time"]["step_times_s"] for s in (plain, overlap)]
     assert steps == [[0.021898889], [0.020987592]]  # modelled, deterministic: 0.91 ms of all-to-all hidden

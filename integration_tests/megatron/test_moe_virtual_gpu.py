@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from integration_tests.at_once import at_once
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +44,7 @@ PINNED_ALLGATHER = (19_761_808_384, 20_199_768_064)
 
 
 def _run(tmp: Path, rank: int, n: int, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """One real rank of `n` (cached per argv within the session: the balanced run serves two tests)."""
+    """One real rank of `n` (cached per argv within the session: the balanced run serves three tests)."""
     key = (str(rank), str(n), *extra)
     if key not in _RUNS:
         out = tmp / f"out-{len(_RUNS)}"
@@ -54,6 +56,15 @@ def _run(tmp: Path, rank: int, n: int, *extra: str) -> tuple[subprocess.Complete
         path = out / f"rank{rank}.summary.json"
         _RUNS[key] = (proc, json.loads(path.read_text()) if path.is_file() else {})
     return _RUNS[key]
+
+
+@pytest.fixture(scope="module")
+def ep8_runs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The three runs of rank 0 of 8 the tests below read (balanced, skew:7, the all-gather dispatcher), started
+    together into `_run`'s cache (one core each; every figure the tests check is the policy's, counted or modelled)."""
+    folders = [tmp_path_factory.mktemp(name) for name in ("balanced", "skew", "allgather")]
+    at_once(lambda: _run(folders[0], 0, 8), lambda: _run(folders[1], 0, 8, "--prism-moe-routing", "skew:7"),
+            lambda: _run(folders[2], 0, 8, "--moe-token-dispatcher-type", "allgather"))
 
 
 def _a2a_bytes(sent: int, received: int) -> int:
@@ -70,7 +81,8 @@ def _parameters() -> tuple[int, int]:
     return dense, 2 * (2 * FFN * H + FFN * H)  # SwiGLU fc1 (gate and up) and fc2 of one expert, 2 layers
 
 
-def test_mixtral_width_ep8_trains_as_rank_0_of_8_with_exactly_balanced_routing(tmp_path_factory: Any) -> None:
+def test_mixtral_width_ep8_trains_as_rank_0_of_8_with_exactly_balanced_routing(tmp_path_factory: Any,
+                                                                              ep8_runs: None) -> None:
     proc, summary = _run(tmp_path_factory.mktemp("balanced"), 0, 8)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     log = proc.stdout
@@ -111,7 +123,8 @@ def test_mixtral_width_ep8_trains_as_rank_0_of_8_with_exactly_balanced_routing(t
     assert device["fits"]
 
 
-def test_skew_routing_is_seeded_and_the_expert_gemms_and_bytes_follow_it(tmp_path_factory: Any) -> None:
+def test_skew_routing_is_seeded_and_the_expert_gemms_and_bytes_follow_it(tmp_path_factory: Any,
+                                                                         ep8_runs: None) -> None:
     tmp = tmp_path_factory.mktemp("skew")
     proc, summary = _run(tmp, 0, 8, "--prism-moe-routing", "skew:7")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
@@ -164,7 +177,7 @@ def test_skew_with_tp2_sequence_parallel_splits_over_tp_and_ep(tmp_path_factory:
     assert (device["peak_allocated_bytes"], device["peak_reserved_bytes"]) == (10_753_712_640, 12_205_424_640)
 
 
-def test_the_allgather_dispatcher_takes_its_counts_from_the_policy(tmp_path_factory: Any) -> None:
+def test_the_allgather_dispatcher_takes_its_counts_from_the_policy(tmp_path_factory: Any, ep8_runs: None) -> None:
     """``--moe-token-dispatcher-type allgather``: every rank gathers all 8 ranks' tokens and keeps its expert's. The
     count it reads on the host (``tokens_per_expert``) is the policy's: 8 sources x 1024 balanced tokens; the
     expert GEMMs then take what the all-to-all run's do (the same FLOPs), only the communication differs."""

@@ -5,7 +5,8 @@ The same Megatron job (TE spec, TP2 with sequence parallelism, 2 layers at Llama
 GEMMs (forward) and the reduce-scatters after the projection and FC2 GEMMs (forward): each becomes ``tp - 1`` ring
 steps (a send and a receive on the TP group) beside GEMM chunks, and the GEMMs' FLOPs are unchanged (the chunks
 add up to the GEMM). Each of the 12 userbuffers TE creates holds ``seq x hidden`` bf16 elements outside the
-caching allocator, counted in the device total.
+caching allocator, counted in the device total. The two runs start together (`integration_tests.at_once`: one core
+each, every figure compared counted or modelled).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from integration_tests.at_once import at_once
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +47,7 @@ def _run(out: Path, *extra: str) -> dict:
 
 
 def test_tp_comm_overlap_runs_te_userbuffers_as_ring_steps_beside_gemm_chunks(tmp_path: Path) -> None:
-    plain, overlap = _run(tmp_path / "plain"), _run(tmp_path / "overlap", "--tp-comm-overlap")
+    plain, overlap = at_once(lambda: _run(tmp_path / "plain"), lambda: _run(tmp_path / "overlap", "--tp-comm-overlap"))
     ops, ops_plain = overlap["op_counts"], plain["op_counts"]
     ring_gemms = 4  # per layer and iteration: QKV and FC1 (all-gather), projection and FC2 (reduce-scatter), forward
     backward_ag = 2  # projection and FC2 dgrad read all-gathered gradients through userbuffers too

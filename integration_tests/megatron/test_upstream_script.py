@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 from test_megatron_dropin import ROOT, TORCHRUN, _env, _run
 
+from integration_tests.at_once import at_once
+
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "upstream_style_gpt.py"
@@ -96,10 +98,11 @@ def test_upstream_style_script_native_and_wrapper(tmp_path: Path, patched_traini
 
 def test_gpu_only_fusions_asked_for_are_refused_in_one_message(patched_training: Path) -> None:
     job = [*JOB, "--moe-permute-fusion", "--moe-grouped-gemm"]
-    wrapper = _run([*TORCHRUN, "--nproc-per-node", "1", "-m", "prism_plugin.megatron", str(SCRIPT), *job,
-                    "--prism-world-size", "8", "--prism-real-ranks", "7"], _env(), timeout_s=120)
-    native = _run([*TORCHRUN, "--nproc-per-node", "1", str(SCRIPT), *job, "--prism-world-size", "8",
-                   "--prism-real-ranks", "7"], _native_env(patched_training), timeout_s=120)
+    wrapper, native = at_once(  # one process each: both at once
+        lambda: _run([*TORCHRUN, "--nproc-per-node", "1", "-m", "prism_plugin.megatron", str(SCRIPT), *job,
+                      "--prism-world-size", "8", "--prism-real-ranks", "7"], _env(), timeout_s=120),
+        lambda: _run([*TORCHRUN, "--nproc-per-node", "1", str(SCRIPT), *job, "--prism-world-size", "8",
+                      "--prism-real-ranks", "7"], _native_env(patched_training), timeout_s=120))
     # the wrapper's usage-error exit (2), which torchrun's agent reports for the rank and turns into its own 1;
     # natively the refusal is raised in parse_args
     assert wrapper.returncode != 0 and "exitcode  : 2" in wrapper.stderr, wrapper.stderr[-3000:]

@@ -4,7 +4,8 @@ The repo's upstream-style ``pretrain_gpt.py`` trains Llama-3-8B-width GPT (2 lay
 distributed optimizer, mock data) as rank 7 of 64 (TP rank 7, DP group [7, 15, ..., 63]) through
 ``python -m prism_plugin.megatron --prism-device virtual-gpu --prism-profile dgx-h100``, as in
 ``test_megatron_virtual_gpu_training.py``. The memory figures are the caching-allocator model's (deterministic, exact
-to the byte); the step times are virtual time (kernel model and emulated streams: modelled, deterministic).
+to the byte); the step times are virtual time (kernel model and emulated streams: modelled, deterministic). The runs
+a test compares start together (`integration_tests.at_once`): one core each, their figures all modelled.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from integration_tests.at_once import at_once
 
 pytestmark = pytest.mark.slow
 
@@ -74,18 +77,26 @@ def _step_times(summary: dict[str, Any]) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def recompute_none(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _train(tmp_path_factory.mktemp("none"), 2, *RECOMPUTE["none"])
+def recompute_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """The three recompute settings' runs of 2 iterations, started together."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in RECOMPUTE}
+    summaries = at_once(*(lambda name=name: _train(folders[name], 2, *RECOMPUTE[name]) for name in RECOMPUTE))
+    return dict(zip(RECOMPUTE, summaries, strict=True))
 
 
 @pytest.fixture(scope="module")
-def recompute_selective(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _train(tmp_path_factory.mktemp("selective"), 2, *RECOMPUTE["selective"])
+def recompute_none(recompute_runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return recompute_runs["none"]
 
 
 @pytest.fixture(scope="module")
-def recompute_full(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _train(tmp_path_factory.mktemp("full"), 2, *RECOMPUTE["full"])
+def recompute_selective(recompute_runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return recompute_runs["selective"]
+
+
+@pytest.fixture(scope="module")
+def recompute_full(recompute_runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return recompute_runs["full"]
 
 
 def test_recompute_lowers_the_peak_none_over_selective_over_full(recompute_none: dict[str, Any],
@@ -155,8 +166,9 @@ def test_overlapped_dp_buckets_train_on_the_dp_group_and_shorten_the_step(tmp_pa
     trace holds iterations 2 and 3; the first is warm-up): the gradients are reduce-scattered in 3 buckets during
     backward and the parameters all-gathered in 3 buckets during the next forward, all on the DP group, and the
     emulated step is shorter than with one reduce-scatter and one all-gather after backward."""
-    plain = _train(tmp_path / "plain", 3, "--prism-trace", str(tmp_path / "plain" / "trace"))
-    overlap = _train(tmp_path / "overlap", 3, *OVERLAP, "--prism-trace", str(tmp_path / "overlap" / "trace"))
+    plain, overlap = at_once(
+        lambda: _train(tmp_path / "plain", 3, "--prism-trace", str(tmp_path / "plain" / "trace")),
+        lambda: _train(tmp_path / "overlap", 3, *OVERLAP, "--prism-trace", str(tmp_path / "overlap" / "trace")))
     grads, params = 746_668_032, 373_334_016  # this rank's fp32 main grads and bf16 parameters (186,667,008 each)
     assert grads == 186_667_008 * 4 and params == 186_667_008 * 2
     assert _dp_collectives(tmp_path / "plain" / "trace") == [[("reduce_scatter", grads), ("all_gather", params)]] * 2

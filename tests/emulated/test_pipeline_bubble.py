@@ -33,7 +33,7 @@ one of a ``batch_isend_irecv`` included), the replay keeps one channel per point
 (`prism_plugin.graph.engine`), so the live rank's transfers queue 5 times per step where the replay's overlap (an
 open difference of the two models, pinned here).
 
-About 3 minutes (10 processes, each importing Megatron-core).
+About 3 minutes (10 processes, each importing Megatron-core); a case's stages start together (one core each).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from pathlib import Path
 import pytest
 from children import run_child
 
+from integration_tests.at_once import at_once
 from prism_plugin.cost import CostModel, load_profile, override_profile
 from prism_plugin.cost.profiles import profile_to_yaml
 from prism_plugin.graph.convert import graph_from_rank_traces
@@ -130,9 +131,11 @@ cuda_runtime.exit_now(code)
 def test_interleaved_1f1b_bubble_is_p_minus_1_over_v_m(library: None, tmp_path: Path, pp: int, vpp: int,
                                                        m: int) -> None:
     trace = tmp_path / "trace"
-    for stage in range(pp):
-        out = run_child(STAGE.format(pp=pp, vpp=vpp, m=m, stage=stage, trace=str(trace), graph=None,
-                                     profile="dgx-h100"))
+    # the stages' processes at once (one core each; every figure is virtual time)
+    outs = at_once(*(lambda stage=stage: run_child(STAGE.format(pp=pp, vpp=vpp, m=m, stage=stage, trace=str(trace),
+                                                                graph=None, profile="dgx-h100"))
+                     for stage in range(pp)))
+    for out in outs:
         assert out["schedule"] == ("forward_backward_pipelining_with_interleaving" if vpp > 1 else
                                    "forward_backward_pipelining_without_interleaving")
         assert out["kernels"] == 3 * vpp * m * 3  # 3 iterations x v m chunk passes x 3 mm (1 forward, 2 backward)

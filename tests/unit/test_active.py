@@ -19,6 +19,7 @@ DECLARED = {
     "cuda_shim": ("prism_plugin.device.shim", False),
     "storage_tracker": ("prism_plugin.device.memory", False),
     "fusion_regions": ("prism_plugin.device.fusion", False),
+    "virtual_gpu": ("prism_plugin.device.device", False),
     "transformer_engine": ("prism_plugin.device.te", True),
     "userbuffers": ("prism_plugin.device.te.userbuffers", True),
     "virtual_cuda_library": ("prism_plugin.device.cuda_runtime", True),
