@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-__all__ = ["assert_same", "bits", "all_finite", "same"]
+__all__ = ["assert_same", "assert_same_figures", "bits", "all_finite", "same"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -66,3 +67,22 @@ def all_finite(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return all(all_finite(v) for v in value)
     return True
+
+
+def assert_same_figures(a: Any, b: Any, *, rel_tol: float, abs_tol: float, ignore: frozenset[str] = frozenset(),
+                        path: str = "") -> None:
+    """Two runs' reports (nested dicts and lists of numbers) are the same: the same keys but `ignore`d ones, the same
+    integers and strings, floats within `rel_tol` / `abs_tol` (a sum against a product); the first difference is
+    named by its path."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() - ignore == b.keys() - ignore, path
+        for k in a.keys() - ignore:
+            assert_same_figures(a[k], b[k], rel_tol=rel_tol, abs_tol=abs_tol, ignore=ignore, path=f"{path}.{k}")
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_figures(x, y, rel_tol=rel_tol, abs_tol=abs_tol, ignore=ignore, path=f"{path}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert math.isclose(a, b, rel_tol=rel_tol, abs_tol=abs_tol), (path, a, b)
+    else:
+        assert a == b, (path, a, b)

@@ -16,7 +16,6 @@ modelled, none measured.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -27,6 +26,7 @@ from typing import Any
 import pytest
 
 from integration_tests.at_once import at_once
+from integration_tests.compare import assert_same_figures
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ ARGS = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "1024"
         "NullTokenizer", "--vocab-size", "1024", "--bf16", "--use-distributed-optimizer", "--log-interval", "1",
         "--eval-iters", "0", "--eval-interval", "1000", "--disable-gloo-process-groups",
         "--pipeline-model-parallel-size", "4"]
-WALL = {"fast_forward", "wall_s", "write_s", "late_median_us", "late_p90_us", "late_max_us"}
+WALL = frozenset({"fast_forward", "wall_s", "write_s", "late_median_us", "late_p90_us", "late_max_us"})
 
 
 def _run(tmp_path: Path, fast_forward: str, world: int, rank: int, extra: list[str]) -> tuple[dict[str, Any], str]:
@@ -51,21 +51,6 @@ def _run(tmp_path: Path, fast_forward: str, world: int, rank: int, extra: list[s
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PRISM_SUMMARY ")]
     assert lines, proc.stdout[-3000:]
     return json.loads(lines[-1].split(" ", 1)[1]), proc.stdout
-
-
-def _assert_same(a: Any, b: Any, path: str = "") -> None:
-    if isinstance(a, dict) and isinstance(b, dict):
-        assert a.keys() - WALL == b.keys() - WALL, path
-        for k in a.keys() - WALL:
-            _assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list) and isinstance(b, list):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, float) or isinstance(b, float):
-        assert math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-9), (path, a, b)
-    else:
-        assert a == b, (path, a, b)
 
 
 def _memory_lines(log: str) -> list[str]:
@@ -88,5 +73,5 @@ def test_fast_forward_gives_the_full_runs_figures(tmp_path: Path, world: int, ra
     assert ff["schedule_calls"] == {"fast-forwarded": 2}, ff
     assert ff["microbatches"] == 64 and ff["microbatches_skipped"] >= 16, ff  # 2 calls of 32 micro-batches
     assert "fast_forward" not in full["megatron"]
-    _assert_same(fast, full)
+    assert_same_figures(fast, full, rel_tol=1e-12, abs_tol=1e-9, ignore=WALL)
     assert _memory_lines(fast_log) == _memory_lines(full_log) and len(_memory_lines(full_log)) == 2

@@ -11,10 +11,9 @@ equal: integers exactly, times to 1e-12 s (the advance multiplies where the run 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
+from integration_tests.compare import assert_same_figures
 from tests.emulated.children import EPILOGUE, program, run_child
 
 PRELUDE = """
@@ -80,28 +79,13 @@ def _run(w: int, m: int, ff: bool) -> dict:
     return run_child(program(PRELUDE, STEADY.format(w=w, m=m, ff=ff), EPILOGUE))
 
 
-def _assert_same(a: object, b: object, path: str = "") -> None:
-    if isinstance(a, dict) and isinstance(b, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list) and isinstance(b, list):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, float) or isinstance(b, float):
-        assert math.isclose(a, b, rel_tol=0, abs_tol=1e-12), (path, a, b)  # type: ignore[arg-type]
-    else:
-        assert a == b, (path, a, b)
-
-
 @pytest.mark.parametrize(("w", "m"), [(3, 40), (1, 20)])
 def test_fast_forward_gives_every_figure_of_the_full_run(library: None, w: int, m: int) -> None:
     full, fast = _run(w, m, ff=False), _run(w, m, ff=True)
     assert full["skipped"] == 0
     assert fast["skipped"] >= (m - w) // 2, fast  # most of the steady state was advanced, not run
     for key in ("stats", "device", "clock", "tallies"):
-        _assert_same(fast[key], full[key], key)
+        assert_same_figures(fast[key], full[key], rel_tol=0, abs_tol=1e-12, path=key)
     assert fast["clock"]["kernels"] == full["clock"]["kernels"] > 0
 
 
