@@ -50,7 +50,8 @@ import yaml
 from validation.megatron_functional.collect import CASES_DIR
 from validation.results import DOC_PATH, write_source
 
-__all__ = ["CaseResult", "CaseStatus", "load_cases", "command", "run_case", "results_data", "table_markdown", "main"]
+__all__ = ["CaseResult", "CaseStatus", "load_cases", "command", "program_argv", "run_case", "results_data",
+           "table_markdown", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = "prism_plugin/programs/pretrain_gpt.py"
@@ -114,9 +115,9 @@ def load_cases(patterns: list[str] | None = None, cases_dir: Path = CASES_DIR) -
     return chosen
 
 
-def command(row: dict[str, Any], out_dir: Path) -> list[str]:
-    """The drop-in command line of one row, run as its last rank."""
-    argv = [sys.executable, "-m", "prism_plugin.megatron", PROGRAM]
+def program_argv(row: dict[str, Any]) -> list[str]:
+    """The program and the case's Megatron arguments, as a command line."""
+    argv = [PROGRAM]
     for flag, value in row["args"].items():
         if value is True:
             argv.append(flag)
@@ -124,8 +125,14 @@ def command(row: dict[str, Any], out_dir: Path) -> list[str]:
             argv += [flag, *map(str, value)]
         else:
             argv += [flag, str(value)]
-    return argv + ["--prism-world-size", str(row["world_size"]), "--prism-real-ranks", str(row["rank"]),
-                   "--prism-profile", PROFILE, "--prism-device", "virtual-gpu", "--prism-output", str(out_dir)]
+    return argv
+
+
+def command(row: dict[str, Any], out_dir: Path) -> list[str]:
+    """The drop-in command line of one row, run as its last rank."""
+    return [sys.executable, "-m", "prism_plugin.megatron", *program_argv(row),
+            "--prism-world-size", str(row["world_size"]), "--prism-real-ranks", str(row["rank"]),
+            "--prism-profile", PROFILE, "--prism-device", "virtual-gpu", "--prism-output", str(out_dir)]
 
 
 def first_error_line(log: str) -> str:

@@ -11,7 +11,7 @@ A producer writes its file with `write_source`, which regenerates the document:
 
 - ``recipes.json``: ``benchmarks/recipes.py --write-results`` (a re-run recipe replaces that recipe's rows;
   `merge_recipe_run`);
-- ``published_h100.json``: ``validation/published_h100.py --write-results``;
+- ``corpus.json``: ``python -m validation.corpus run|table --write-results`` (the validation corpus's table);
 - ``megatron_functional.json``: ``python -m validation.megatron_functional.run --write-results``;
 - ``virtual_vs_real.json``: the figures the integration tests ``test_kernel_table_cpu.py`` and
   ``test_virtual_time_vs_cpu*.py`` print (no producer writes it yet).

@@ -13,10 +13,10 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["SOURCES", "markdown", "mean_abs_error", "recipe_step_within", "step_tolerance_counts", "within_bound"]
+__all__ = ["SOURCES", "markdown", "recipe_step_within", "step_tolerance_counts", "within_bound"]
 
 Data = dict[str, Any]
-SOURCES = ("recipes", "published_h100", "virtual_vs_real", "megatron_functional")
+SOURCES = ("recipes", "corpus", "virtual_vs_real", "megatron_functional")
 """The data files (``<source>.json``), in the document's order."""
 
 _TIERS = ("ci", "small", "benchmark", "faults")
@@ -180,125 +180,6 @@ def _recipes(data: Data) -> list[str]:
     return lines
 
 
-# --- published H100 throughput -----------------------------------------------------------------------------------
-
-
-def mean_abs_error(rows: Sequence[Mapping[str, Any]], key: str = "error_pct") -> float | None:
-    """Mean |error| over the validation rows that have one."""
-    errors = [abs(r[key]) for r in rows if r.get("role", "validate") == "validate" and r.get(key) is not None]
-    return statistics.fmean(errors) if errors else None
-
-
-def _wall(row: Mapping[str, Any]) -> str:
-    s = row.get("profiling_wall_s")
-    text = "" if s is None else (f"{s:.0f} s" if s < 600 else f"{int(s) // 60} min {round(s) % 60} s")
-    note = row.get("profiling_note")
-    return (f"{text} ({note})" if text else f"({note})") if note else text or "-"
-
-
-def _throughput_cells(row: Mapping[str, Any]) -> list[str]:
-    pub_tflops = _f(row["published_tflops_recipe"], ".1f")
-    if row["published_tflops_megatron"] is not None:
-        pub_tflops += f" / {row['published_tflops_megatron']:.1f}"
-    error = f"**{row['error_pct']:+.1f}%**" if row["error_pct"] is not None else row.get("note") or "-"
-    mfu = "-" if row["predicted_mfu_pct"] is None else \
-        f"{_f(row['published_mfu_pct'], '.1f')}% / {row['predicted_mfu_pct']:.1f}%".replace("-%", "-")
-    return [row["model"], str(row["gpus"]), str(row["gbs"]), row["layout"], _f(row["published_tokens_per_s_per_gpu"],
-            ".1f"), _f(row["predicted_tokens_per_s_per_gpu"], ".1f"), error, pub_tflops,
-            _f(row["predicted_tflops"], ".1f"), mfu, _wall(row)]
-
-
-def _ms(x: Any) -> str:
-    return "0" if x == 0 else _f(x, ".1f")
-
-
-def _class_cells(rows: Sequence[Mapping[str, Any]]) -> Iterable[list[str]]:
-    previous = None
-    for r in rows:
-        label, previous = ("" if r["row"] == previous else r["row"]), r["row"]
-        split = "-" if r["compute_ms"] is None else " / ".join(
-            _ms(r[k]) for k in ("compute_ms", "exposed_comm_ms", "bubble_ms"))
-        allocated = f"{_f(r['peak_allocated_gib'], '.2f')} GiB" + (
-            f", {r['peak_allocated_note']}" if r.get("peak_allocated_note") else "")
-        yield [label, r["class"], _ms(r["step_ms"]), split, allocated, f"{_f(r['peak_reserved_gib'], '.2f')} GiB",
-               f"{_f(r['device_total_gib'], '.2f')} GiB"]
-
-
-def _joined(rows: Sequence[Mapping[str, Any]], key: str, spec: str, sep: str, unit: str = "") -> str:
-    return sep.join(format(r[key], spec) + unit for r in rows)
-
-
-def _scaling(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """MFU against N: weak scaling (same model, GBS / N fixed, published rows), strong scaling (same model and GBS)."""
-    lines = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        mine = sorted((r for r in rows if r["model"] == model and r["predicted_mfu_pct"] is not None),
-                      key=lambda r: r["gpus"])
-        weak = [r for r in mine if r["published_mfu_pct"] is not None]
-        if len(weak) >= 2 and len({r["gbs"] / r["gpus"] for r in weak}) == 1:
-            lines.append(f"- {model}, weak scaling (GBS = {weak[0]['gbs'] // weak[0]['gpus']} x N, "
-                         f"{_joined(weak, 'gpus', 'd', ' -> ')} GPUs): published MFU "
-                         f"{_joined(weak, 'published_mfu_pct', '.1f', ' -> ', '%')}, predicted "
-                         f"{_joined(weak, 'predicted_mfu_pct', '.1f', ' -> ', '%')}; error "
-                         f"{_joined(weak, 'error_pct', '+.1f', ' -> ', '%')}.")
-        for gbs in dict.fromkeys(r["gbs"] for r in mine):
-            strong = [r for r in mine if r["gbs"] == gbs]
-            if len(strong) >= 2:
-                lines.append(f"- {model}, strong scaling (GBS {gbs}, {_joined(strong, 'gpus', 'd', ' -> ')} "
-                             f"GPUs): predicted MFU {_joined(strong, 'predicted_mfu_pct', '.1f', ' -> ', '%')}.")
-    return lines
-
-
-def _published(data: Data) -> list[str]:
-    rows = data["rows"]
-    valid = [r for r in rows if r["role"] == "validate" and r["error_pct"] is not None]
-    mean = mean_abs_error(valid)
-    beyond = [r for r in valid if abs(r["error_pct"]) > 10]
-    absent = [f"{r['model']} at {r['gpus']} GPUs ({r.get('note') or 'no prediction'})" for r in rows
-              if r["role"] == "validate" and r["error_pct"] is None]
-    lines = ["## Validation against published H100 throughput", "",
-             "**Published**: measured BF16 training throughputs of Megatron-core jobs (NeMo on DGX H100) from "
-             "NVIDIA's DGX Cloud benchmarking recipes. **Predicted**: modelled by `prism emulate` on virtual H100s "
-             "(kernel model `roofline` with the dgx-h100 profile's efficiency estimates: GEMM 0.75 of 989.4 TFLOP/s, "
-             "attention 0.5, memory-bound classes 0.5-0.85 of 3.35 TB/s, 5 us per launch; the profile's "
-             "communication cost model; the execution graph's replay). Rows, commands and source figures: "
-             "`validation/published_h100.py`; the reports: `validation/published/`.", "", _run_line(data), "",
-             "Sources:",
-             *(f"- {s}" for s in data["sources"]), "",
-             "Published tokens/s/GPU = seq x GBS / step / N (the recipes' formula). The recipes' TFLOP/s count full "
-             "multi-head attention projections (Nemotron-4 has 8 key/value groups), so they are restated on Megatron's "
-             "`num_floating_point_operations` (published tokens/s x Megatron's FLOPs per token), the prediction's "
-             "formula: on that basis the TFLOP/s error equals the tokens/s error. MFU: published against 989 TFLOP/s, "
-             "predicted against the profile's 989.4.", ""]
-    lines += _table(["row", "GPUs", "GBS", "layout", "published tok/s/GPU", "predicted", "error",
-                     "published TFLOP/s/GPU (recipe / Megatron formula)", "predicted TFLOP/s/GPU",
-                     "MFU published / predicted", "profiling runs' wall"], "lrrlrrrrrrr", map(_throughput_cells, rows))
-    if mean is not None:
-        goal = "holds" if mean <= 5 and not beyond else "does not hold"
-        lines += ["", f"**Mean |error| (tokens/s/GPU) over the {len(valid)} predicted validation rows: {mean:.1f}%** "
-                  f"(rows {_joined(valid, 'error_pct', '+.1f', ' / ', '%')}; {len(beyond)} beyond 10%): the goal "
-                  f"of issue 13 (mean <= 5%, no row beyond 10%) {goal} on these rows."
-                  + (f" Not compared: {'; '.join(absent)}." if absent else "")]
-    lines += ["", *_scaling(rows), "",
-              "What each run uses in place of TransformerEngine / apex (Megatron's local spec, the only one on a host "
-              "without TE):",
-              "- `PRISM_ATTENTION=flash`: the local spec's core attention computes as fused flash attention "
-              "(`prism_plugin/adapters/megatron/attention.py`), as TE's does, so no `--recompute-granularity "
-              "selective` (the published runs recompute nothing);",
-              "- `--sequence-parallel` (NeMo's default for TP > 1) on the unmodified "
-              "`prism_plugin/programs/pretrain_gpt.py`; `CUDA_DEVICE_MAX_CONNECTIONS=1`; `--grad-reduce-in-bf16` for "
-              "the 340B rows; layernorm1p runs as LayerNorm (same cost);",
-              "- not modelled: TE's TP communication overlap, TE's other fused kernels (RoPE, cross-entropy, "
-              "bias-dropout-add, layer norm), FP8.", ""]
-    if data.get("classes"):
-        lines += ["Memory and time per rank of each class (modelled; device total = peak reserved + 2 cuBLAS "
-                  "workspaces + the modelled NCCL buffers + the CUDA context):", ""]
-        lines += _table(["row", "class", "step ms", "compute / exposed comm / bubble ms", "peak allocated",
-                         "peak reserved", "device total"], "llrlrrr", _class_cells(data["classes"]))
-        lines.append("")
-    return lines + _notes(data)
-
-
 # --- virtual time vs real CPU runs ---------------------------------------------------------------------------------
 
 
@@ -393,8 +274,8 @@ def _megatron(data: Data) -> list[str]:
 _HEADER = [
     "# Results",
     "",
-    "The latest measured and modelled figures of this project's fidelity checks: the recipes, published H100 "
-    "throughput, virtual time against real CPU runs, Megatron-LM's functional tests. **Generated** by `python -m "
+    "The latest measured and modelled figures of this project's fidelity checks: the recipes, the validation "
+    "corpus, virtual time against real CPU runs, Megatron-LM's functional tests. **Generated** by `python -m "
     "validation.results` from one data file per producer in `validation/results/` (each with its run's date, command "
     "and host conditions); do not edit by hand. A producer's `--write-results` rewrites its data file and this "
     "document; `python -m validation.results --check` says whether this file is current (the unit tests run it). "
@@ -404,8 +285,13 @@ _HEADER = [
     "(shared with other work, so step times wander with its load), or figures NVIDIA published from its GPUs. "
     "**Modelled**: what the emulator computes (allocator model, cost and kernel models, virtual time).",
 ]
-_SECTIONS = {"recipes": _recipes, "published_h100": _published, "virtual_vs_real": _virtual,
-             "megatron_functional": _megatron}
+def _corpus(data: Data) -> list[str]:
+    from validation.corpus.table import corpus_markdown  # the corpus imports this module
+
+    return corpus_markdown(data)
+
+
+_SECTIONS = {"recipes": _recipes, "corpus": _corpus, "virtual_vs_real": _virtual, "megatron_functional": _megatron}
 
 
 def markdown(sources: Mapping[str, Data]) -> str:

@@ -1,0 +1,79 @@
+"""``python -m validation.corpus list|run|table``: the validation corpus's one command.
+
+    python -m validation.corpus list [--rows GLOB ...]          # rows, roles, sources, results' state
+    python -m validation.corpus run [--rows GLOB ...] [--stale] [--kind throughput|functional] [--write-results]
+    python -m validation.corpus table [--write-results]         # the table from the results as they are
+
+``run`` predicts each chosen row in turn (all of them by default; ``--stale``: only those whose result is stale or
+missing), writing ``validation/corpus/results/<row>.json`` after each, so a stopped run keeps what it finished.
+``--write-results`` writes ``validation/results/corpus.json`` and regenerates the results document
+(``recipes/RESULTS.md``). Exit status 0, or 2 for bad input (a row file, an unknown row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from validation.corpus.fingerprint import ROOT, model_fingerprint
+from validation.corpus.rows import RowError, load_rows
+from validation.corpus.runner import load_result, run_row, write_result
+from validation.corpus.table import corpus_data, corpus_markdown
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m validation.corpus", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("list", "run", "table"):
+        p = sub.add_parser(name)
+        p.add_argument("--rows", nargs="+", metavar="GLOB", help="row names or shell globs (default: every row)")
+        p.add_argument("--kind", choices=("throughput", "functional"), help="only rows of this kind")
+        if name != "list":
+            p.add_argument("--write-results", action="store_true",
+                           help="write validation/results/corpus.json and regenerate recipes/RESULTS.md")
+        if name == "run":
+            p.add_argument("--stale", action="store_true", help="only rows whose result is stale or missing")
+            p.add_argument("--timeout", type=float, default=3600.0, help="seconds per functional row's run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        rows = load_rows(args.rows)
+    except (RowError, OSError) as exc:
+        print(f"validation.corpus: {exc}", file=sys.stderr)
+        return 2
+    rows = [r for r in rows if args.kind in (None, r.kind)]
+    fingerprint = model_fingerprint()
+    if args.command == "list":
+        for row in rows:
+            result = load_result(row.name)
+            state = "never run" if result is None else \
+                f"{result['outcome']}{'' if result.get('fingerprint') == fingerprint else ', stale'}"
+            print(f"{row.name:70s} {row.kind:10s} {row.role:8s} {row.gpus:6d} GPUs  {state}")
+        print(f"{len(rows)} rows; model fingerprint {fingerprint}")
+        return 0
+    if args.command == "run":
+        os.chdir(ROOT)  # the rows' programs are repository paths
+        chosen = [r for r in rows if not args.stale or (load_result(r.name) or {}).get("fingerprint") != fingerprint]
+        for i, row in enumerate(chosen, 1):
+            print(f"[{i}/{len(chosen)}] {row.name}: {row.command}", file=sys.stderr, flush=True)
+            result = run_row(row, timeout_s=args.timeout, progress=lambda text: print(text, file=sys.stderr))
+            path = write_result(result)
+            print(f"[{i}/{len(chosen)}] {row.name}: {result['outcome']} in {result['wall_s']} s -> {path}",
+                  file=sys.stderr, flush=True)
+    from datetime import UTC, datetime
+
+    data = corpus_data(load_rows(), date=datetime.now(UTC).date().isoformat())
+    print("\n".join(corpus_markdown(data)))
+    if args.write_results:
+        from validation.results import write_source
+
+        print(f"wrote {write_source('corpus', data)} and recipes/RESULTS.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
