@@ -16,7 +16,7 @@ from validation.corpus.rows import ROWS_DIR, Row, RowError, load_rows, throughpu
 from validation.corpus.table import corpus_data, row_entry, summary
 from validation.results import DATA_DIR
 
-ROW = ROWS_DIR / "dgxc-nemotron4-15b-16-bf16.yaml"
+ROW = ROWS_DIR / "dgxc2502-nemotron4-15b-16-bf16.yaml"
 
 
 def test_every_row_file_loads_with_a_role_a_source_and_a_prism_command() -> None:
@@ -85,6 +85,7 @@ def test_the_fingerprint_moves_with_any_model_file(tmp_path: Path) -> None:
 
 def _result(row: Row, step_s: float, fingerprint: str | None) -> dict[str, Any]:
     return {"row": row.name, "outcome": "ran", "fingerprint": fingerprint, "prism_commit": "abc",
+            "command": row.command,
             "predicted": {"step_s": step_s, "peak_allocated_bytes": row.measured_peak_allocated_bytes}}
 
 
@@ -96,7 +97,7 @@ def test_stale_results_are_shown_but_left_out_and_fit_rows_are_summarised_apart(
                row_entry(validate[1], _result(validate[1], validate[1].measured_step_s * 0.90, "now"), "now"),
                row_entry(validate[2], _result(validate[2], validate[2].measured_step_s * 3.0, "old"), "now"),
                row_entry(fit, _result(fit, fit.measured_step_s * 1.5, "now"), "now")]
-    assert [e["stale"] for e in entries] == [False, False, True, False]
+    assert [e["stale_because"] for e in entries] == [None, None, "model", None]
     assert [e["step_error_pct"] for e in entries] == [4.0, -10.0, 200.0, 50.0]
     valid = summary(entries, "validate")
     assert (valid["rows"], valid["current"], valid["stale"], valid["step_rows"]) == (3, 2, 1, 2)
@@ -104,6 +105,15 @@ def test_stale_results_are_shown_but_left_out_and_fit_rows_are_summarised_apart(
     assert valid["step_within_10_pct"] == 2
     fitted = summary(entries, "fit")
     assert (fitted["rows"], fitted["mean_abs_step_error_pct"]) == (1, 50.0)
+
+
+def test_a_result_of_another_command_than_the_rows_is_stale() -> None:
+    row = load_rows([ROW.stem])[0]
+    result = _result(row, 3.0, "now")
+    assert row_entry(row, result, "now")["stale_because"] is None
+    result["command"] = row.command.replace("--tp-comm-overlap", "")
+    assert row_entry(row, result, "now")["stale_because"] == "command"
+    assert "--tp-comm-overlap" in row.command
 
 
 def test_the_committed_table_is_current_with_the_rows_results_and_model() -> None:

@@ -19,7 +19,7 @@ import sys
 from validation.corpus.fingerprint import ROOT, model_fingerprint
 from validation.corpus.rows import RowError, load_rows
 from validation.corpus.runner import load_result, run_row, write_result
-from validation.corpus.table import corpus_data, corpus_markdown
+from validation.corpus.table import corpus_data, corpus_markdown, stale_because
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,14 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         for row in rows:
             result = load_result(row.name)
-            state = "never run" if result is None else \
-                f"{result['outcome']}{'' if result.get('fingerprint') == fingerprint else ', stale'}"
+            because = None if result is None else stale_because(row, result, fingerprint)
+            state = "never run" if result is None else f"{result['outcome']}{f', stale ({because})' if because else ''}"
             print(f"{row.name:70s} {row.kind:10s} {row.role:8s} {row.gpus:6d} GPUs  {state}")
         print(f"{len(rows)} rows; model fingerprint {fingerprint}")
         return 0
     if args.command == "run":
         os.chdir(ROOT)  # the rows' programs are repository paths
-        chosen = [r for r in rows if not args.stale or (load_result(r.name) or {}).get("fingerprint") != fingerprint]
+        chosen = [r for r in rows if not args.stale or load_result(r.name) is None
+                  or stale_because(r, load_result(r.name) or {}, fingerprint) is not None]
         for i, row in enumerate(chosen, 1):
             print(f"[{i}/{len(chosen)}] {row.name}: {row.command}", file=sys.stderr, flush=True)
             result = run_row(row, timeout_s=args.timeout, progress=lambda text: print(text, file=sys.stderr))

@@ -1,8 +1,8 @@
 """Predict rows: run each row's prism command and keep its figures, stamped with the model that computed them.
 
-A row's result is ``validation/corpus/results/<row>.json``: the outcome (``ran``, ``out_of_memory``, ``failed``),
-the predicted figures, the host and wall time, and `validation.corpus.fingerprint`'s version, commit and model
-fingerprint. Measured figures are not copied there: the row file is their only home.
+A row's result is ``validation/corpus/results/<row>.json``: the row's command as it ran, the outcome (``ran``,
+``out_of_memory``, ``failed``), the predicted figures, the host and wall time, and `validation.corpus.fingerprint`'s
+version, commit and model fingerprint. Measured figures are not copied there: the row file is their only home.
 """
 
 from __future__ import annotations
@@ -108,4 +108,5 @@ def run_row(row: Row, *, work: Path = WORK_DIR, timeout_s: float = 3600.0,
     start = time.monotonic()
     work.mkdir(parents=True, exist_ok=True)
     body = _run_throughput(row, work, progress) if row.kind == "throughput" else _run_functional(row, work, timeout_s)
-    return {"row": row.name, "kind": row.kind, **before, "wall_s": round(time.monotonic() - start, 1), **body}
+    return {"row": row.name, "kind": row.kind, "command": row.command, **before,
+            "wall_s": round(time.monotonic() - start, 1), **body}
