@@ -184,8 +184,14 @@ _DEFAULTS: dict[str, Any] = {
     "gemm_split_k_min_depth": 256,  # k per split-K part; estimate
     **{f"{cls.value}.compute_efficiency": c for cls, (c, _) in _CLASS_DEFAULTS.items()},
     **{f"{cls.value}.memory_efficiency": m for cls, (_, m) in _CLASS_DEFAULTS.items()},
+    # fused attention's shape (`attention_factor`): neutral unless a profile sets them
+    "attention.seq_half": 0.0,
+    "attention.backward_factor": 1.0,
+    "attention.full_factor": 1.0,
 }
 _CLASS_FIELDS = ("compute_efficiency", "memory_efficiency")
+_ATTENTION_FIELDS = ("seq_half", "backward_factor", "full_factor")
+"""The attention class's own fields besides `_CLASS_FIELDS`."""
 _TOP_FIELDS = ("min_kernel_us", "launch_overhead_us", "gemm_tile", "gemm_split_k_min_depth",
                *(c.value for c in KernelClass))
 
@@ -211,6 +217,15 @@ def _checked(key: str, value: Any, where: str, error: type[ConfigError]) -> Any:
         return value
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise error(f"{field} must be a finite number, got {value!r}; e.g. {_DEFAULTS[key]}")
+    if key == "attention.seq_half":
+        if value < 0:
+            raise error(f"{field} must be >= 0 (the key length at which attention reaches half its efficiency), "
+                        f"got {value!r}; e.g. 270")
+        return float(value)
+    if key in ("attention.backward_factor", "attention.full_factor"):
+        if value <= 0:
+            raise error(f"{field} must be > 0 (a ratio of efficiencies), got {value!r}; e.g. 0.65")
+        return float(value)
     if key == "launch_overhead_us":
         if value < 0:
             raise error(f"{field} must be >= 0 microseconds of host time per kernel launch, got {value!r}; e.g. 5")
@@ -236,6 +251,7 @@ class KernelEfficiency:
           gemm_tile: [128, 128]
           gemm_split_k_min_depth: 256
           gemm: {compute_efficiency: 0.75, memory_efficiency: 0.8}
+          attention: {compute_efficiency: 0.6, seq_half: 270, backward_factor: 0.65, full_factor: 1.17}
           norm: {memory_efficiency: 0.7}
 
     Example: ``KernelEfficiency.from_mapping({"gemm": {"compute_efficiency": 0.7}}).compute_efficiency(
@@ -276,9 +292,10 @@ class KernelEfficiency:
             if not isinstance(value, Mapping):
                 raise error(f"{where}`kernels.{key}` must be a mapping of {' and '.join(_CLASS_FIELDS)}, "
                             f"e.g. {{memory_efficiency: 0.8}}; got {value!r}")
+            fields = (*_CLASS_FIELDS, *_ATTENTION_FIELDS) if key == KernelClass.ATTENTION.value else _CLASS_FIELDS
             for sub, figure in value.items():
-                if str(sub) not in _CLASS_FIELDS:
-                    raise _unknown(str(sub), _CLASS_FIELDS, f"kernels.{key}.", where, error)
+                if str(sub) not in fields:
+                    raise _unknown(str(sub), fields, f"kernels.{key}.", where, error)
                 flat[f"{key}.{sub}"] = _checked(f"{key}.{sub}", figure, where, error)
         return cls(tuple(flat.items()))
 
@@ -318,6 +335,31 @@ class KernelEfficiency:
     def memory_efficiency(self, kernel_class: KernelClass) -> float:
         """Achieved fraction of the HBM bandwidth."""
         return self.value(f"{kernel_class.value}.memory_efficiency")
+
+    def attention_factor(self, cost: KernelCost) -> float:
+        """A fused attention kernel's efficiency relative to ``attention.compute_efficiency``, from its shape.
+
+        ``compute_efficiency`` is causal forward attention's at long keys; a backward kernel (an op named
+        ``*backward*`` or ``*bwd*``) runs at ``backward_factor`` of it, full (non-causal) attention at
+        ``full_factor``, and both saturate in the key length ``s`` as ``s / (s + seq_half)`` (each thread block's
+        fixed prologue and epilogue against its loop over the keys). FLOPs are torch's (`flop_counter`: a backward is
+        twice its forward's 4 matmuls, no recompute; a causal kernel counts its unmasked pairs). Shapes
+        ``(batch, heads, seq_q, seq_kv, head_dim[, 1 if causal])``; another shape only gets the direction and mask
+        factors. The head dimension does not enter (the profile's figures are for 128).
+
+        >>> eff = KernelEfficiency.from_mapping({"attention": {"seq_half": 256, "backward_factor": 0.5}})
+        >>> eff.attention_factor(KernelCost(op="prism_te.fused_attn_bwd.default", kernel_class=KernelClass.ATTENTION,
+        ...     flops=1, bytes=1, dtype="bfloat16", shape=(1, 8, 768, 768, 128, 1)))
+        0.375
+        """
+        backward = "backward" in cost.op or "bwd" in cost.op
+        causal = len(cost.shape) == 6 and cost.shape[5] == 1
+        factor = (self.value("attention.backward_factor") if backward else 1.0) * (
+            1.0 if causal else self.value("attention.full_factor"))
+        if len(cost.shape) >= 4 and cost.shape[3] > 0:
+            seq = cost.shape[3]
+            factor *= seq / (seq + self.value("attention.seq_half"))
+        return factor
 
 
 # -- models ---------------------------------------------------------------------------------------------------
@@ -362,6 +404,11 @@ class RooflineModel:
         self._tile = eff.value("gemm_tile")
         self._split = eff.value("gemm_split_k_min_depth")
         self._compute = {cls: eff.compute_efficiency(cls) for cls in KernelClass}
+        fastest = self._compute[KernelClass.ATTENTION] * max(1.0, eff.value("attention.backward_factor")) * max(
+            1.0, eff.value("attention.full_factor"))
+        if fastest > 1:
+            raise ConfigError(f"kernels.attention: compute_efficiency x backward_factor x full_factor reaches "
+                              f"{fastest:.3g} of peak; an attention kernel runs at most at peak: lower them")
         self._bandwidth = {cls: (gpu.pcie_bytes_per_s if cls is KernelClass.HOST_COPY else gpu.hbm_bytes_per_s)
                            * eff.memory_efficiency(cls) for cls in KernelClass}
 
@@ -380,6 +427,8 @@ class RooflineModel:
         rate = self._peak(cost.dtype) * self._compute[cost.kernel_class]
         if cost.kernel_class is KernelClass.GEMM:
             rate *= gemm_wave_utilization(cost.shape, self.gpu.multi_processor_count, self._tile, self._split)
+        elif cost.kernel_class is KernelClass.ATTENTION:
+            rate *= self.efficiency.attention_factor(cost)
         return rate
 
     def duration_s(self, cost: KernelCost) -> float:

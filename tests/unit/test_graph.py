@@ -207,3 +207,13 @@ def test_graph_layer_is_pure() -> None:
     code = "import sys, prism_plugin.graph; sys.exit(int(any(m.split('.')[0] in "
     code += "('torch', 'megatron', 'deepspeed') for m in sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_a_wait_stamped_before_its_issue_counts_after_it() -> None:
+    from prism_plugin.graph.convert import _timeline
+    from prism_plugin.graph.rank_trace import TracedIteration, TracedOp
+
+    send = TracedOp(op=OpKind.SEND, group=0, seq=0, size_bytes=64, peer=1, issue_us=7399.8, return_us=7399.8,
+                    wait_us=4299.4, end_us=7452.4)
+    events, _gaps, _inner = _timeline(TracedIteration(index=2, duration_us=9000.0, ops=(send,)))
+    assert events == [("b", 0)]  # issued, then waited at once: a blocking send

@@ -93,8 +93,9 @@ def corpus_data(rows: Sequence[Row], *, results: Path = RESULTS_DIR, date: str) 
     entries = [row_entry(r, load_result(r.name, results), fingerprint) for r in rows]
     return {"source": "corpus", "date": date, "command": COMMAND, "prism_version": prism_version(),
             "fingerprint": fingerprint, "goal": GOAL,
-            "fitting": "Nothing is fitted: the kernel model is the hardware profile's estimates. Rows marked fit may "
-                       "be used by a fit; their errors are reported apart and never called validation.",
+            "fitting": "No row is fitted on: the kernel model is the hardware profile's (its H100 attention figures "
+                       "fitted to published kernel measurements, validation/kernels/, never to a row). Rows marked fit "
+                       "may be used by a fit; their errors are reported apart and never called validation.",
             "summaries": [summary(entries, role) for role in ROLES], "rows": entries}
 
 

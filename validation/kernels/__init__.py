@@ -1,0 +1,157 @@
+"""Published kernel measurements against the roofline kernel model: fit on the ``fit`` rows, held to the ``validate``.
+
+``validation/kernels/h100.yaml`` lists measured fused-attention and GEMM throughputs on Hopper with their sources and
+roles. `fit_attention` derives the profile's attention figures (``kernels.attention``: ``compute_efficiency``,
+``seq_half``, ``backward_factor``, ``full_factor``, `prism_plugin.cost.kernels.KernelEfficiency.attention_factor`)
+from the fit rows alone; `errors` compares every row's measured kernel time with the model's under a profile.
+
+    python -m validation.kernels            # the fit, then every row's error (fit and validate apart), as JSON
+
+Conventions: a row's TFLOP/s is its source's (attention: forward 4·b·h·s²·d, halved when causal, backward 2.5x
+forward; GEMM 2·m·n·k), turned into the kernel's measured time; the model's kernel is what a virtual GPU records
+for the same call (torch's FLOPs: a backward twice its forward, a causal kernel its unmasked pairs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from prism_plugin.cost import load_profile
+from prism_plugin.cost.gpu import gpu_spec
+from prism_plugin.cost.kernels import KernelClass, KernelCost, KernelEfficiency, RooflineModel
+
+__all__ = ["DATA", "Measurement", "errors", "fit_attention", "load", "model"]
+
+DATA = Path(__file__).resolve().parent / "h100.yaml"
+_SEQ_HALF_GRID = range(0, 4001)
+"""Key lengths tried for ``seq_half`` (the fit's one nonlinear figure)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One published kernel figure, and the kernel a virtual GPU would record for the same call."""
+
+    kind: str
+    """``attention`` or ``gemm``."""
+    source: str
+    role: str
+    label: str
+    cost: KernelCost
+    measured_s: float
+
+
+def _attention(row: Sequence[Any]) -> Measurement:
+    source, direction, causal, b, h, s, d, tflops, role = row
+    forward = 4 * b * h * s * s * d
+    published = forward * (0.5 if causal else 1.0) * (2.5 if direction == "backward" else 1.0)
+    ours = forward * (s + 1) // (2 * s) if causal else forward  # torch's count: the unmasked pairs
+    ours *= 2 if direction == "backward" else 1
+    io = 4 * b * s * h * d * 2 * (2 if direction == "backward" else 1)
+    op = f"prism_te.fused_attn_{'bwd' if direction == 'backward' else 'fwd'}.default"
+    shape = (b, h, s, s, d, 1) if causal else (b, h, s, s, d)
+    cost = KernelCost(op=op, kernel_class=KernelClass.ATTENTION, flops=ours, bytes=io, dtype="bfloat16", shape=shape)
+    label = f"{source} {direction} {'causal' if causal else 'full'} {b}x{s} h{h} d{d}"
+    return Measurement("attention", source, role, label, cost, published / (tflops * 1e12))
+
+
+def _gemm(row: Sequence[Any]) -> Measurement:
+    source, dtype, m, n, k, tflops, role = row
+    size = 1 if dtype.startswith("float8") else 2
+    cost = KernelCost(op="aten._scaled_mm.default" if size == 1 else "aten.mm.default", kernel_class=KernelClass.GEMM,
+                      flops=2 * m * n * k, bytes=size * (m * k + k * n) + 2 * m * n, dtype=dtype, shape=(m, n, k))
+    return Measurement("gemm", source, role, f"{source} {dtype} {m}x{n}x{k}", cost, 2 * m * n * k / (tflops * 1e12))
+
+
+def load(path: Path = DATA) -> list[Measurement]:
+    data = yaml.safe_load(path.read_text())
+    rows = [_attention(r) for r in data["attention"]] + [_gemm(r) for r in data["gemm"]]
+    for m in rows:
+        if m.role not in ("fit", "validate") or m.source not in data["sources"]:
+            raise ValueError(f"{path}: {m.label}: role must be fit or validate and the source one of `sources`")
+    return rows
+
+
+def model(profile: str = "dgx-h100", overrides: Mapping[str, Any] | None = None) -> RooflineModel:
+    """The roofline model of a profile (``overrides``: dotted ``kernels`` figures replacing the profile's)."""
+    loaded = load_profile(profile)
+    given = dict(loaded.kernels.given)
+    given.update(overrides or {})
+    return RooflineModel(gpu_spec(loaded.gpu), KernelEfficiency(tuple(given.items())))
+
+
+def fit_attention(rows: Sequence[Measurement], peak_flops_per_s: float) -> dict[str, float]:
+    """``kernels.attention`` figures from the fit rows: for each ``seq_half`` of `_SEQ_HALF_GRID`, the least-squares
+    fit of ``log(efficiency) = log(compute_efficiency) + [backward] log(backward_factor) + [full] log(full_factor) +
+    log(s / (s + seq_half))``; the ``seq_half`` with the smallest squared error wins (the first of equals)."""
+    fit = [m for m in rows if m.kind == "attention" and m.role == "fit"]
+    if not fit:
+        raise ValueError("no attention row has role fit")
+    points = [("bwd" in m.cost.op, len(m.cost.shape) == 5, m.cost.shape[3],
+               math.log(m.cost.flops / (m.measured_s * peak_flops_per_s))) for m in fit]
+    best: tuple[float, int, list[float]] | None = None
+    for half in _SEQ_HALF_GRID:
+        xs = [(1.0, float(bwd), float(full)) for bwd, full, _, _ in points]
+        ys = [y - math.log(seq / (seq + half)) for _, _, seq, y in points]
+        beta = _least_squares(xs, ys)
+        sse = sum((y - sum(b * x for b, x in zip(beta, row, strict=True))) ** 2 for row, y in zip(xs, ys, strict=True))
+        if best is None or sse < best[0] - 1e-15:
+            best = (sse, half, beta)
+    assert best is not None
+    _, half, (e, b, f) = best
+    return {"attention.compute_efficiency": round(math.exp(e), 4), "attention.seq_half": float(half),
+            "attention.backward_factor": round(math.exp(b), 4), "attention.full_factor": round(math.exp(f), 4)}
+
+
+def _least_squares(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """Ordinary least squares by the normal equations (3 unknowns, Gaussian elimination)."""
+    n = len(xs[0])
+    a = [[sum(x[i] * x[j] for x in xs) for j in range(n)] + [sum(x[i] * y for x, y in zip(xs, ys, strict=True))]
+         for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                ratio = a[r][col] / a[col][col]
+                a[r] = [v - ratio * p for v, p in zip(a[r], a[col], strict=True)]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def errors(rows: Sequence[Measurement], kernel_model: RooflineModel) -> list[dict[str, Any]]:
+    """Each row's modelled against measured kernel time: error = modelled / measured - 1 (> 0: the model is slower)."""
+    return [{"kind": m.kind, "role": m.role, "row": m.label, "measured_us": round(m.measured_s * 1e6, 3),
+             "modelled_us": round(kernel_model.duration_s(m.cost) * 1e6, 3),
+             "error_pct": round(100 * (kernel_model.duration_s(m.cost) / m.measured_s - 1), 2)} for m in rows]
+
+
+def _summary(table: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in ("attention", "gemm"):
+        for role in ("fit", "validate"):
+            errs = [abs(r["error_pct"]) for r in table if r["kind"] == kind and r["role"] == role]
+            if errs:
+                out[f"{kind}_{role}"] = {"rows": len(errs), "mean_abs_error_pct": round(statistics.fmean(errs), 2),
+                                         "max_abs_error_pct": max(errs)}
+    return out
+
+
+def main() -> int:
+    rows = load()
+    roofline = model()
+    fitted = fit_attention(rows, roofline.gpu.peak_flops_per_s["bfloat16"])
+    table = errors(rows, roofline)
+    print(json.dumps({"fitted_attention": fitted, "summary": _summary(table), "rows": table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
