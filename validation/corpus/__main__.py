@@ -19,7 +19,8 @@ import sys
 from validation.corpus.fingerprint import ROOT, model_fingerprint
 from validation.corpus.rows import RowError, load_rows
 from validation.corpus.runner import load_result, run_row, write_result
-from validation.corpus.table import corpus_data, corpus_markdown, stale_because
+from validation.corpus.table import corpus_data, stale_because
+from validation.results.render import corpus_markdown
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "run":
         os.chdir(ROOT)  # the rows' programs are repository paths
-        chosen = [r for r in rows if not args.stale or load_result(r.name) is None
-                  or stale_because(r, load_result(r.name) or {}, fingerprint) is not None]
+        results = {r.name: load_result(r.name) for r in rows} if args.stale else {}
+        chosen = [r for r in rows if not args.stale or results[r.name] is None
+                  or stale_because(r, results[r.name] or {}, fingerprint) is not None]
         for i, row in enumerate(chosen, 1):
             print(f"[{i}/{len(chosen)}] {row.name}: {row.command}", file=sys.stderr, flush=True)
             result = run_row(row, timeout_s=args.timeout, progress=lambda text: print(text, file=sys.stderr))

@@ -79,17 +79,13 @@ class Row:
     @property
     def command(self) -> str:
         """The exact prism command that predicts this row (environment first)."""
-        env = " ".join(f"{k}={v}" for k, v in self.env.items())
         if self.kind == "throughput":
-            head = (f"prism emulate --world-size {self.gpus} --profile {self.data['hardware']['profile']} "
-                    f"--output /tmp/prism_corpus/{self.name} --overwrite --")
+            head = [f"prism emulate --world-size {self.gpus} --profile {self.data['hardware']['profile']} "
+                    f"--output /tmp/prism_corpus/{self.name} --overwrite --", *self.argv]
         else:
-            head = ("python -m prism_plugin.megatron")
-            tail = (f" --prism-world-size {self.gpus} --prism-real-ranks {self.data['rank']} --prism-profile dgx-h100"
-                    " --prism-device virtual-gpu")
-            return " ".join(filter(None, [env, head, *self.argv])) + tail
-        return " ".join(filter(None, [env, head, *self.argv]))
-
+            head = ["python -m prism_plugin.megatron", *self.argv, f"--prism-world-size {self.gpus} --prism-real-ranks "
+                    f"{self.data['rank']} --prism-profile dgx-h100 --prism-device virtual-gpu"]
+        return " ".join([*(f"{k}={v}" for k, v in self.env.items()), *head])
 
 def _error(path: Path, key: str, problem: str, fix: str) -> RowError:
     return RowError(f"{path}: field `{key}` {problem}; {fix}")
