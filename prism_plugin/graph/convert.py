@@ -136,8 +136,9 @@ def _timeline(it: TracedIteration) -> tuple[list[_Event], list[float], list[floa
     for j, op in enumerate(it.ops):
         events.append((op.issue_us, 0, j))
         if op.waited and op.end_us <= end:
-            # a wait is on its op's handle: never before the issue (TransformerEngine's context-parallel ring
-            # attention, on virtual GPUs, recorded sends waited 3.1 ms before their issue stamp)
+            # the issue stamp is the op's arrival (on a virtual GPU its stream's time), the wait stamp the host's
+            # call: a host may wait on an op its busy stream has not started (TransformerEngine's context-parallel
+            # ring sends, 3.1 ms ahead); the event order needs the issue first, and the rank is held until the end
             events.append((max(op.wait_us, op.issue_us), 1, j))
     events.sort()
     out: list[_Event] = []

@@ -27,7 +27,8 @@ import yaml
 
 from prism_plugin.cost import load_profile
 from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.cost.kernels import KernelClass, KernelCost, KernelEfficiency, RooflineModel
+from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel
+from prism_plugin.cost.profiles import override_profile
 
 __all__ = ["DATA", "Measurement", "errors", "fit_attention", "load", "model"]
 
@@ -82,10 +83,8 @@ def load(path: Path = DATA) -> list[Measurement]:
 
 def model(profile: str = "dgx-h100", overrides: Mapping[str, Any] | None = None) -> RooflineModel:
     """The roofline model of a profile (``overrides``: dotted ``kernels`` figures replacing the profile's)."""
-    loaded = load_profile(profile)
-    given = dict(loaded.kernels.given)
-    given.update(overrides or {})
-    return RooflineModel(gpu_spec(loaded.gpu), KernelEfficiency(tuple(given.items())))
+    loaded = override_profile(load_profile(profile), {f"kernels.{k}": v for k, v in (overrides or {}).items()})
+    return RooflineModel(gpu_spec(loaded.gpu), loaded.kernels)
 
 
 def fit_attention(rows: Sequence[Measurement], peak_flops_per_s: float) -> dict[str, float]:
