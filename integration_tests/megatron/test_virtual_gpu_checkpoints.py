@@ -38,6 +38,7 @@ ARGS = ["--transformer-impl", "local", "--tensor-model-parallel-size", str(TP), 
         "0", "--eval-interval", "1000", "--disable-gloo-process-groups"]
 WRITE_BYTES_PER_S = 2e12 / 16384  # cost/storage.py's policy default: Llama 3's 2 TB/s over 16,384 GPUs
 READ_BYTES_PER_S = 7e12 / 16384  # and its 7 TB/s peak
+ITERATION_S = 0.00193596387  # Megatron's interval timer over iteration 2 on the emulated clock (modelled)
 
 PADDED_VOCAB = -(-VOCAB // (128 * TP)) * 128 * TP  # 1024: Megatron pads to --make-vocab-size-divisible-by 128 x TP
 SHARDED = {  # this TP rank's tensors split over TP (bf16 elements): written by one member of the DP group each
@@ -84,6 +85,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complete
     proc = _run(tmp / "out", "--train-iters", "2", "--save", str(tmp / "ckpt"), "--save-interval", "1", "--load",
                 str(tmp / "no-such-checkpoint"), "--log-num-zeros-in-grad", "--log-params-norm", "--log-throughput",
                 "--log-timers-to-tensorboard", "--log-memory-to-tensorboard", "--tensorboard-dir", str(tmp / "tb"),
+                "--timing-log-level", "2",
                 "--check-weight-hash-across-dp-replicas-interval", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return proc, tmp
@@ -156,8 +158,34 @@ def test_logging_flags_of_megatrons_functional_tests_run(saved: Any) -> None:
     if importlib.util.find_spec("tensorboard") is None:  # Megatron warns and writes nothing; prism says why
         assert "the tensorboard package is not installed on this host" in proc.stderr
         assert "Traceback" not in proc.stderr and not (tmp / "tb").exists()
-    else:
-        assert list((tmp / "tb").glob("events.out.tfevents.*"))
+
+
+def test_megatrons_logs_and_tensorboard_show_emulated_time_and_modelled_memory(saved: Any) -> None:
+    """Megatron's timers read the emulated clock (modelled seconds, exact), so its iteration time, TFLOP/s/GPU and
+    TensorBoard's time scalars are the emulated job's, not this host's ~0.5 s of fake dispatch per iteration; its
+    memory scalars are the allocator model's. Read back with the tensorboard package."""
+    pytest.importorskip("tensorboard", reason="the tensorboard package is not installed (dev extra)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    proc, tmp = saved
+    summary = _summary(tmp / "out")
+    events = EventAccumulator(str(tmp / "tb"))
+    events.Reload()
+    scalar = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    (step, seconds), = scalar["iteration-time"]  # Megatron writes it from the second iteration on
+    assert step == 2 and seconds == pytest.approx(ITERATION_S, rel=1e-6)  # float32 in the event file
+    logged = re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+) \|", proc.stdout)
+    assert logged[1] == f"{1000 * ITERATION_S:.1f}"
+    flops = summary["megatron"]["model_flops_per_iteration"]
+    assert scalar["throughput"][1][1] == pytest.approx(flops / (ITERATION_S * 1e12 * 8), rel=1e-6)
+    device = summary["virtual_gpu"]["devices"][0]
+    assert scalar["mem-max-allocated-bytes"][-1][1] == device["peak_allocated_bytes"]  # modelled, exact
+    assert summary["megatron"]["timers"] == {
+        "clock": "emulated", "across_ranks": "every rank's row is this rank's (symmetric arrivals)",
+        "mirrored_reports": 10}  # each report Megatron made: set-up, per iteration its log, TensorBoard, saves
+    assert {"forward-backward-time", "optimizer-time"} <= set(scalar)  # --timing-log-level 2
+    pairs = re.findall(r"forward-backward \.+: \(([0-9.]+), ([0-9.]+)\)", proc.stdout)
+    assert len(pairs) == 2 and all(low == high for low, high in pairs)  # (min, max) across ranks: mirrored
 
 
 def _metadata_checkpoint(root: Path, iteration: int) -> int:

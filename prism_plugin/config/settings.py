@@ -279,7 +279,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(name="program_time", group=Group.TIME, parse=_choice("wall", "emulated"), default="wall",
             env="PRISM_PROGRAM_TIME", metavar="wall|emulated",
             help="What the program's time.time/perf_counter read: the host's clock, or the emulated clock (its logs "
-                 "print emulated figures)."),
+                 "print emulated figures). Megatron's timers read the emulated clock on virtual GPUs either way."),
     Setting(name="iteration_marker", group=Group.TIME, parse=_choice("auto", "explicit", "optimizer-step"),
             default="auto", metavar="auto|explicit|optimizer-step",
             help="What ends an iteration: prism_plugin.mark_iteration() calls, optimizer steps, or auto (both)."),

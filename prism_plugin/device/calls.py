@@ -69,6 +69,8 @@ class DeviceCalls(TorchFunctionMode):
             flash = _flash_attention(args, kwargs)
             if flash is not None:
                 return flash
+        if func is torch.Tensor.numpy and args and isinstance(args[0], FakeTensor):
+            return self._numpy(args[0])
         i = _DEVICE_ARG.get(func)
         if i is not None and len(args) > i and isinstance(args[i], int) and not isinstance(args[i], bool):
             args = (*args[:i], torch.device("cuda", args[i]), *args[i + 1:])
@@ -81,6 +83,14 @@ class DeviceCalls(TorchFunctionMode):
             if moved is not None:
                 return self._moved(args[0], moved)
         return func(*args, **kwargs)
+
+    def _numpy(self, tensor: FakeTensor) -> Any:
+        """``Tensor.numpy()``: torch refuses it for any tensor subclass; a host fake's values come from the value
+        policy (counted); a GPU tensor is refused as torch refuses it."""
+        if tensor.device.type != "cpu":
+            raise TypeError(f"can't convert {tensor.device} device type tensor to numpy. Use Tensor.cpu() to copy "
+                            "the tensor to host memory first.")
+        return self.values.read_array(tensor)
 
     def _moved(self, source: torch.Tensor, moved: torch.Tensor | None) -> torch.Tensor:
         """`moved` keeps a small `source`'s values (a constant the program made from data) for later reads."""

@@ -234,6 +234,22 @@ class ValuePolicy:
         self.answers[(site, repr(value))] += 1
         return value
 
+    def read_array(self, tensor: torch.Tensor) -> Any:
+        """``tensor.numpy()`` of a fake host tensor (TensorBoard's scalars, loggers): the values the program put
+        there when kept; else each element is the answer of a one-element read (`read`: the known answer, the
+        stated one, or `float_value` for floating point), counted once per call; an integer or boolean tensor with
+        no answer raises `NoValueError` as `read` does."""
+        data = self._data_of(tensor)
+        if data is not None:
+            self.constants_read += 1
+            with _disable_current_modes():
+                return data.detach().numpy().copy()
+        with _disable_current_modes():
+            empty = torch.empty(tuple(tensor.shape), dtype=tensor.dtype).numpy()  # torch's dtype refusals (bf16)
+        if empty.size:
+            empty.fill(self.read(tensor))
+        return empty
+
     def summary(self) -> dict[str, Any]:
         """Per call site, each answer given and how often (what the run's control flow assumed)."""
         return {"float_value": self.float_value, "reads": sum(self.answers.values()),

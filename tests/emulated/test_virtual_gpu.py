@@ -203,3 +203,29 @@ def test_a_constant_copied_to_the_host_keeps_its_value_and_an_empty_one_has_none
     """)
     assert out["host"] == 3.5 and out["host_bool"] is True
     assert out["empty"] == 1.0 and out["constants_read"] == 2  # the two host reads; not the empty one
+
+
+def test_numpy_of_a_host_copy_answers_from_the_value_policy_and_counts(library: None) -> None:
+    """``.numpy()`` (TensorBoard's scalars: Megatron's ``writer.add_scalar(key, loss)``) is refused by torch for any
+    tensor subclass; a fake host tensor answers as its one-element reads do: a constant's values, the policy's float
+    answer per element (counted at the call site), an integer with no answer raises; a GPU tensor and bf16 are
+    refused with torch's own errors."""
+    out = run("""
+        with VirtualGpu(gpu_spec("h100-sxm")) as vg:
+            loss = torch.randn(2, 3, device="cuda").sum(0)
+            array = loss.detach().cpu().numpy()
+            out["loss"] = [array.tolist(), str(array.dtype)]
+            out["constant"] = torch.tensor([3.5, -1.0], device="cuda").cpu().numpy().tolist()
+            out["reads"] = vg.values.summary()["reads"]
+            for name, make in (("gpu", lambda: loss.numpy()), ("bf16", lambda: loss.bfloat16().cpu().numpy()),
+                               ("int", lambda: torch.zeros(4, dtype=torch.long, device="cuda").cpu().numpy())):
+                try:
+                    make()
+                except Exception as exc:
+                    out[name] = f"{type(exc).__name__}: {exc}"
+    """)
+    assert "error" not in out, out["error"]
+    assert out["loss"] == [[1.0, 1.0, 1.0], "float32"] and out["constant"] == [3.5, -1.0] and out["reads"] == 1
+    assert out["gpu"].startswith("TypeError: can't convert cuda:0 device type tensor to numpy")
+    assert out["bf16"] == "TypeError: Got unsupported ScalarType BFloat16"
+    assert out["int"].startswith("NoValueError: prism virtual GPU: <string>:")

@@ -126,6 +126,8 @@ class MegatronAdapter:
         """Virtual GPUs: the checkpoint seams' records (`checkpoint.CheckpointSeams`)."""
         self.fast_forward: Any = None
         """Virtual GPUs: the 1F1B schedule's fast-forward (`fast_forward.ScheduleFastForward`), when on."""
+        self.timers: Any = None
+        """Virtual GPUs with virtual time: Megatron's timers on the emulated clock (`timers.TimerSeams`)."""
 
     # -- install / uninstall -------------------------------------------------------------------------
     def install(self) -> MegatronAdapter:
@@ -161,6 +163,7 @@ class MegatronAdapter:
                 from prism_plugin.adapters.megatron import moe  # MoE token counts from the routing policy
 
                 self.moe_routing = moe.install(self._patches)
+                self.timers = self._start_timers()
                 if training:  # --save / --load: nothing written, no value read (`checkpoint`)
                     from prism_plugin.adapters.megatron import checkpoint
                     from prism_plugin.cost.profiles import load_profile
@@ -238,6 +241,17 @@ class MegatronAdapter:
             functools.update_wrapper(marked, original)
             rebind_everywhere(original, marked, self._patches)
 
+    def _start_timers(self) -> Any:
+        """Megatron's timers read the emulated clock (`timers`) when the virtual GPU keeps time; None otherwise."""
+        from prism_plugin.device.device import current_gpu
+
+        gpu = current_gpu()
+        if gpu is None or gpu.clock is None:
+            return None
+        from prism_plugin.adapters.megatron import timers
+
+        return timers.install(self._patches, gpu.clock)
+
     def _start_fast_forward(self) -> Any:
         """Virtual GPUs with virtual time and ``--prism-fast-forward`` on (the default): the 1F1B schedule's seams
         (`fast_forward`); None otherwise."""
@@ -303,6 +317,7 @@ class MegatronAdapter:
             **({"host_calls_skipped": self.host_calls.summary()} if self.host_calls is not None else {}),
             **({"checkpoints": self.checkpoints.summary()} if self.checkpoints is not None else {}),
             **({"fast_forward": self.fast_forward.summary()} if self.fast_forward is not None else {}),
+            **({"timers": self.timers.summary()} if self.timers is not None else {}),
             "policy_defaults": [*self.policy_defaults, *self._storage_defaults()],
             **_job_figures(),
         }
