@@ -16,9 +16,18 @@ optional ``modelled_comm`` adjustment (the emulated step minus the change in mea
 communication per step between the two emulations); memory ``emulated - reference`` bytes; loss
 ``|emulated - reference| / |reference|``, where both runs have a loss on that rank (an earlier
 pipeline stage has none; Megatron's logged loss appears only on the rank that logs). A comparison
-passes when memory is within ``tolerances.memory_bytes``, both step-time errors are within
-``step_time_rel`` (if set) and the loss within ``loss_rel`` (if set); an emulation whose `loss_rel` is
-set but none of whose pairs has a loss on both sides is an error.
+passes when memory is within ``tolerances.memory_bytes``, the median step time is within ``step_time_rel`` (if
+set; the mean is reported: it carries the steps a shared host descheduled, which the spread of repeat medians
+does not measure) and the loss within ``loss_rel`` (if set); an emulation whose `loss_rel` is set but none of
+whose pairs has a loss on both sides is an error.
+
+Step time is two-sided (`within`): a tolerance ``t`` passes emulated / reference between ``1 / (1 + t)`` and
+``1 + t``, so every width fails on both sides (before, ``|error| <= t`` with ``t >= 1`` could never fail low: an
+emulated step of 0 passed). Its width is held against the noise measured in the same run: with 3 or more
+repeats, each rank's run-to-run spread (`noise_spread` over its repeats' medians). A step time outside the band
+but inside the wider band of ``noise_factor`` x the larger spread of the two compared ranks is *noisy*: this run
+cannot tell a model error from the machine's noise (``step_ok`` None, ``step_noisy`` True; never a pass). Outside
+both, or with no spread measured (fewer than 3 repeats), it fails: the run's noise does not explain it.
 
 Pure: stdlib only.
 """
@@ -33,7 +42,7 @@ from typing import Any
 
 from prism_plugin.recipes.schema import Recipe, StepAdjust
 
-__all__ = ["Comparison", "RankFigures", "compare", "noise_spread", "rank_figures", "summarise"]
+__all__ = ["Comparison", "RankFigures", "compare", "noise_spread", "rank_figures", "summarise", "within"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +67,22 @@ class RankFigures:
     run_peak_bytes: int | None
     """Peak from the program's start to its last step end, warm-up and set-up included (reported)."""
     first_loss: float | None
+    repeat_medians_s: tuple[float, ...] = ()
+    """The median measured step of each repeat, in run order (the run-to-run noise of this run)."""
+
+    @property
+    def noise_rel(self) -> float | None:
+        """This rank's run-to-run spread in this run (`noise_spread`); None with fewer than 3 repeats."""
+        return noise_spread({self.rank: self.repeat_medians_s}) if len(self.repeat_medians_s) >= 3 else None
+
+
+def within(ratio: float, tolerance: float) -> bool:
+    """Whether emulated / reference `ratio` is within the two-sided `tolerance`: from 1 / (1 + t) to 1 + t.
+
+    >>> within(1.5, 0.5), within(0.7, 0.5), within(0.6, 0.5), within(0.0, 1.53)
+    (True, True, False, False)
+    """
+    return 1.0 / (1.0 + tolerance) <= ratio <= 1.0 + tolerance
 
 
 def rank_figures(docs: Sequence[Mapping[str, Any]], *, warmup: int, total: int, where: str) -> RankFigures:
@@ -67,6 +92,7 @@ def rank_figures(docs: Sequence[Mapping[str, Any]], *, warmup: int, total: int, 
     """
     times: list[float] = []
     comm: list[float | None] = []
+    medians: list[float] = []
     for doc in docs:
         steps = doc["steps"]
         if len(steps) != total:
@@ -75,6 +101,7 @@ def rank_figures(docs: Sequence[Mapping[str, Any]], *, warmup: int, total: int, 
                              "or a run that stopped early)")
         measured = [s for s in steps if s["index"] >= warmup]
         times += [float(s["duration_s"]) for s in measured]
+        medians.append(statistics.median(float(s["duration_s"]) for s in measured))
         comm += [s.get("modelled_comm_s") for s in measured]
     step_peaks = [s["peak_bytes"] for doc in docs for s in doc["steps"] if s["index"] >= warmup]
     run_peaks = [doc.get("peak_bytes") for doc in docs]
@@ -85,7 +112,7 @@ def rank_figures(docs: Sequence[Mapping[str, Any]], *, warmup: int, total: int, 
         peak_bytes=None if None in step_peaks else min(step_peaks),
         max_peak_bytes=None if None in step_peaks else max(step_peaks),
         run_peak_bytes=None if None in run_peaks else max(run_peaks),  # type: ignore[type-var]
-        first_loss=docs[0].get("first_loss"),
+        first_loss=docs[0].get("first_loss"), repeat_medians_s=tuple(medians),
     )
 
 
@@ -117,9 +144,13 @@ class Comparison:
     emulated_loss: float | None
     loss_error: float | None
     step_ok: bool | None
-    """None: step time not checked (no tolerance)."""
+    """None: step time not checked (no tolerance), or noisy (`step_noisy`)."""
     memory_ok: bool
     loss_ok: bool | None
+    noise_rel: float | None = None
+    """The larger run-to-run spread of the two ranks in this run (`RankFigures.noise_rel`; None: < 3 repeats)."""
+    step_noisy: bool = False
+    """Step time outside the tolerance but inside noise_factor x `noise_rel`: not checkable in this run."""
 
     @property
     def passed(self) -> bool:
@@ -161,9 +192,14 @@ def compare(recipe: Recipe, figures: Mapping[str, Mapping[int, RankFigures]]) ->
             if ref.first_loss is not None and got.first_loss is not None:
                 loss_err = abs(got.first_loss - ref.first_loss) / abs(ref.first_loss) if ref.first_loss else \
                     abs(got.first_loss)
-            step_ok = None
+            spreads = [n for n in (ref.noise_rel, got.noise_rel) if n is not None]
+            noise = max(spreads) if spreads else None
+            step_ok, noisy = None, False
             if tol.step_time_rel is not None:
-                step_ok = abs(err_med) <= tol.step_time_rel and abs(err_mean) <= tol.step_time_rel
+                inside = within(1 + err_med, tol.step_time_rel)  # the median: what the noise is measured on
+                # a miss the run's own noise explains (inside noise_factor x noise, wider than the band) is noisy
+                noisy = not inside and noise is not None and within(1 + err_med, tol.noise_factor * noise)
+                step_ok = None if noisy else inside
             loss_ok = None
             if tol.loss_rel is not None and loss_err is not None:  # checked where both runs have a loss
                 loss_ok = loss_err <= tol.loss_rel
@@ -174,6 +210,7 @@ def compare(recipe: Recipe, figures: Mapping[str, Mapping[int, RankFigures]]) ->
                 reference_peak_bytes=ref.peak_bytes, emulated_peak_bytes=got.peak_bytes, memory_error_bytes=mem_err,
                 max_peak_error_bytes=max_err,
                 reference_loss=ref.first_loss, emulated_loss=got.first_loss, loss_error=loss_err, step_ok=step_ok,
+                noise_rel=noise, step_noisy=noisy,
                 memory_ok=mem_err is not None and abs(mem_err) <= tol.memory_bytes, loss_ok=loss_ok,
             ))
         if tol.loss_rel is not None and all(c.loss_error is None for c in out[first:]):
@@ -208,6 +245,7 @@ def summarise(comparisons: Sequence[Comparison]) -> dict[str, Any]:
             "memory_error_bytes_max": max(mem) if mem else None,
             "max_step_peak_error_bytes_max": max(max_mem) if max_mem else None,
             "loss_error_max": max(loss) if loss else None,
+            "step_noisy": sum(c.step_noisy for c in rows),
             "passed": all(c.passed for c in rows),
         }
     return out

@@ -45,8 +45,21 @@ def _verdict(ok: bool | None) -> str:
     return "[green]pass[/]" if ok else ("[dim]report[/]" if ok is None else "[bold red]FAIL[/]")
 
 
+def _step_verdict(c: Any) -> str:
+    return "[yellow]noisy[/]" if c.step_noisy else _verdict(c.step_ok)
+
+
+def band(tolerance: float) -> str:
+    """The two-sided step-time band of `tolerance` (`compare.within`) as errors.
+
+    >>> band(0.73)
+    '-42%..+73%'
+    """
+    return f"-{100 * (1 - 1 / (1 + tolerance)):.0f}%..+{100 * tolerance:.0f}%"
+
+
 def _tol_text(tol: Any) -> str:
-    step = "report" if tol.step_time_rel is None else f"+-{100 * tol.step_time_rel:.0f}%"
+    step = "report" if tol.step_time_rel is None else band(tol.step_time_rel)
     loss = "report" if tol.loss_rel is None else ("exact" if tol.loss_rel == 0 else f"{tol.loss_rel:g}")
     noise = "" if tol.noise is None else f" (noise {100 * tol.noise.spread_rel:.1f}%/{tol.noise.runs} runs)"
     return f"mem {tol.memory_bytes} B, step {step}{noise}, loss {loss}"
@@ -66,10 +79,15 @@ def result_table(result: RecipeResult) -> Table:
                       _pct(c.step_error_median), _pct(c.step_error_mean), _bytes(c.reference_peak_bytes),
                       _bytes(c.memory_error_bytes), _bytes(c.max_peak_error_bytes),
                       f"{_loss(c.reference_loss)} / {_loss(c.emulated_loss)}",
-                      _verdict(c.step_ok), _verdict(c.memory_ok), _verdict(c.loss_ok))
+                      _step_verdict(c), _verdict(c.memory_ok), _verdict(c.loss_ok))
     tols = "; ".join(f"{e.name}: {_tol_text(r.tolerances_for(e))}" for e in r.emulated)
-    table.caption = (f"tolerances {tols}. Steps {r.steps.total} ({r.steps.warmup} warm-up); "
-                     f"load average {result.machine.get('before', {}).get('load_average_1m')}")
+    noise = [c.noise_rel for c in result.comparisons if c.noise_rel is not None]
+    measured = f"; noise in this run up to {100 * max(noise):.1f}% ({result.machine.get('repeats')} repeats)" \
+        if noise else ""
+    table.caption = (f"tolerances {tols}. Steps {r.steps.total} ({r.steps.warmup} warm-up){measured}; "
+                     f"load average {result.machine.get('before', {}).get('load_average_1m')}"
+                     + ("; noisy: step time outside the tolerance but inside noise_factor x this run's noise "
+                        "(not checkable here; never a pass)" if result.noisy else ""))
     return table
 
 
@@ -230,7 +248,8 @@ def _plot_errors(plt: Any, results: Sequence[RecipeResult], path: Path) -> None:
     ax.errorbar(xs, centre, yerr=[lo, hi], fmt="o", capsize=4, label="median step-time error (range over ranks)")
     for x, t in zip(xs, tols, strict=True):
         if t is not None:
-            ax.hlines([t, -t], x - 0.35, x + 0.35, colors="#c44e52", linestyles="dashed")
+            ax.hlines([t, -100 * (1 - 1 / (1 + t / 100))], x - 0.35, x + 0.35, colors="#c44e52",
+                      linestyles="dashed")
     ax.axhline(0, color="#888888", linewidth=0.8)
     ax.set_xticks(xs, names, fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("error (%)")
@@ -331,7 +350,8 @@ def write_index(results: Sequence[RecipeResult], folder: Path) -> Path:
                 f"{100 * s['step_error_median_mean']:.1f}% / {100 * s['step_error_median_max']:.1f}% | "
                 f"{100 * s['step_error_mean_mean']:.1f}% / {100 * s['step_error_mean_max']:.1f}% | "
                 f"{_bytes(s['memory_error_bytes_max'])} | {loss} | "
-                f"{'report' if tol is None else f'{100 * tol:.0f}%'} | {'yes' if s['passed'] else 'NO'} |")
+                f"{'report' if tol is None else band(tol)} | "
+                f"{('yes' if not s['step_noisy'] else 'noisy') if s['passed'] else 'NO'} |")
     checks = [(r, e) for r in results for e in r.expectations]
     if checks:
         lines += ["", "| recipe | emulation | rank | check | measured | pass |", "|" + "---|" * 6]

@@ -89,6 +89,11 @@ class RecipeResult:
     def passed(self) -> bool:
         return all(c.passed for c in self.comparisons) and all(e.passed for e in self.expectations)
 
+    @property
+    def noisy(self) -> list[Comparison]:
+        """Comparisons whose step time this run could not check: outside the tolerance, inside the run's noise."""
+        return [c for c in self.comparisons if c.step_noisy]
+
     def to_dict(self) -> dict[str, Any]:
         r = self.recipe
         tol = r.tolerances

@@ -349,7 +349,8 @@ class Tolerances:
     memory_bytes: int = 0
     """Allowed |emulated - real| peak bytes; 0 = exact."""
     step_time_rel: float | None = None
-    """Allowed |emulated - reference| / reference of the median and of the mean step time (None: report)."""
+    """The two-sided band of the median step time: emulated / reference from 1 / (1 + t) to 1 + t (None: report;
+    `prism_plugin.recipes.compare`)."""
     loss_rel: float | None = None
     """Allowed relative error of the first-step loss (0: exact; None: report only)."""
     noise: Noise | None = None
@@ -394,7 +395,8 @@ class Recipe:
     description: str = ""
     tier: Tier = Tier.CI
     repeats: int = 1
-    """Times the whole sequence (real run, emulations) runs, interleaved; measured steps are pooled."""
+    """Times the whole sequence (real run, emulations) runs, interleaved; measured steps are pooled. At least 3
+    when a step time is checked: the spread of the repeats is the run's own noise (`compare`)."""
     program: TorchProgram = TorchProgram.TOY
     """framework torch: ``toy`` (toy_train) or ``llama`` (llama_ddp, a CUDA program for virtual GPUs)."""
     source: Path | None = None
@@ -417,6 +419,13 @@ class Recipe:
             names[emu.name] = emu
         self._check_framework()
         check_virtual_gpu_recipe(self, RecipeError)
+        checked = [e.name for e in self.emulated if self.tolerances_for(e).step_time_rel is not None
+                   and not e.expects_failure and e.compare_with != "none"]
+        if checked and self.repeats < 3:
+            raise RecipeError(
+                f"repeats: {self.repeats}, but emulation(s) {', '.join(checked)} check step time "
+                "(tolerances.step_time_rel): its width is held against the run-to-run noise measured in the same "
+                "run, which needs repeats: 3 or more; set repeats: 3, or step_time_rel: null to report step times")
 
     def _check_emulation(self, emu: Emulation, earlier: Mapping[str, Emulation]) -> None:
         where = f"emulated[{emu.name}]"

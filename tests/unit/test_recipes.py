@@ -108,6 +108,9 @@ BAD = [
      "tighter than noise_factor x measured noise = 2 x 0.08 = 0.16"),
     (_with(tolerances={"step_time_rel": 0.3, "noise": {"runs": 2, "spread_rel": 0.08}}), "noise.runs must be >= 3"),
     (_with(tolerances={"memory_bytes": -1}), "tolerances.memory_bytes must be an integer >= 0"),
+    (_with(tolerances={"step_time_rel": 0.2, "noise": {"runs": 5, "spread_rel": 0.05}}),
+     "repeats: 1, but emulation(s) n4 check step time (tolerances.step_time_rel): its width is held against the "
+     "run-to-run noise measured in the same run, which needs repeats: 3 or more"),
     (_with(layout={"tp": 2, "pp": 2}), "framework torch (the toy TP x DP program) supports layout.tp only"),
     (_with(layout={"tp": 1, "vpp": 2}), "layout.vpp (interleaved pipeline) needs layout.pp >= 2"),
     (_with(tier="nightly"), "tier='nightly' is not one of ci, small, benchmark"),
@@ -226,7 +229,8 @@ def _figs(recipe: Any, docs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def test_compare_errors_and_verdicts() -> None:
-    data = _with(tolerances={"step_time_rel": 0.2, "loss_rel": 0, "noise": {"runs": 5, "spread_rel": 0.05}})
+    data = _with(tolerances={"step_time_rel": 0.2, "loss_rel": 0, "noise": {"runs": 5, "spread_rel": 0.05}},
+                 repeats=3)
     r = recipe_from_mapping(data)
     figs = _figs(r, {"real": [_doc(0, [1.0] * 5), _doc(3, [1.0] * 5, loss=3.0)],
                      "n4": [_doc(0, [1.1] * 5), _doc(3, [1.5] * 5, peak=1004, loss=3.0)]})
@@ -237,6 +241,42 @@ def test_compare_errors_and_verdicts() -> None:
     s = summarise([c0, c3])["n4"]
     assert s["step_error_median_max"] == pytest.approx(0.5) and s["step_error_median_mean"] == pytest.approx(0.3)
     assert s["memory_error_bytes_max"] == 4 and s["passed"] is False
+
+
+def _repeated(recipe: Any, docs: dict[str, list[list[float]]]) -> dict[str, Any]:
+    """Rank 0's figures per label from one list of measured steps per repeat."""
+    return {label: {0: rank_figures([_doc(0, [0.1, *steps]) for steps in repeats], warmup=recipe.steps.warmup,
+                                    total=recipe.steps.total, where=label)} for label, repeats in docs.items()}
+
+
+def test_a_step_tolerance_fails_on_both_sides() -> None:
+    """emulated / reference must lie in [1 / (1 + t), 1 + t]: with t = 1.53 (2 x a 76% spread), 0.3x fails, which
+    |error| <= t passed (any emulated step from 0 up to 2.53x did)."""
+    r = recipe_from_mapping(_with(tolerances={"step_time_rel": 1.53, "noise": {"runs": 5, "spread_rel": 0.7637}},
+                                  repeats=3, emulated=[{"name": "n4", "world_size": 4, "runs": [[0]]}]))
+    quiet = [[1.0] * 4] * 3
+    for ratio, ok in ((0.3, False), (0.4, True), (2.5, True), (2.6, False)):
+        c, = compare(r, _repeated(r, {"real": quiet, "n4": [[ratio] * 4] * 3}))
+        assert (c.step_ok, c.step_noisy, c.noise_rel) == (ok, False, 0.0), ratio
+
+
+def test_a_miss_within_the_runs_own_noise_is_noisy_never_a_pass() -> None:
+    """The width is held against the noise measured in the same run: repeats whose medians are 1.0, 1.0, 1.3 spread
+    by 30%, and 2 x 30% exceeds t = 0.2, so a 1.3x emulated step is not checkable here (noisy); in a quiet run it
+    fails; a 2x step is outside what 2 x 30% explains (1 / 1.6 .. 1.6x) and fails in the noisy run too; within the
+    band it passes whatever the noise."""
+    r = recipe_from_mapping(_with(tolerances={"step_time_rel": 0.2, "noise": {"runs": 5, "spread_rel": 0.05}},
+                                  repeats=3, emulated=[{"name": "n4", "world_size": 4, "runs": [[0]]}]))
+    noisy_real = [[1.0] * 4, [1.0] * 4, [1.3] * 4]
+    c, = compare(r, _repeated(r, {"real": noisy_real, "n4": [[1.3] * 4] * 3}))
+    assert c.noise_rel == pytest.approx(0.3) and c.step_noisy and c.step_ok is None
+    assert summarise([c])["n4"]["step_noisy"] == 1
+    c, = compare(r, _repeated(r, {"real": [[1.0] * 4] * 3, "n4": [[1.3] * 4] * 3}))
+    assert c.noise_rel == 0.0 and not c.step_noisy and c.step_ok is False and not c.passed
+    c, = compare(r, _repeated(r, {"real": noisy_real, "n4": [[2.0] * 4] * 3}))
+    assert c.noise_rel == pytest.approx(0.3) and not c.step_noisy and c.step_ok is False
+    c, = compare(r, _repeated(r, {"real": noisy_real, "n4": [[1.1] * 4] * 3}))
+    assert c.step_ok is True and not c.step_noisy
 
 
 def test_compare_loss_report_only_and_exact() -> None:
@@ -446,7 +486,7 @@ def test_deepspeed_config_batch_arithmetic() -> None:
 
 
 def _result(tmp_path: Path) -> RecipeResult:
-    data = _with(tolerances={"step_time_rel": 0.2, "noise": {"runs": 5, "spread_rel": 0.05}})
+    data = _with(tolerances={"step_time_rel": 0.2, "noise": {"runs": 5, "spread_rel": 0.05}}, repeats=3)
     r = recipe_from_mapping(data)
     docs = {"real": [_doc(0, [1.0] * 5), _doc(3, [1.0] * 5)], "n4": [_doc(0, [1.05] * 5, comm=0.2),
                                                                      _doc(3, [0.9] * 5, comm=0.2)]}
@@ -497,3 +537,12 @@ def _flat(text: str) -> str:
     """Console output without the line breaks rich inserts."""
     return " ".join(text.split())
     assert find_recipe(DEFAULT_RECIPE).name == f"{DEFAULT_RECIPE}.yaml"
+
+
+def test_doctests_of_the_comparison_and_report() -> None:
+    import doctest
+
+    from prism_plugin.recipes import compare as compare_module
+    from prism_plugin.recipes import report as report_module
+
+    assert doctest.testmod(compare_module).failed == 0 and doctest.testmod(report_module).failed == 0
