@@ -33,9 +33,9 @@ steady steps equal), then the emulated step within `error_bound` of the real run
 
 Known biases left in (the report prints them): the virtual peer arrives with this rank (``symmetric``); the load of
 a shared machine drifts between the recording and the real runs (each is a separate run, as in any validation).
-The check is made in up to three attempts (`integration_tests.attempts`: a noise burst misses one attempt, a
-model error every one); when all miss and each had a spread between real runs that allows no check, or a load
-average beyond cores + 1, the test skips naming the figures (never a pass).
+The check is made once, in CI's wall-clock step (marker ``wallclock``: alone, after the rest of the suite;
+`integration_tests.attempts`): beyond its bound it fails whatever the load; it skips, naming the figures (never a
+pass), only when the real runs' spread measured in it puts the bound beyond `MAX_BOUND`.
 """
 
 from __future__ import annotations
@@ -52,14 +52,13 @@ from typing import Any
 import pytest
 import yaml
 
-from integration_tests.attempts import Attempt, check_in_attempts
+from integration_tests.attempts import Attempt, check_once
 
 pytestmark = pytest.mark.slow
 
 STEPS, WARMUP, REAL_RUNS, WORLD = 45, 5, 4, 2
 PROGRAM = ["-m", "prism_plugin.programs.toy_train", "--tp", "2", "--hidden", "512", "--batch", "64",
            "--steps", str(STEPS), "--json"]
-MAX_LOAD = float(os.environ.get("PRISM_RECIPES_MAX_LOAD", (os.cpu_count() or 1) + 1))
 MAX_BOUND = 0.5
 """Beyond this bound (a trimmed spread over 25% between real runs) the real runs say too little: the test skips,
 never passes."""
@@ -181,7 +180,8 @@ def emulated_steps_s(tmp: Path, rank: int, table: Path, host_overhead_us: float,
 def error_bound(real_s: list[float]) -> float:
     """Twice the real runs' trimmed spread ((max - min) / median once the run farthest from the median is dropped,
     as ``prism recipe noise`` trims), at least `FLOOR_REL` (twice: the table comes from one more real run, as noisy
-    as those measured).
+    as those measured). Untrimmed, a steady drift of this host (real means 17.4, 16.1, 14.4, 13.4 ms in one step,
+    2026-12-03) put every bound beyond `MAX_BOUND` while the prediction was within 3%.
 
     >>> round(error_bound([0.0125, 0.0108, 0.0270]), 4)  # 27 ms dropped: 2 x (12.5 - 10.8) / 11.65
     0.2918
@@ -226,6 +226,6 @@ def toy_tp2_attempt(tmp_path: Path) -> Attempt:
     return Attempt("; ".join(figures), missed, noisy)
 
 
-@pytest.mark.heavy  # about 70 s; the toy-tp2 CI recipe compares real and emulated steps in CI
+@pytest.mark.wallclock  # about 70 s, in CI's wall-clock step of its own
 def test_the_toy_tp2_job_in_virtual_time_predicts_its_real_cpu_step(tmp_path: Path) -> None:
-    check_in_attempts(toy_tp2_attempt, tmp_path, MAX_LOAD, f"{MAX_BOUND:.0%}")
+    check_once(toy_tp2_attempt, tmp_path, f"{MAX_BOUND:.0%}")

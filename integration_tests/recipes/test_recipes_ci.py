@@ -62,6 +62,7 @@ def test_ci_tier_is_not_empty() -> None:
         assert max(recipe.real.world_size, *(len(e.runs) for e in recipe.emulated)) <= max(2, os.cpu_count() or 1)
 
 
+@pytest.mark.wallclock  # compares wall-clock step times: CI runs it alone, in its wall-clock step
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "toy-tp2" else pytest.mark.heavy) for n in CI])
 def test_ci_recipe_within_tolerances(name: str, tmp_path: Path) -> None:
     recipe = load_recipe(RECIPES / f"{name}.yaml")
