@@ -271,6 +271,12 @@ def test_messages_name_the_drop_in_flags(tmp_path: Path) -> None:
     assert proc.stderr.strip() == (
         "prism: invalid input: --prism-device virtual-gpu needs a GPU model: profile 'local-cpu-gloo' names none; "
         "use a GPU profile (--prism-profile dgx-h100) or name the model (--prism-gpu h100-sxm)")
+    if importlib.util.find_spec("wandb") is None:  # W&B without its package: refused up front, not at start-up
+        proc = _run(tmp_path / "w", "--train-iters", "1", "--wandb-project", "p", "--wandb-exp-name", "e")
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert ("prism: invalid input: --wandb-project p: the wandb package is not installed on this host (Megatron's "
+                "last rank imports it at start-up); pip install wandb, or leave out --wandb-project"
+                ) in proc.stderr.splitlines() and "Traceback" not in proc.stderr
 
 
 def test_a_legacy_save_writes_each_storage_of_the_model_and_optimizer_state(tmp_path: Path) -> None:

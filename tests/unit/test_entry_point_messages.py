@@ -156,3 +156,38 @@ def test_megatrons_count_of_zero_gradients_has_a_stated_answer_and_tensorboard_a
         "prism: --tensorboard-dir --log-timers-to-tensorboard: the tensorboard package is not installed on this "
         "host, so Megatron writes no TensorBoard events to /tb (its warning follows); the job runs on; pip install "
         "tensorboard to write them")
+
+
+def test_wandb_is_refused_without_the_package_and_runs_offline_without_a_server(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--wandb-project: no wandb package is a clear refusal up front (Megatron's last rank would fail to import it);
+    with the package, an unreachable server (a closed local port here) sets WANDB_MODE=offline and says so; a
+    WANDB_MODE the launch set is left alone."""
+    import socket
+
+    from prism_plugin.adapters.megatron import log_values
+    from prism_plugin.config.errors import ConfigError
+
+    args = type("Args", (), {"wandb_project": "llama"})()
+    assert log_values.wandb_mode(type("Args", (), {"wandb_project": None})(), {}) is None
+    monkeypatch.setattr(log_values.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"^--wandb-project llama: the wandb package is not installed on this host "
+                                          r"\(Megatron's last rank imports it at start-up\); pip install wandb, or "
+                                          r"leave out --wandb-project$"):
+        log_values.wandb_mode(args, {})
+    monkeypatch.setattr(log_values.importlib.util, "find_spec", lambda name: object())  # as if installed
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    environ = {"WANDB_BASE_URL": url}
+    assert log_values.wandb_mode(args, environ) == (
+        f"prism: --wandb-project llama: no W&B server reachable at {url} from this host, so W&B runs offline "
+        "(WANDB_MODE=offline; `wandb sync` uploads the run later)")
+    assert environ["WANDB_MODE"] == "offline"
+    chosen = {"WANDB_BASE_URL": url, "WANDB_MODE": "disabled"}
+    assert log_values.wandb_mode(args, chosen) is None and chosen["WANDB_MODE"] == "disabled"
+    with socket.socket() as server:  # a reachable server: nothing changes
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        reachable = {"WANDB_BASE_URL": f"http://127.0.0.1:{server.getsockname()[1]}"}
+        assert log_values.wandb_mode(args, reachable) is None and "WANDB_MODE" not in reachable

@@ -32,17 +32,27 @@ stated answer (`FSDP_BOUNDARIES`) is True, the check passes.
 TensorBoard events through ``torch.utils.tensorboard``, which needs the ``tensorboard`` package. Without it
 Megatron warns and writes nothing; `tensorboard_note` says so in one line naming the fix
 (``pip install tensorboard``), since Megatron's own warning blames the PyTorch version.
+
+``--wandb-project``: Megatron's last rank imports ``wandb`` and calls ``wandb.init``. Without the package that is
+an ImportError at start-up, so `wandb_mode` refuses the flag first, naming the fix; with it, a W&B server this
+host cannot reach (``WANDB_BASE_URL``, default ``https://api.wandb.ai``, probed with one 2 s TCP connect) makes the
+run offline (``WANDB_MODE=offline``: W&B writes the run under ``--wandb-save-dir`` for a later ``wandb sync``), said
+in one line; a ``WANDB_MODE`` the launch set is left as it is.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 from typing import Any
+from urllib.parse import urlsplit
 
+from prism_plugin.config.errors import ConfigError
 from prism_plugin.device.values import SiteAnswer, ValuePolicy
 
 __all__ = ["COUNT_ZEROS", "FSDP_BOUNDARIES", "SINKHORN", "WEIGHT_HASH", "answer_weight_hash_check", "state_answers",
-           "tensorboard_note"]
+           "tensorboard_note", "wandb_mode"]
 
 COUNT_ZEROS = SiteAnswer(
     path_suffix="megatron/core/optimizer/clip_grads.py", function="count_zeros_fp32", value=0,
@@ -109,3 +119,26 @@ def tensorboard_note(args: Any) -> str | None:
     return (f"prism: {flags}: the tensorboard package is not installed on this host, so Megatron writes no "
             f"TensorBoard events to {wanted} (its warning follows); the job runs on; pip install tensorboard to "
             "write them")
+
+
+def wandb_mode(args: Any, environ: Any = os.environ) -> str | None:
+    """Check ``--wandb-project`` before anything runs; set ``WANDB_MODE=offline`` in `environ` when the W&B server
+    is unreachable from this host. Returns the line to say (None: nothing to say)."""
+    project = getattr(args, "wandb_project", None)
+    if not project:
+        return None
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"--wandb-project {project}: the wandb package is not installed on this host (Megatron's "
+                          "last rank imports it at start-up); pip install wandb, or leave out --wandb-project")
+    if environ.get("WANDB_MODE"):
+        return None
+    url = environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "", parts.port or (80 if parts.scheme == "http" else 443)),
+                                      timeout=2.0):
+            return None
+    except OSError:
+        environ["WANDB_MODE"] = "offline"
+    return (f"prism: --wandb-project {project}: no W&B server reachable at {url} from this host, so W&B runs "
+            "offline (WANDB_MODE=offline; `wandb sync` uploads the run later)")

@@ -169,12 +169,13 @@ def _check_job(config: EmulationConfig, script_args: list[str], cpu_mode: bool, 
     check_args(ns, cpu_mode=cpu_mode, virtual_gpu=config.device is DeviceMode.VIRTUAL_GPU)
     check_job(ns, attention_mode(), virtual_gpu=config.device is DeviceMode.VIRTUAL_GPU)
     _check_layout(config, ns)
-    if os.environ.get("RANK", "0") == "0":  # once: TensorBoard flags on a host without tensorboard
-        from prism_plugin.adapters.megatron.log_values import tensorboard_note
+    from prism_plugin.adapters.megatron.log_values import tensorboard_note, wandb_mode
 
-        note = tensorboard_note(ns)
-        if note is not None:
-            print(note, file=sys.stderr, flush=True)
+    wandb_note = wandb_mode(ns)  # every process: W&B reads WANDB_MODE from its own environment
+    if os.environ.get("RANK", "0") == "0":  # once: TensorBoard flags on a host without tensorboard, W&B offline
+        for note in (tensorboard_note(ns), wandb_note):
+            if note is not None:
+                print(note, file=sys.stderr, flush=True)
     return ns
 
 
