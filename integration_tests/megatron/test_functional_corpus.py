@@ -34,7 +34,7 @@ LIMITS = {
     "gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph":
         "--cuda-graph-impl",  # CUDA graphs capture real kernels (refused before any process starts)
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph":
-        "--fp8-recipe blockwise",  # and CUDA graphs: both refused
+        "--cuda-graph-impl",  # (its FP8 block scaling runs since 2026-12-03)
     "gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor":
         # Megatron-FSDP gathers each shard's shape from its peers (all_gather_object); virtual peers mirror this
         # rank's, which an uneven sharding does not have

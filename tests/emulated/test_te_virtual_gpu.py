@@ -266,3 +266,42 @@ out["y"] = list(y.shape)
     assert out["kernels"] == [["gemm", "gemm", flops, [1024, 4096, 1024]]] * 2 + \
         [["gemm", "gemm", flops, [1024, 1024, 4096]]] * 2 + [["gemm", "gemm", flops, [4096, 1024, 1024]]] * 2
     assert out["y"] == [2048, 4096]
+
+
+def test_block_scaling_runs_fp8_gemms_on_the_transposed_column_wise_data(library: None) -> None:
+    """FP8 block scaling (``--fp8-recipe blockwise``): 1 x 128 blocks for activations and gradients, 128 x 128 for
+    weights, each with its fp32 scale. The column-wise data is stored transposed (TE's ``get_columnwise_shape``:
+    what Hopper's TN GEMM reads), so the wgrad GEMM reads x and dy that way: shapes and FLOPs are the bf16 GEMMs'."""
+    out = run(LINEAR + """
+from transformer_engine.common.recipe import Float8BlockScaling
+with te.autocast(enabled=True, recipe=Float8BlockScaling()):
+    y = lin(x)
+y.sum().backward()
+out["kernels"] = take()
+""")
+    assert "error" not in out, out["error"]
+    flops = 2 * 2048 * 4096 * 1024
+
+    def scales(rows: int, cols: int, block_rows: int) -> int:
+        """fp32 scale-inverses of the row-wise and the column-wise data (TE's ``get_scale_shape``: a 1 x 128 block
+        per 128 elements of a row, or a 128 x 128 block; the inner dimension padded to a multiple of 4)."""
+        def pad(n: int) -> int:
+            return -(-n // 4) * 4
+        if block_rows == 1:
+            return 4 * (cols // 128 * pad(rows) + rows // 128 * pad(cols))
+        return 4 * 2 * (rows // 128 * pad(cols // 128))
+
+    assert out["kernels"] == [
+        # the input's cast: 4 MiB bf16 read; 2 MiB row-wise + 2 MiB column-wise E4M3 and their 1 x 128 scales
+        ["quantize_float8block", "elementwise", "bfloat16", 0, 8 * MiB + scales(2048, 1024, 1), [2048, 1024]],
+        # the weight's: 8 MiB read, 4 + 4 MiB written, 128 x 128 scales
+        ["quantize_float8block", "elementwise", "bfloat16", 0, 16 * MiB + scales(4096, 1024, 128), [4096, 1024]],
+        ["gemm", "gemm", "float8_e4m3fn", flops, 22 * MiB, [2048, 4096, 1024]],  # W 4 + x 2 MiB, y 16 MiB bf16
+        # dy's cast: 16 MiB read, 8 + 8 MiB written
+        ["quantize_float8block", "elementwise", "bfloat16", 0, 32 * MiB + scales(2048, 4096, 1), [2048, 4096]],
+        # dgrad from W's column-wise data (4 MiB) and dy (8 MiB), dx 4 MiB; wgrad from x's and dy's column-wise
+        # (transposed) data, dW 8 MiB bf16
+        ["gemm", "gemm", "float8_e4m3fn", flops, 16 * MiB, [2048, 1024, 4096]],
+        ["gemm", "gemm", "float8_e4m3fn", flops, 18 * MiB, [4096, 1024, 2048]],
+    ]
+    assert scales(2048, 1024, 1) == 131072 and scales(4096, 1024, 128) == 2048  # as TE 2.14 allocates them

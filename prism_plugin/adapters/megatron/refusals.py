@@ -140,10 +140,6 @@ def virtual_gpu_refusals(options: Mapping[str, Any] | argparse.Namespace) -> lis
     if _get(options, "transformer_impl", "transformer_engine") == "transformer_engine" and not te_available():
         out.append(f"--transformer-impl transformer_engine (Megatron's default): {te_missing_message()}; or pass "
                    "--transformer-impl local")
-    if _get(options, "fp8") and _get(options, "fp8_recipe") == "blockwise":
-        out.append("--fp8-recipe blockwise: TE's block-scaled FP8 tensors are not emulated on virtual GPUs yet (their "
-                   "GEMM operands' layouts); pass --fp8-recipe delayed, tensorwise, or mxfp8 (on a B200: --prism-gpu "
-                   "b200-sxm)")
     backend = _get(options, "attention_backend")
     if getattr(backend, "name", backend) == "flash" and _get(options, "transformer_impl") != "local" \
             and te_available() and not flash_available():

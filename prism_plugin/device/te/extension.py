@@ -491,6 +491,20 @@ def fused_amax_and_scale_update_after_reduction(amax_reduction_buffer: torch.Ten
     ops.pointwise("fused_amax_and_scale_update")([amax_reduction_buffer, *tensors], outputs=tensors)
 
 
+def fp8_block_scaling_compute_partial_amax(master_weight: torch.Tensor, amax: torch.Tensor, h: int, w: int,
+                                           start_offset: int, block_len: int) -> None:
+    """The block amaxes of this rank's fragment of a block-scaled FP8 weight (``--fp8-param-gather``, TE's
+    ``cast_master_weights_to_fp8``): one kernel reading the fp32 master fragment, writing ``amax`` in place."""
+    ops.pointwise("fp8_block_scaling_compute_partial_amax", KernelClass.REDUCTION)([master_weight], outputs=[amax])
+
+
+def fp8_block_scaling_partial_cast(master_weight: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, h: int,
+                                   w: int, start_offset: int, block_len: int, out_dtype: Any) -> None:
+    """The cast of this rank's master fragment into its slice of the FP8 weight, each block by its scale: one
+    kernel, in place."""
+    ops.pointwise("fp8_block_scaling_partial_cast")([master_weight, scale], outputs=[out])
+
+
 def _supports_multicast(device_id: int = -1) -> bool:
     """CUDA multicast (NVLink SHARP) is on Hopper and later: the virtual GPU's compute capability decides."""
     return torch.cuda.get_device_capability()[0] >= 9
@@ -527,6 +541,8 @@ def build_module(module: Any) -> None:
         "fused_attn_bwd": fused_attn_bwd, "fused_rope_forward": fused_rope_forward,
         "fused_rope_backward": fused_rope_backward, "compute_amax": compute_amax,
         "fused_amax_and_scale_update_after_reduction": fused_amax_and_scale_update_after_reduction,
+        "fp8_block_scaling_compute_partial_amax": fp8_block_scaling_compute_partial_amax,
+        "fp8_block_scaling_partial_cast": fp8_block_scaling_partial_cast,
         "get_cudnn_version": lambda: CUDNN_VERSION, "get_cublasLt_version": lambda: CUBLASLT_VERSION,
         "get_num_cublas_streams": lambda: 4, "device_supports_multicast": _supports_multicast,
         "get_stream_priority_range": lambda device_id=-1: (0, -5), "ubuf_built_with_mpi": lambda: False,

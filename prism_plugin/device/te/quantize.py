@@ -71,7 +71,9 @@ def operand(tensor: Any, rowwise: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
         col = getattr(tensor, "_columnwise_data", None)
     if row is not None:
         shape = tuple(int(d) for d in row.shape)
-    elif hasattr(tensor, "_transpose") and col is not None:  # a transpose holds (last dim, other dims...)
+    elif (hasattr(tensor, "_transpose") or _block_scaled(tensor)) and col is not None:
+        # a transpose, and FP8 block scaling's column-wise data (TE's ``get_columnwise_shape``: what Hopper's TN
+        # GEMM reads), hold (last dim, other dims...)
         shape = (*(int(d) for d in col.shape[1:]), int(col.shape[0]))
     else:
         shape = tuple(int(d) for d in col.shape) if col is not None else ()
@@ -79,6 +81,11 @@ def operand(tensor: Any, rowwise: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
     if buffer is None:
         buffer = col
     return _fp8_view(buffer, fp8_dtype), shape
+
+
+def _block_scaled(tensor: Any) -> bool:
+    """FP8 block scaling (``Float8BlockwiseQTensor`` and its storage): 1x128 or 128x128 blocks, each with its scale."""
+    return hasattr(tensor, "_is_2D_scaled")
 
 
 def _transpose_shape(shape: Sequence[int]) -> list[int]:
