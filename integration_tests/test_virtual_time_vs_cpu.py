@@ -93,13 +93,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _both_ranks(cmd: list[str], cwd: Path, per_rank: list[list[str]] | None = None) -> list[str]:
+def _both_ranks(cmd: list[str], cwd: Path, per_rank: list[list[str]] | None = None,
+                extra_env: dict[str, str] | None = None) -> list[str]:
     """Run `cmd` (+ per-rank arguments) as ranks 0 and 1 of a gloo rendezvous at once; their stdouts."""
     port = str(_free_port())
     procs = [subprocess.Popen([*cmd, *(per_rank[r] if per_rank else [])], cwd=cwd, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), LOCAL_RANK=str(r),
-                                       WORLD_SIZE=str(WORLD)))
+                                       WORLD_SIZE=str(WORLD), **(extra_env or {})))
              for r in range(WORLD)]
     outs = []
     for proc in procs:

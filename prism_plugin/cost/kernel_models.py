@@ -10,7 +10,8 @@ from typing import Any
 from prism_plugin.config.errors import ConfigError
 from prism_plugin.cost.gpu import GpuSpec
 from prism_plugin.cost.kernel_fit import FitModel
-from prism_plugin.cost.kernels import KernelEfficiency, KernelModel, RooflineModel, TableModel
+from prism_plugin.cost.kernel_table import TableModel
+from prism_plugin.cost.kernels import KernelEfficiency, KernelModel, RooflineModel
 
 __all__ = ["KERNEL_MODELS", "kernel_model"]
 
@@ -51,4 +52,4 @@ def kernel_model(name: str, gpu: GpuSpec, profile_section: KernelEfficiency | Ma
     if table_path is None:
         raise ConfigError("kernel_model=table needs a kernel table file (record one with `prism kernels record -- "
                           "<program>` and pass its path), or choose kernel_model=roofline")
-    return TableModel.from_json(table_path, roofline, device=table_device)
+    return TableModel.from_json(table_path, roofline, device=table_device, target_device=gpu.name)

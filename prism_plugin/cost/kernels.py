@@ -26,13 +26,10 @@ collectives (`prism_plugin.cost.model`). Pure: stdlib only, no torch.
 from __future__ import annotations
 
 import difflib
-import json
 import math
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
 from typing import Any, Protocol
 
 from prism_plugin.config.errors import ConfigError
@@ -44,14 +41,9 @@ __all__ = [
     "KernelEfficiency",
     "KernelModel",
     "RooflineModel",
-    "TableModel",
     "gemm_wave_utilization",
     "peak_dtype",
 ]
-
-TABLE_FORMAT = "prism-kernel-table"
-TABLE_VERSION = 1
-
 
 class KernelClass(StrEnum):
     """What kind of kernel an op launches; each class has its own efficiencies in the profile."""
@@ -439,140 +431,3 @@ class RooflineModel:
                               "needs the GPU's host-link bandwidth; give its datasheet figure")
         memory_s = cost.bytes / bandwidth
         return max(compute_s, memory_s, self._floor_s)
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    cost: KernelCost
-    duration_s: float
-
-
-class TableModel:
-    """Durations measured on a device, by (op, shape, dtype, device); nearest-shape scaling; roofline on a miss.
-
-    Lookup of a kernel (within the table's one device): (1) an entry of the same op, shape and dtype: its
-    measured time; (2) else the entry of the same op and dtype nearest in ``|ln(flops ratio)| + |ln(bytes
-    ratio)|`` (ties: the first in the file's sorted order), its time scaled by the fallback roofline's ratio
-    ``roofline(kernel) / roofline(neighbour)`` (the flops ratio when compute-bound, the bytes ratio when
-    memory-bound, with wave quantization and the floor), counted in `interpolated`; (3) else the fallback
-    roofline's time, counted in `misses`. Repeated entries of one key take their median.
-
-    File (JSON, written by ``prism kernels record``)::
-
-        {"format": "prism-kernel-table", "version": 1, "entries": [
-          {"op": "aten.mm.default", "kernel_class": "gemm", "shape": [4096, 4096, 4096], "dtype": "bfloat16",
-           "device": "NVIDIA H100 80GB HBM3", "flops": 137438953472, "bytes": 100663296, "duration_us": 201.5}]}
-
-    Limitations: the neighbour is one entry (no interpolation between two); a table measured on one device says
-    nothing about another (the fallback's ratios carry the target GPU's roofline, not the measured device's).
-    """
-
-    name = "table"
-
-    def __init__(self, entries: list[tuple[KernelCost, str, float]], fallback: RooflineModel,
-                 *, device: str | None = None, source: str = "<table>") -> None:
-        """`entries`: (cost, device, duration_s) rows; `device`: which device's rows to use (None: the only one)."""
-        devices = sorted({dev for _, dev, _ in entries})
-        if device is None:
-            if len(devices) != 1:
-                raise ConfigError(f"{source}: the table holds devices {devices}; name one (kernel table device)"
-                                  if devices else f"{source}: the table has no entries; record one first")
-            device = devices[0]
-        elif device not in devices:
-            raise ConfigError(f"{source}: no entries for device {device!r}; the table holds {devices}")
-        self.device, self.fallback, self.source = device, fallback, source
-        grouped: dict[tuple[str, tuple[int, ...], str], list[tuple[KernelCost, float]]] = {}
-        for cost, dev, seconds in sorted(entries, key=lambda e: (e[0].op, e[0].dtype, e[0].shape, e[2])):
-            if dev == device:
-                grouped.setdefault((cost.op, cost.shape, cost.dtype), []).append((cost, seconds))
-        self._exact = {key: _Entry(rows[0][0], sorted(s for _, s in rows)[len(rows) // 2])
-                       for key, rows in grouped.items()}
-        self._by_op: dict[tuple[str, str], list[_Entry]] = {}
-        for (op, _, dtype), entry in self._exact.items():
-            self._by_op.setdefault((op, dtype), []).append(entry)
-        self._hits: Counter[str] = Counter()
-        self._interpolated: Counter[str] = Counter()
-        self._misses: Counter[str] = Counter()
-
-    @classmethod
-    def from_json(cls, path: str | Path, fallback: RooflineModel, *, device: str | None = None) -> TableModel:
-        """Load a table file (format above); a `ConfigError` naming the file, the entry and the field otherwise."""
-        source = str(path)
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ConfigError(f"cannot read kernel table {source!r} ({exc.strerror or exc}); check the path, "
-                              "or record one with `prism kernels record -- <program>`") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{source}:{exc.lineno}:{exc.colno}: malformed JSON ({exc.msg})") from None
-        if not isinstance(data, Mapping) or data.get("format") != TABLE_FORMAT:
-            raise ConfigError(f"{source}: not a kernel table (expected an object with format: {TABLE_FORMAT!r})")
-        if data.get("version") != TABLE_VERSION:
-            raise ConfigError(f"{source}: table version {data.get('version')!r}; this build reads {TABLE_VERSION}")
-        rows = data.get("entries")
-        if not isinstance(rows, list):
-            raise ConfigError(f"{source}: `entries` must be a list of measured kernels")
-        return cls([_parse_entry(row, f"{source}: entries[{i}]") for i, row in enumerate(rows)], fallback,
-                   device=device, source=source)
-
-    def duration_s(self, cost: KernelCost) -> float:
-        entry = self._exact.get((cost.op, cost.shape, cost.dtype))
-        if entry is not None:
-            self._hits[cost.op] += 1
-            return entry.duration_s
-        near = self._by_op.get((cost.op, cost.dtype))
-        if not near:
-            self._misses[cost.op] += 1
-            return self.fallback.duration_s(cost)
-        self._interpolated[cost.op] += 1
-        best = min(near, key=lambda e: _distance(e.cost, cost))
-        return best.duration_s * self.fallback.duration_s(cost) / self.fallback.duration_s(best.cost)
-
-    def has_op(self, op: str, dtype: str) -> bool:
-        """Whether the table holds entries of `op` at `dtype` (a fusion region's kernel: only if recorded fused)."""
-        return (op, dtype) in self._by_op
-
-    def hits(self) -> dict[str, int]:
-        """Kernels answered by an exact entry, per op."""
-        return dict(sorted(self._hits.items()))
-
-    def interpolated(self) -> dict[str, int]:
-        """Kernels scaled from a neighbour of the same op and dtype, per op."""
-        return dict(sorted(self._interpolated.items()))
-
-    def misses(self) -> dict[str, int]:
-        """Kernels with no entry of their op and dtype (the fallback roofline answered), per op."""
-        return dict(sorted(self._misses.items()))
-
-
-def _distance(a: KernelCost, b: KernelCost) -> float:
-    return abs(math.log(max(a.flops, 1) / max(b.flops, 1))) + abs(math.log(max(a.bytes, 1) / max(b.bytes, 1)))
-
-
-def _parse_entry(row: object, where: str) -> tuple[KernelCost, str, float]:
-    if not isinstance(row, Mapping):
-        raise ConfigError(f"{where}: must be an object with op, kernel_class, shape, dtype, device, flops, "
-                          "bytes, duration_us")
-    for key in ("op", "kernel_class", "shape", "dtype", "device", "flops", "bytes", "duration_us"):
-        if key not in row:
-            raise ConfigError(f"{where}: missing field `{key}`")
-    for key in ("op", "dtype", "device"):
-        if not isinstance(row[key], str) or not row[key]:
-            raise ConfigError(f"{where}: `{key}` must be a non-empty string, got {row[key]!r}")
-    try:
-        kernel_class = KernelClass(row["kernel_class"])
-    except ValueError:
-        raise ConfigError(f"{where}: `kernel_class` {row['kernel_class']!r} is not one of "
-                          f"{', '.join(c.value for c in KernelClass)}") from None
-    shape = row["shape"]
-    if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
-        raise ConfigError(f"{where}: `shape` must be a list of integers >= 0, got {shape!r}")
-    for key in ("flops", "bytes"):
-        if isinstance(row[key], bool) or not isinstance(row[key], int) or row[key] < 0:
-            raise ConfigError(f"{where}: `{key}` must be an integer >= 0, got {row[key]!r}")
-    us = row["duration_us"]
-    if isinstance(us, bool) or not isinstance(us, int | float) or not math.isfinite(us) or us <= 0:
-        raise ConfigError(f"{where}: `duration_us` must be a number > 0 (a measured kernel time), got {us!r}")
-    cost = KernelCost(op=row["op"], kernel_class=kernel_class, flops=row["flops"], bytes=row["bytes"],
-                      dtype=row["dtype"], shape=tuple(shape))
-    return cost, row["device"], us / 1e6

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from prism_plugin.cost.kernels import KernelClass, KernelCost, KernelModel, TableModel
+from prism_plugin.cost.kernel_table import TableModel
+from prism_plugin.cost.kernels import KernelClass, KernelCost, KernelModel
 from prism_plugin.device.kernels import _op_info, kernel_cost
 
 __all__ = ["MOSTLY_MISSED", "KernelSummary", "KernelTimer", "OpTally"]
@@ -103,7 +104,8 @@ def _table_coverage(table: TableModel) -> dict[str, Any]:
     exact, scaled, missed = (sum(d.values()) for d in (table.hits(), table.interpolated(), table.misses()))
     kernels = exact + scaled + missed
     return {"source": table.source, "device": table.device, "kernels": kernels, "exact": exact, "scaled": scaled,
-            "missed": missed, "missed_fraction": round(missed / kernels, 6) if kernels else 0.0}
+            "scaled_by": table.scaled_by, "missed": missed,
+            "missed_fraction": round(missed / kernels, 6) if kernels else 0.0}
 
 
 def _tally_dict(t: OpTally) -> dict[str, Any]:

@@ -4,8 +4,8 @@ It knows nothing of prism: run it for real (``torchrun --nproc-per-node 4 -m
 prism_plugin.programs.toy_train --tp 2``) or emulated at any scale (``prism run --world-size 8192
 --real-ranks 0,4100 -m prism_plugin.programs.toy_train``). Megatron-style layout: ranks
 ``[dp * tp, (dp + 1) * tp)`` form a tensor-parallel group; a column-parallel then a row-parallel
-linear, the row output summed over TP; gradients averaged over DP. Prints what this rank saw
-(``--json``: one ``TOY_STEP {...}`` JSON line per step, the form the recipe harness's logs keep).
+linear (``--layers`` such blocks in a row), the row output summed over TP; gradients averaged over DP. Prints what
+this rank saw (``--json``: one ``TOY_STEP {...}`` JSON line per step, the form the recipe harness's logs keep).
 """
 
 from __future__ import annotations
@@ -53,12 +53,16 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=1,
+                    help="MLP blocks, each a column- then a row-parallel linear (default 1)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cpu",
                     help="where the weights and batches live: cpu (default), or cuda (a GPU, or prism's virtual GPUs)")
     ap.add_argument("--json", action="store_true",
                     help="print each step as one JSON line (TOY_STEP {...}) instead of text")
     args = ap.parse_args()
+    if args.layers < 1:
+        ap.error(f"--layers {args.layers}: give at least 1 MLP block")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -79,9 +83,10 @@ def main() -> None:
     tp_rank, dp_rank = rank % tp, rank // tp
     h, shard = args.hidden, args.hidden * 4 // tp
     torch.manual_seed(1000 + tp_rank)  # same weights across DP replicas, different TP shards
-    w1 = torch.nn.Parameter((torch.randn(h, shard) / h**0.5).to(args.device))
-    w2 = torch.nn.Parameter((torch.randn(shard, h) / shard**0.5).to(args.device))
-    opt = torch.optim.SGD([w1, w2], lr=0.1)
+    blocks = [(torch.nn.Parameter((torch.randn(h, shard) / h**0.5).to(args.device)),
+               torch.nn.Parameter((torch.randn(shard, h) / shard**0.5).to(args.device))) for _ in range(args.layers)]
+    params = [w for block in blocks for w in block]
+    opt = torch.optim.SGD(params, lr=0.1)
     gen = torch.Generator().manual_seed(7 + dp_rank)  # different data per DP replica
     print(f"[rank {rank}/{world}] tp group {dist.get_process_group_ranks(tp_group)[:3]}..  "
           f"dp group size {dist.get_world_size(dp_group)} (dp rank {dp_rank})", flush=True)
@@ -89,11 +94,13 @@ def main() -> None:
         t0 = time.perf_counter()
         x = torch.randn(args.batch, h, generator=gen).to(args.device)  # the generator is a CPU one
         target = torch.tanh(x)
-        y = _ReduceFromTP.apply(torch.nn.functional.gelu(_CopyToTP.apply(x, tp_group) @ w1) @ w2, tp_group)
+        y = x
+        for w1, w2 in blocks:
+            y = _ReduceFromTP.apply(torch.nn.functional.gelu(_CopyToTP.apply(y, tp_group) @ w1) @ w2, tp_group)
         loss = torch.nn.functional.mse_loss(y, target)
         opt.zero_grad()
         loss.backward()
-        for p in (w1, w2):  # data-parallel gradient average
+        for p in params:  # data-parallel gradient average
             dist.all_reduce(p.grad, group=dp_group)
             p.grad.div_(dp)
         opt.step()

@@ -65,7 +65,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from prism_plugin.cost.kernels import TABLE_FORMAT, TABLE_VERSION, KernelCost
+from prism_plugin.cost.kernel_table import TABLE_FORMAT, TABLE_VERSION
+from prism_plugin.cost.kernels import KernelCost
 from prism_plugin.device.kernels import kernel_cost
 
 __all__ = ["KernelRecorder", "KeySamples", "device_name", "run_program", "table_data"]

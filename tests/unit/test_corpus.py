@@ -13,7 +13,7 @@ import yaml
 
 from validation.corpus.fingerprint import MODEL_FILES, ROOT, model_files, model_fingerprint
 from validation.corpus.rows import ROWS_DIR, Row, RowError, load_rows, throughput_row
-from validation.corpus.table import corpus_data, row_entry, summary
+from validation.corpus.table import corpus_data, row_entry, summary, weak_scaling
 from validation.results import DATA_DIR
 
 ROW = ROWS_DIR / "dgxc2502-nemotron4-15b-16-bf16.yaml"
@@ -105,6 +105,22 @@ def test_stale_results_are_shown_but_left_out_and_fit_rows_are_summarised_apart(
     assert valid["step_within_10_pct"] == 2
     fitted = summary(entries, "fit")
     assert (fitted["rows"], fitted["mean_abs_step_error_pct"]) == (1, 50.0)
+
+
+def test_weak_scaling_series_join_the_rows_that_differ_only_in_gpus_and_global_batch() -> None:
+    def entry(gpus: int, gbs: int, measured: float, predicted: float, **kw: Any) -> dict[str, Any]:
+        return {"role": "validate", "kind": "throughput", "outcome": "ran", "stale": False, "model": "15B",
+                "precision": "bf16", "layout": f"TP4 PP1 MBS4 GBS{gbs} seq 4096", "gpus": gpus,
+                "measured_step_s": measured, "predicted_step_s": predicted, **kw}
+
+    entries = [entry(16, 64, 2.812, 2.569), entry(256, 1024, 2.852, 2.569), entry(2048, 8192, 2.887, 2.589),
+               entry(512, 1024, 2.0, 2.0),  # another batch per GPU: strong scaling, not in the series
+               entry(64, 256, 2.0, 2.0, stale=True), entry(128, 512, 2.0, 2.0, role="fit")]
+    (series,) = weak_scaling(entries)
+    assert (series["base_gpus"], series["layout"]) == (16, "TP4 PP1 MBS4 GBS seq 4096")
+    assert [s["gpus"] for s in series["scales"]] == [256, 2048]
+    assert series["scales"][1] == {"gpus": 2048, "measured_pct": -2.6, "predicted_pct": -0.77, "miss_points": 1.83}
+    assert weak_scaling(entries[:1]) == []
 
 
 def test_a_result_of_another_command_than_the_rows_is_stale() -> None:

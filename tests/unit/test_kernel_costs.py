@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel, TableModel
+from prism_plugin.cost.kernel_table import TableModel
+from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel
 from prism_plugin.cost.profiles import load_profile
 from prism_plugin.device.kernel_timer import KernelTimer
 from prism_plugin.device.kernels import kernel_cost
@@ -174,7 +175,7 @@ def test_timer_tallies_a_training_step(fake, tmp_path) -> None:
     # every kernel missed: the coverage says so and the run warns that its time is the roofline's
     coverage = table_summary.as_dict()["table"]
     assert coverage == {"source": str(path), "device": "cpu", "kernels": table_summary.kernels, "exact": 0,
-                        "scaled": 0, "missed": table_summary.kernels, "missed_fraction": 1.0}
+                        "scaled": 0, "scaled_by": "gpu", "missed": table_summary.kernels, "missed_fraction": 1.0}
     warning = table_summary.table_warning()
     assert warning is not None and f"answered 0 of {table_summary.kernels} kernels" in warning
     assert "(100.0%) fell back to the roofline" in warning and any(warning in line for line in table_summary.lines())

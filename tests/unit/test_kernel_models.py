@@ -12,12 +12,12 @@ import yaml
 from prism_plugin.config.errors import ConfigError
 from prism_plugin.cost.gpu import GpuSpec, gpu_spec
 from prism_plugin.cost.kernel_models import kernel_model
+from prism_plugin.cost.kernel_table import TableModel
 from prism_plugin.cost.kernels import (
     KernelClass,
     KernelCost,
     KernelEfficiency,
     RooflineModel,
-    TableModel,
     gemm_wave_utilization,
     peak_dtype,
 )
@@ -152,6 +152,23 @@ def test_table_exact_interpolated_and_miss(tmp_path) -> None:
     assert table.hits() == {"aten.add.Tensor": 1, "aten.mm.default": 2}
 
 
+def test_a_table_from_another_device_scales_by_its_own_roofline(tmp_path) -> None:
+    """A CPU-recorded table emulating an H100 by name: a near shape scales by what the table measured (4x the FLOPs
+    of a compute-bound GEMM: 4x its time), not by the H100's roofline, on which both GEMMs sit at the floor."""
+    gemm, big = _gemm(64, 2048, 512, "float32", 4), _gemm(64, 4096, 1024, "float32", 4)
+    add, add2 = _add(64 * 512), _add(64 * 1024)
+    rows = [_row(gemm, 4000.0, device="cpu"), _row(add, 20.0, device="cpu"), _row(_add(64 * 2048), 25.0, device="cpu")]
+    on_cpu = _table(tmp_path, rows, target_device=H100_NAME)
+    assert on_cpu.scaled_by == "measured"
+    assert on_cpu.duration_s(big) == pytest.approx(16000e-6, rel=1e-12)
+    # the adds: the best measured bandwidth is the 64 x 2048 one's (768 KiB in 25 us); 64 x 1024's bytes at it
+    # take 12.5 us, under the table's floor (its shortest entry, 20 us): 20 us x 20 / 20
+    assert on_cpu.duration_s(add2) == pytest.approx(20e-6, rel=1e-12)
+    assert ROOF.duration_s(big) == ROOF.duration_s(gemm)  # what the H100's roofline would have scaled by: 1
+    same = _table(tmp_path, rows)  # no target named: the table is taken to be the GPU's (the fallback scales)
+    assert same.scaled_by == "gpu" and same.duration_s(big) == pytest.approx(4000e-6, rel=1e-12)
+
+
 def test_table_devices_and_bad_files(tmp_path) -> None:
     big = _gemm(4096, 4096, 4096)
     rows = [_row(big, 200.0), _row(big, 9000.0, device="cpu")]
@@ -249,6 +266,8 @@ def test_kernel_model_factory(tmp_path) -> None:
 def test_doctests() -> None:
     import doctest
 
+    import prism_plugin.cost.kernel_table as table
     import prism_plugin.cost.kernels as module
 
     assert doctest.testmod(module).failed == 0
+    assert doctest.testmod(table).failed == 0 and doctest.testmod(table).attempted >= 3

@@ -12,7 +12,8 @@ import torch
 
 from prism_plugin.cli.main import main
 from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel, TableModel
+from prism_plugin.cost.kernel_table import TableModel
+from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel
 from prism_plugin.runtime.kernel_recorder import KernelRecorder, KeySamples, run_program, table_data
 
 ENTRY_KEYS = {"op", "kernel_class", "shape", "dtype", "device", "flops", "bytes", "duration_us", "count"}

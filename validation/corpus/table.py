@@ -10,6 +10,7 @@ only.
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ from validation.corpus.fingerprint import model_fingerprint, prism_version
 from validation.corpus.rows import ROLES, Row
 from validation.corpus.runner import RESULTS_DIR, load_result
 
-__all__ = ["COMMAND", "corpus_data", "row_entry", "stale_because", "summary"]
+__all__ = ["COMMAND", "corpus_data", "row_entry", "stale_because", "summary", "weak_scaling"]
 
 COMMAND = "python -m validation.corpus run --write-results"
 GOAL = {"mean_abs_step_error_pct": 5.0, "max_abs_step_error_pct": 10.0, "max_abs_memory_error_pct": 1.0}
@@ -87,6 +88,47 @@ def summary(entries: Sequence[Mapping[str, Any]], role: str) -> dict[str, Any]:
     return out
 
 
+def _gbs(layout: str) -> int | None:
+    match = re.search(r"\bGBS(\d+)\b", layout)
+    return int(match.group(1)) if match else None
+
+
+def weak_scaling(entries: Sequence[Mapping[str, Any]], role: str = "validate") -> list[dict[str, Any]]:
+    """Weak-scaling series among one role's current throughput rows: the same model, precision and layout but for
+    the global batch, which grows with the GPUs (the same global batch per GPU, so the same work per GPU), at two
+    scales or more. Per scale, the per-GPU throughput against the smallest scale's, measured and predicted, in %
+    (``step(smallest) / step(N) - 1``; MFU moves by the same fraction), and the predicted trend's miss in points of
+    that percentage.
+
+    >>> e = [{"role": "validate", "kind": "throughput", "outcome": "ran", "stale": False, "model": "m",
+    ...       "precision": "bf16", "layout": f"TP4 GBS{4 * n}", "gpus": n, "measured_step_s": m,
+    ...       "predicted_step_s": p} for n, m, p in ((16, 2.8, 2.5), (2048, 2.9, 2.5))]
+    >>> weak_scaling(e)[0]["scales"][0]
+    {'gpus': 2048, 'measured_pct': -3.45, 'predicted_pct': 0.0, 'miss_points': 3.45}
+    """
+    series: dict[tuple[str, str, str], list[Mapping[str, Any]]] = {}
+    for e in entries:
+        if (e["role"] == role and e["kind"] == "throughput" and e["outcome"] == "ran" and not e["stale"]
+                and e.get("predicted_step_s") and e.get("measured_step_s") and _gbs(e["layout"])):
+            key = (e["model"], e["precision"], re.sub(r"\bGBS\d+\b", "GBS", e["layout"]), _gbs(e["layout"]) / e["gpus"])
+            series.setdefault(key, []).append(e)
+    out = []
+    for (model, precision, layout, _), members in sorted(series.items()):
+        members = sorted(members, key=lambda e: e["gpus"])
+        if len({e["gpus"] for e in members}) != len(members) or len(members) < 2:
+            continue
+        base = members[0]
+        scales = []
+        for e in members[1:]:
+            measured = 100.0 * (base["measured_step_s"] / e["measured_step_s"] - 1.0)
+            predicted = 100.0 * (base["predicted_step_s"] / e["predicted_step_s"] - 1.0)
+            scales.append({"gpus": e["gpus"], "measured_pct": round(measured, 2), "predicted_pct": round(predicted, 2),
+                           "miss_points": round(abs(predicted - measured), 2)})
+        out.append({"model": model, "precision": precision, "layout": layout, "base_gpus": base["gpus"],
+                    "scales": scales})
+    return out
+
+
 def corpus_data(rows: Sequence[Row], *, results: Path = RESULTS_DIR, date: str) -> dict[str, Any]:
     """``validation/results/corpus.json``: every row with its latest result, and the fit and validate summaries."""
     fingerprint = model_fingerprint()
@@ -96,5 +138,6 @@ def corpus_data(rows: Sequence[Row], *, results: Path = RESULTS_DIR, date: str) 
             "fitting": "No row is fitted on: the kernel model is the hardware profile's (its H100 attention figures "
                        "fitted to published kernel measurements, validation/kernels/, never to a row). Rows marked fit "
                        "may be used by a fit; their errors are reported apart and never called validation.",
-            "summaries": [summary(entries, role) for role in ROLES], "rows": entries}
+            "summaries": [summary(entries, role) for role in ROLES], "weak_scaling": weak_scaling(entries),
+            "rows": entries}
 

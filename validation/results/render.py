@@ -335,6 +335,14 @@ def corpus_markdown(data: Mapping[str, Any]) -> list[str]:
              "Step: the measured step time (a throughput row that prints only tokens/s/GPU: seq x GBS / (tokens/s/GPU "
              "x GPUs)) against the predicted; error = predicted / measured - 1. Memory: measured / predicted peak "
              "allocated GiB where a measured figure exists.", ""]
+    for series in data.get("weak_scaling", []):
+        worst = max(s["miss_points"] for s in series["scales"])
+        lines += [f"Weak scaling, {series['model']} {series['precision']} ({series['layout']}, validate rows): per-GPU "
+                  f"throughput against {series['base_gpus']} GPUs, measured / predicted: "
+                  + ", ".join(f"{s['gpus']} GPUs {s['measured_pct']:+.1f}% / {s['predicted_pct']:+.1f}%"
+                              for s in series["scales"])
+                  + f"; the predicted trend misses by at most {worst:.1f} points of that percentage (MFU moves by the "
+                  "same fraction).", ""]
     by_role = sorted(data["rows"], key=lambda e: (e["role"] != "validate", e["kind"], e["row"]))
     lines += _table(["row", "role", "model", "GPUs", "precision", "layout", "measured step s", "predicted step s",
                      "error %", "peak allocated GiB (measured / predicted)", "model fingerprint @ commit"],
