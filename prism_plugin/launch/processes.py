@@ -53,6 +53,11 @@ def exit_code_of(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+REFUSED = 2
+"""A rank's exit code when it refused its input (one line on stderr naming the flag and the fix, before any process
+group): the launcher adds nothing when no other rank is left to stop."""
+
+
 def _how(returncode: int) -> str:
     if returncode < 0:
         try:
@@ -141,8 +146,9 @@ class _Watch:
             if rc != 0 and self.code == 0 and self.signalled is None:
                 self.code = exit_code_of(rc)
                 spec = self.specs[i]
-                self.say(f"real rank {spec.virtual_rank} (process {spec.process_index}) ended with {_how(rc)}; "
-                         f"stopping the other {len(self.running())} real rank(s)")
+                if rc != REFUSED or self.running():  # a lone refusal (exit 2) has printed its one line
+                    self.say(f"real rank {spec.virtual_rank} (process {spec.process_index}) ended with {_how(rc)}; "
+                             f"stopping the other {len(self.running())} real rank(s)")
                 self.stop(signal.SIGTERM)  # a failed real rank ends the job: never a silent hang
 
     def kill_stragglers(self) -> None:

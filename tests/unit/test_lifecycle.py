@@ -214,6 +214,16 @@ def test_watch_loop_names_the_failed_rank_and_stops_the_others(tmp_path: Path,
     assert not flag.exists()
 
 
+def test_a_lone_rank_that_refused_its_input_leaves_its_one_line_alone(capfd: pytest.CaptureFixture[str]) -> None:
+    refuse = "import sys; print('prism: invalid input: --flag: use --other', file=sys.stderr); sys.exit(2)"
+    assert launch_processes([_child(refuse, 0)], launcher="prism test", timeout_s=30.0, grace_s=1.0) == 2
+    assert capfd.readouterr().err.strip().splitlines() == ["prism: invalid input: --flag: use --other"]
+    # beside another rank, the launcher still says whom it stops
+    assert launch_processes([_child("import time; time.sleep(60)", 0), _child(refuse, 1)], launcher="prism test",
+                            timeout_s=30.0, grace_s=1.0) == 2
+    assert "real rank 11 (process 1) ended with exit code 2; stopping the other 1" in capfd.readouterr().err
+
+
 def test_watch_loop_sigkills_a_child_that_ignores_sigterm(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     ready = tmp_path / "ignoring"
     ignore = (f"import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
