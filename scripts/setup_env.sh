@@ -30,7 +30,7 @@ P="$V/bin/pip"
 # 3. deepspeed builds from sdist with its ops disabled and keeps our torch; triton for megatron-core.
 "$P" install -q -c "$C" deepspeed triton
 # 4. the project itself, editable, with every extra this machine can run (not the GPU extra).
-"$P" install -q -c "$C" --ignore-requires-python -e ".[megatron,deepspeed,dev,trace,cluster]"
+"$P" install -q -c "$C" --ignore-requires-python -e ".[megatron,deepspeed,dev,trace,cluster,hf]"
 # 5. TransformerEngine's pure-Python layer for virtual GPUs, in a private folder that only virtual-GPU processes
 #    put on sys.path (prism_plugin/device/te): no CUDA extension, none of TE's GPU libraries, and not
 #    onnxscript (TE's ONNX export, which virtual GPUs refuse: a stand-in module answers TE's import of it).

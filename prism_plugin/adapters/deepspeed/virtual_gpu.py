@@ -226,6 +226,7 @@ def install(patches: Any, vgpu: Any, *, profile: str | None = None, ds_config: A
 
         return call
 
+    _keep_client_optimizer_on_moved_params(patches, policy)
     for cls in (stage_1_and_2.DeepSpeedZeroOptimizer, stage3.DeepSpeedZeroOptimizer_Stage3):
         patches.setattr(cls, "has_overflow", answering(cls.has_overflow))
     _answer_rank0_lists(patches, policy, read)
@@ -237,6 +238,40 @@ def install(patches: Any, vgpu: Any, *, profile: str | None = None, ds_config: A
     from prism_plugin.cost.profiles import load_profile
 
     return offload.install(patches, vgpu, load_profile(profile).host if profile is not None else HostSpec())
+
+
+def _keep_client_optimizer_on_moved_params(patches: Any, policy: Any) -> None:
+    """The engine's ``module.to(device)`` keeps each parameter's identity on a GPU (``param.data`` is swapped in
+    place), so an optimizer the caller built on the CPU model (the Hugging Face Trainer builds its AdamW before
+    ``deepspeed.initialize``) still holds the model's parameters. A real CPU parameter cannot take a fake device
+    tensor as its ``.data``, so torch gives the module a new ``Parameter`` instead, and ZeRO's mapping of the
+    optimizer's parameters to names failed (``KeyError: Parameter containing: ...``). After the move, the
+    client optimizer's groups (and any state) are re-pointed, in place, at the moved parameters of the same names:
+    what identity would have given. Counted in the values summary (one per parameter re-pointed)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    configure = DeepSpeedEngine._configure_distributed_model
+
+    def _configure_distributed_model(self: Any, model: Any) -> Any:
+        before = list(model.named_parameters())
+        out = configure(self, model)
+        after = dict(self.module.named_parameters())
+        moved = {id(p): after[name] for name, p in before if name in after and after[name] is not p}
+        optimizer = self.client_optimizer
+        if moved and hasattr(optimizer, "param_groups"):
+            repointed = 0
+            for group in optimizer.param_groups:
+                repointed += sum(id(p) in moved for p in group["params"])
+                group["params"] = [moved.get(id(p), p) for p in group["params"]]
+            state = getattr(optimizer, "state", None)
+            for old in [p for p in list(state or ()) if id(p) in moved]:
+                state[moved[id(old)]] = state.pop(old)
+            site = ("deepspeed/runtime/engine.py:_configure_distributed_model",
+                    "the client optimizer follows its parameters to the virtual GPU (identity kept on a GPU)")
+            policy.answers[site] += repointed
+        return out
+
+    patches.setattr(DeepSpeedEngine, "_configure_distributed_model", _configure_distributed_model)
 
 
 def _answer_rank0_lists(patches: Any, policy: Any, read: Any) -> None:
