@@ -2,8 +2,8 @@
 
 ``scripts/setup_env.sh`` installs ``prism_plugin_startup.pth`` into the environment's site-packages; Python runs
 its one line, ``import prism_plugin.startup``, when any interpreter of the environment starts. This module
-imports nothing but the standard library: it registers an import hook that acts only when ``deepspeed`` is
-imported. Then the DeepSpeed adapter (`prism_plugin.adapters.deepspeed.startup`) wraps DeepSpeed's entry points
+imports nothing but the standard library: it registers an import hook that acts only when ``deepspeed`` (or
+``transformers``) is imported. Then the DeepSpeed adapter (`prism_plugin.adapters.deepspeed.startup`) wraps DeepSpeed's entry points
 so that they call `prism_plugin.deepspeed.maybe_init_distributed` before DeepSpeed starts communication, as
 ``patches/deepspeed-0.19.8`` does inside DeepSpeed:
 
@@ -15,6 +15,10 @@ so that they call `prism_plugin.deepspeed.maybe_init_distributed` before DeepSpe
   ``--deepspeed-config``, ``--ds_config``, ``--ds-config`` or ``--config``, if it holds a ``"prism"`` section.
   That is how a launcher's script that sets up communication before ``initialize`` (Accelerate, a
   ``PipelineModule``) gets the section.
+
+A launched script (``RANK`` set) whose command-line ds_config asks for ``"device": "virtual-gpu"`` starts on the
+virtual GPU as soon as it imports ``transformers`` (the Hugging Face Trainer checks the host's devices, ``--bf16``,
+before Accelerate calls ``init_distributed``).
 
 Without a section, or with the emulation already active (the script called ``prism_plugin.deepspeed.
 init_distributed`` itself), DeepSpeed runs as released. A DeepSpeed carrying the native patch (its
@@ -41,8 +45,20 @@ def _patch(deepspeed: ModuleType) -> None:
     patch(deepspeed)
 
 
+def _early(transformers: ModuleType) -> None:
+    """``transformers`` was just imported: a launched Trainer script asking for virtual GPUs starts on one now,
+    before ``TrainingArguments`` checks this host's devices (the adapter's half)."""
+    from prism_plugin.adapters.deepspeed.startup import start_virtual_gpu_early
+
+    start_virtual_gpu_early()
+
+
+_AFTER_IMPORT = {"deepspeed": _patch, "transformers": _early}
+"""What runs when each of these modules has just been imported."""
+
+
 class _Loader:
-    """Runs ``deepspeed``'s own loader, then `_patch`es the module (the loader protocol, without importing
+    """Runs a module's own loader, then its `_AFTER_IMPORT` call (the loader protocol, without importing
     ``importlib.abc``: this module loads in every interpreter of the environment, so it imports little)."""
 
     def __init__(self, loader: Any) -> None:
@@ -53,14 +69,15 @@ class _Loader:
 
     def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
-        _patch(module)
+        _AFTER_IMPORT[module.__name__](module)
 
 
 class _Finder:
-    """Finds ``deepspeed`` through the other finders and gives its spec `_Loader` (a meta path finder)."""
+    """Finds `_AFTER_IMPORT`'s modules through the other finders and gives their specs `_Loader` (a meta path
+    finder)."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "deepspeed":
+        if fullname not in _AFTER_IMPORT:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):

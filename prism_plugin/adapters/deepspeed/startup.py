@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["ARGV_CONFIG_FLAGS", "argv_config", "patch"]
+__all__ = ["ARGV_CONFIG_FLAGS", "argv_config", "patch", "start_virtual_gpu_early"]
 
 ARGV_CONFIG_FLAGS = ("--deepspeed", "--deepspeed_config", "--deepspeed-config", "--ds_config", "--ds-config",
                      "--config")
@@ -75,6 +75,27 @@ def _hook(config: Any) -> bool:
                   file=sys.stderr, flush=True)
         return False
     return maybe_init_distributed(config)
+
+
+def start_virtual_gpu_early() -> None:
+    """A launched script (``RANK`` set) whose command line names a ds_config with ``"device": "virtual-gpu"`` in its
+    "prism" section starts on the virtual GPU now (`_hook`: it re-executes), not at ``init_distributed``. Called
+    when ``transformers`` is imported: the Hugging Face Trainer's ``TrainingArguments`` checks the host's devices
+    (``--bf16``: "Your setup doesn't support bf16/gpu") before Accelerate calls ``init_distributed``. Anything else
+    is left to DeepSpeed's entry points."""
+    from prism_plugin.adapters.deepspeed.virtual_gpu import ENTRY_ENV
+
+    if os.environ.get(ENTRY_ENV) or "RANK" not in os.environ or "PRISM_CONFIG" in os.environ:
+        return
+    path = os.environ.get("PRISM_DEEPSPEED_CONFIG") or argv_config(sys.argv)
+    if path is None:
+        return
+    import json
+
+    with open(path) as fh:
+        section = json.load(fh).get("prism")
+    if isinstance(section, dict) and section.get("device") == "virtual-gpu":
+        _hook(path)
 
 
 def _names_section(config: Any) -> bool:
