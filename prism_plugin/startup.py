@@ -4,8 +4,8 @@
 its one line, ``import prism_plugin.startup``, when any interpreter of the environment starts. This module
 imports nothing but the standard library: it registers an import hook that acts only when ``deepspeed`` (or
 ``transformers``) is imported. Then the DeepSpeed adapter (`prism_plugin.adapters.deepspeed.startup`) wraps
-DeepSpeed's entry points so that they call `prism_plugin.deepspeed.maybe_init_distributed` before DeepSpeed starts communication, as
-``patches/deepspeed-0.19.8`` does inside DeepSpeed:
+DeepSpeed's entry points so that they call `prism_plugin.deepspeed.maybe_init_distributed` before DeepSpeed starts
+communication, as ``patches/deepspeed-0.19.8`` does inside DeepSpeed:
 
 - ``deepspeed.initialize(args=..., config=... | config_params=...)``: the config it is given (or
   ``args.deepspeed_config``);
