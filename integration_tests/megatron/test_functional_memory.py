@@ -128,6 +128,9 @@ EVERY_OTHER_CASE = (
     "gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4",
     "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading",
     "gpt3_mcore_te_tp1_pp1_te_4experts_groupedGEMM_op_fuser",  # -0.03% since TE's grouped-MLP imports run
+    # Megatron-FSDP's uneven shards (the peers' shapes from the buffer layout: adapters/megatron/fsdp_chunks.py)
+    "gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor",
+    "gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router",
 )
 """The other cases that run on a virtual H100 (38 of 78 at 50f9da057bc0, and since: the two weight-hash-check cases,
 the two all-gather-dispatcher cases and the eight sinkhorn-router cases; at d38c4b8b5354 the 14 flash-backend
@@ -144,6 +147,9 @@ MISSED = {
     "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading":
         "+112.4% at d38c4b8b5354 (over twice the golden peak): not diagnosed; what the activation offloading "
         "frees on the device is the first suspect",
+    "gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor": "+2.27% when Megatron-FSDP first ran (2026-12-04): not diagnosed",
+    "gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router":
+        "-1.94% when Megatron-FSDP first ran (2026-12-04): not diagnosed",
 }
 """Cases where the goal is missed today, with the measured error; strict: one that comes within the goal fails here
 until it is taken off this list."""
@@ -160,3 +166,22 @@ def test_every_case_that_runs_is_within_the_goal(case: str, tmp_path: Path) -> N
     assert error is not None and abs(error) <= GOAL_PCT, (
         f"{case}: predicted {result.predicted_peak_allocated_bytes} B vs golden "
         f"{result.measured_peak_allocated_bytes} B: {error:+.3f}% (goal {GOAL_PCT}%)")
+
+
+FSDP_CASE = "gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor"
+
+
+def test_megatron_fsdp_uneven_shards_run_with_their_peers_shapes_from_the_buffer_layout(tmp_path: Path) -> None:
+    """Megatron-FSDP (``--use-megatron-fsdp``, TP2, ZeRO-3-style sharding, 8 GPUs, rank 7): each parameter's rows fall
+    unevenly over the data-parallel shards; the chunk offsets come from the peers' shapes, which the adapter answers
+    from the buffer layout (before: "DTensor chunk metadata is invalid. Offsets: (3500, 0) ... Global shape: [2048,
+    512]"), and Megatron-FSDP's TP RNG sync from a virtual TP rank 0 mirrors this rank's states. About 30 s."""
+    import json
+
+    result = run_case(load_cases([FSDP_CASE])[0], tmp_path, timeout_s=600)
+    assert result.status is CaseStatus.OK, f"{FSDP_CASE} did not run: {result.reason}"
+    summary = json.loads((tmp_path / FSDP_CASE / "rank7.summary.json").read_text())
+    sites = {s["site"]: s["count"] for s in summary["virtual_gpu"]["values"]["by_site"]}
+    assert sites["megatron_fsdp/uneven_dtensor.py:gather_and_compute_chunk_metadata"] > 0
+    assert sites["megatron/core/distributed/fsdp/mcore_fsdp_adapter.py:sync_rng_states_across_tp_group"] >= 1
+    assert result.memory_error_pct is not None and abs(result.memory_error_pct) <= 3.0  # +2.27% measured (MISSED)

@@ -398,7 +398,14 @@ class Session:
         if root is None or vg.is_real(root):
             return
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        pairs = [c10d._object_to_tensor(obj, dev, pg) for obj in object_list]
+        from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+        if _get_current_dispatch_mode_stack():  # pickled bytes are real host bytes: outside a virtual GPU's modes
+            dev = torch.device("cpu")  # (its object collectives run on the CPU: `device._object_collectives_on_cpu`)
+            with _disable_current_modes(), torch._C.DisableTorchFunction():
+                pairs = [c10d._object_to_tensor(obj, dev, pg) for obj in object_list]
+        else:
+            pairs = [c10d._object_to_tensor(obj, dev, pg) for obj in object_list]
         vg.pending_root_payloads.append(torch.cat([size for _, size in pairs]))
         vg.pending_root_payloads.append(torch.cat([tensor for tensor, _ in pairs]))
 

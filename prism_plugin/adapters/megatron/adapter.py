@@ -163,6 +163,13 @@ class MegatronAdapter:
                 from prism_plugin.adapters.megatron import moe  # MoE token counts from the routing policy
 
                 self.moe_routing = moe.install(self._patches)
+                from prism_plugin.adapters.megatron import fsdp_chunks  # Megatron-FSDP's uneven shards' offsets
+                from prism_plugin.device.device import current_gpu
+
+                gpu = current_gpu()
+                if gpu is not None:
+                    fsdp_chunks.install(self._patches, gpu.values)
+                    fsdp_chunks.install_rng_sync(self._patches, gpu.values)
                 self.timers = self._start_timers()
                 if training:  # --save / --load: nothing written, no value read (`checkpoint`)
                     from prism_plugin.adapters.megatron import checkpoint
