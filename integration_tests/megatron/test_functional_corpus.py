@@ -35,9 +35,8 @@ LIMITS = {
         "--cuda-graph-impl",  # CUDA graphs capture real kernels (refused before any process starts)
     "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph":
         "--cuda-graph-impl",  # (its FP8 block scaling runs since 2026-12-03)
-    # (Megatron-FSDP's uneven shards run since 2026-12-04: the peers' shapes come from the buffer layout)
-    "deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap":
-        "PREMUL_SUM",  # FSDP2's reduce-scatter with a pre-multiplied sum: its factor is not readable from Python
+    # (Megatron-FSDP's uneven shards run since 2026-12-04: the peers' shapes come from the buffer layout; and
+    # NCCL's PREMUL_SUM, FSDP2's gradient reduce-scatter)
     "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading":
         "Chunk mismatch",  # not diagnosed: Megatron's fine-grained offload handler sees its chunks out of order
 }

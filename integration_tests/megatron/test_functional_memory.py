@@ -131,6 +131,7 @@ EVERY_OTHER_CASE = (
     # Megatron-FSDP's uneven shards (the peers' shapes from the buffer layout: adapters/megatron/fsdp_chunks.py)
     "gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor",
     "gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router",
+    "deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap",  # and NCCL's PREMUL_SUM (FSDP2's gradient reduce-scatter)
 )
 """The other cases that run on a virtual H100 (38 of 78 at 50f9da057bc0, and since: the two weight-hash-check cases,
 the two all-gather-dispatcher cases and the eight sinkhorn-router cases; at d38c4b8b5354 the 14 flash-backend
@@ -150,6 +151,7 @@ MISSED = {
     "gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor": "+2.27% when Megatron-FSDP first ran (2026-12-04): not diagnosed",
     "gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router":
         "-1.94% when Megatron-FSDP first ran (2026-12-04): not diagnosed",
+    "deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap": "+3.30% when it first ran (2026-12-04): not diagnosed",
 }
 """Cases where the goal is missed today, with the measured error; strict: one that comes within the goal fails here
 until it is taken off this list."""

@@ -11,11 +11,12 @@ refuses, with its own error: emulating gloo, AVG of an integer or bool tensor ("
 cast to the desired output type Long", torch 2.13's gloo divides the sum in place) and an all_gather whose
 output tensors differ in size from the input ("ProcessGroupGloo::allgather: invalid tensor size at index 1
 (expected (2), got (3))"). torch 2.13's gloo runs AVG of floating tensors (older releases refused it), so
-that is accepted. Emulating nccl, nothing more is refused (uneven all_gather and integer AVG run on NCCL).
+that is accepted; NCCL's PREMUL_SUM is refused ("Cannot use ReduceOp.PREMUL_SUM with Gloo"). Emulating nccl,
+nothing is refused of these (uneven all_gather, integer AVG and PREMUL_SUM run on NCCL).
 Under the name "prism" nothing is refused.
 
 What it will NOT do: `recv` from any source (ANY_SOURCE cannot be emulated deterministically),
-PREMUL_SUM or custom reduce ops, NCCL-style coalescing groups (`_start_coalescing` with a device),
+custom reduce ops, NCCL-style coalescing groups (`_start_coalescing` with a device),
 CUDA-stream placement of emulated delays. Each raises `NotImplementedError` naming the op.
 """
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from prism_plugin.comm import collectives as C
+from prism_plugin.comm.fill import premul_factor
 from prism_plugin.comm.group import VirtualGroup
 from prism_plugin.comm.work import TimedWork
 
@@ -138,8 +140,13 @@ class PrismProcessGroup(dist.ProcessGroup):
         return name == "gloo"
 
     def _check_avg(self, op: Any, tensors: list[Tensor]) -> None:
-        if op == _AVG and tensors and self._emulates_gloo(tensors[0]):
-            _refuse_like_gloo_avg(tensors)
+        """Refuse what gloo refuses when it is the backend emulated: AVG of integers, and NCCL's PREMUL_SUM (with
+        gloo's own text, measured with torch 2.13)."""
+        if tensors and self._emulates_gloo(tensors[0]):
+            if op == _AVG:
+                _refuse_like_gloo_avg(tensors)
+            if premul_factor(op) is not None:
+                raise RuntimeError("Cannot use ReduceOp.PREMUL_SUM with Gloo")
 
     def setGroupName(self, name: str) -> None:
         self._group_name = name

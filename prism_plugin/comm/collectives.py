@@ -19,13 +19,23 @@ tensor-sized temporary; each is freed when the op completes (nothing is retained
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from prism_plugin.comm.context import Finish, OpEvent, chain
-from prism_plugin.comm.fill import RedOp, apply_virtual_share, check_reduce_dtype, fill_from, red_op, same_memory
+from prism_plugin.comm.fill import (
+    RedOp,
+    apply_virtual_share,
+    check_reduce_dtype,
+    fill_from,
+    premul_factor,
+    red_op,
+    same_memory,
+    scale_result,
+)
 from prism_plugin.comm.group import VirtualGroup, carries_data
 from prism_plugin.comm.work import TimedWork
 from prism_plugin.config.kinds import DataPolicy, OpKind
@@ -131,6 +141,14 @@ def _real_reduce(vg: VirtualGroup, t: Tensor, op: RedOp, dst: int | None) -> tup
 
 
 # -- reductions ------------------------------------------------------------------------------------
+def _premul_steps(op: object, results: Sequence[Tensor]) -> list[Finish]:
+    """A PREMUL_SUM's scaling of each result that carries data (none for SUM and the other ops)."""
+    factor = premul_factor(op)
+    if factor is None or not carries_data(list(results)):
+        return []
+    return [functools.partial(scale_result, t, factor) for t in results]
+
+
 def all_reduce(vg: VirtualGroup, tensors: list[Tensor], op: object) -> TimedWork:
     arrival = vg.ctx.op_clock.now_s()
     rop = red_op(op)
@@ -141,11 +159,14 @@ def all_reduce(vg: VirtualGroup, tensors: list[Tensor], op: object) -> TimedWork
         for t in tensors:
             check_reduce_dtype(rop, t)
             apply_virtual_share(t, rop, vg.size, 1, policy)
+        for step in _premul_steps(op, tensors):
+            step()
         return _launch(vg, OpKind.ALL_REDUCE, arrival, _nbytes(tensors), tensors, inner, None, tensors)
     for t in tensors:
         works, finish = _real_reduce(vg, t, rop, None)
         inner += works
         steps.append(finish)
+    steps += _premul_steps(op, tensors)
     return _launch(vg, OpKind.ALL_REDUCE, arrival, _nbytes(tensors), tensors, inner, chain(None, steps), tensors)
 
 
@@ -162,6 +183,7 @@ def reduce(vg: VirtualGroup, tensors: list[Tensor], root: int, op: object) -> Ti
             inner += works
             steps.append(finish)
     received = tensors if root == vg.rank else []
+    steps += _premul_steps(op, received) if vg.is_real(root) else []
     return _launch(vg, OpKind.REDUCE, arrival, _nbytes(tensors), received, inner, chain(None, steps), tensors)
 
 
@@ -202,7 +224,8 @@ def reduce_scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[li
         else:
             inner.append(pg.reduce_scatter(list(outputs), [list(c) for c in input_lists], opts))
         size = sum(_nbytes(c) for c in input_lists)
-        return _launch(vg, OpKind.REDUCE_SCATTER, arrival, size, outputs, inner, None, outputs)
+        return _launch(vg, OpKind.REDUCE_SCATTER, arrival, size, outputs, inner,
+                       chain(None, _premul_steps(op, outputs)), outputs)
     for out, chunks in zip(outputs, input_lists, strict=True):
         if len(chunks) != vg.size:
             raise ValueError(f"prism: reduce_scatter needs {vg.size} input chunks, got {len(chunks)}")
@@ -220,6 +243,7 @@ def reduce_scatter(vg: VirtualGroup, outputs: list[Tensor], input_lists: list[li
             if member == vg.rank:
                 steps.append(finish)
     size = sum(_nbytes(c) for c in input_lists)
+    steps += _premul_steps(op, outputs)
     return _launch(vg, OpKind.REDUCE_SCATTER, arrival, size, outputs, inner, chain(None, steps), outputs)
 
 

@@ -22,7 +22,8 @@ from prism_plugin.config.kinds import DataPolicy
 
 RedOp = dist.ReduceOp.RedOpType
 
-__all__ = ["red_op", "check_reduce_dtype", "apply_virtual_share", "fill_from", "same_memory", "zero_fill"]
+__all__ = ["red_op", "premul_factor", "scale_result", "check_reduce_dtype", "apply_virtual_share", "fill_from",
+           "same_memory", "zero_fill"]
 
 # RedOp's members, spelt as torch's type stubs declare them: on ReduceOp (ReduceOp.SUM is ReduceOp.RedOpType.SUM)
 _SUPPORTED = {
@@ -32,15 +33,36 @@ _SUPPORTED = {
 
 
 def red_op(op: object) -> RedOp:
-    """The RedOpType of a ReduceOp / RedOpType; refuse ops this backend cannot emulate."""
+    """The RedOpType of a ReduceOp / RedOpType; refuse ops this backend cannot emulate. NCCL's PREMUL_SUM
+    (``dist._make_nccl_premul_sum(factor)``) is a SUM here: `premul_factor` gives the factor its result is scaled
+    by (sum of factor x input = factor x sum of inputs, applied to the result so no input is written)."""
     # torch's stub omits ReduceOp.op, the RedOpType property its bindings define
     kind = op.op if type(op) is dist.ReduceOp else op  # type: ignore[attr-defined]
+    if kind == dist.ReduceOp.PREMUL_SUM and type(op) is dist.ReduceOp:
+        return dist.ReduceOp.SUM
     if kind not in _SUPPORTED:
         raise NotImplementedError(
-            f"prism: ReduceOp {kind} is not emulated (PREMUL_SUM and custom reduce ops are NCCL-only); "
-            "use SUM/AVG/PRODUCT/MIN/MAX/BAND/BOR/BXOR"
+            f"prism: ReduceOp {kind} is not emulated (custom reduce ops are NCCL-only); "
+            "use SUM/AVG/PRODUCT/MIN/MAX/BAND/BOR/BXOR or PREMUL_SUM"
         )
     return kind
+
+
+def premul_factor(op: object) -> float | torch.Tensor | None:
+    """The factor of a PREMUL_SUM ReduceOp (a number, or a one-element tensor), else None.
+
+    >>> premul_factor(dist._make_nccl_premul_sum(0.25)), premul_factor(dist.ReduceOp.SUM)
+    (0.25, None)
+    """
+    if type(op) is dist.ReduceOp and op.op == dist.ReduceOp.PREMUL_SUM:  # type: ignore[attr-defined]
+        factor: float | torch.Tensor = op.factor
+        return factor
+    return None
+
+
+def scale_result(t: torch.Tensor, factor: float | torch.Tensor) -> None:
+    """`t` *= `factor`, in place: a PREMUL_SUM's result."""
+    t.mul_(factor)
 
 
 _BITWISE = {dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR}

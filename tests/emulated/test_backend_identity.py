@@ -95,3 +95,19 @@ def test_nccl_and_prism_accept_what_gloo_refuses(emulate) -> None:
         outs = [torch.zeros(2)] + [torch.zeros(3)] * 7
         dist.all_gather(outs, torch.ones(2))
         P.deactivate()
+
+
+def test_nccl_premul_sum_is_a_sum_scaled_by_its_factor(emulate) -> None:
+    """NCCL's PREMUL_SUM (FSDP2's gradient reduce-scatter): the sum of factor x input over the members, written to
+    the result only (the input is left as it was); 8 members mirroring this rank's contribution."""
+    emulate(backend="nccl")
+    t = torch.full((3,), 2.0)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.25))
+    assert t.tolist() == [4.0, 4.0, 4.0]  # 8 x 0.25 x 2
+    grads = torch.arange(16.0)
+    out = torch.empty(2)
+    dist.reduce_scatter_tensor(out, grads, op=dist._make_nccl_premul_sum(torch.tensor([0.5])))
+    assert out.tolist() == [40.0, 44.0] and grads.tolist() == list(map(float, range(16)))  # 8 x 0.5 x [10, 11]
+    with pytest.raises(RuntimeError, match="^Cannot use ReduceOp.PREMUL_SUM with Gloo$"):
+        dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0), group=dist.new_group([4, 5],
+                                                                                                   backend="gloo"))
