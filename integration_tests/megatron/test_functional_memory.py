@@ -146,8 +146,8 @@ MISSED = {
     "gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4":
         "+4.63% since Megatron's combined 1F1B schedule (MoE all-to-all overlap) runs (session 13): not diagnosed",
     "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading":
-        "+112.4% at d38c4b8b5354 (over twice the golden peak): not diagnosed; what the activation offloading "
-        "frees on the device is the first suspect",
+        "+24.4% since the virtual GPU's activations are offloaded (2026-12-04; +112.4% before, when "
+        "Megatron's offload handler refused fake tensors and offloaded nothing): not diagnosed further",
     "gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor": "+2.27% when Megatron-FSDP first ran (2026-12-04): not diagnosed",
     "gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router":
         "-1.94% when Megatron-FSDP first ran (2026-12-04): not diagnosed",

@@ -45,8 +45,9 @@ class DeviceCalls(TorchFunctionMode):
         if isinstance(device, int) and not isinstance(device, bool):
             kwargs = {**kwargs, "device": torch.device("cuda", device)}
             device = kwargs["device"]
-        if func in _FROM_DATA and kwargs.get("pin_memory"):  # pinned host memory needs the CUDA library: the same
-            kwargs = {**kwargs, "pin_memory": False}  # host tensor unpinned (Megatron's RoPE CP index, .cuda()'d next)
+        if kwargs.get("pin_memory"):  # pinned host memory needs the CUDA library: the same host tensor, unpinned
+            # (Megatron's RoPE CP index, .cuda()'d next; its activation offloading's host pool, torch.empty)
+            kwargs = {**kwargs, "pin_memory": False}
         if func in _FROM_DATA and args and _holds_cuda_fakes(args[0]):
             # torch.tensor([gpu scalars]) reads each element's value in C++, below every mode (Megatron's
             # local_multi_tensor_l2_norm): the same tensor from the elements, made on the host, values unknown

@@ -163,6 +163,9 @@ class MegatronAdapter:
                 from prism_plugin.adapters.megatron import moe  # MoE token counts from the routing policy
 
                 self.moe_routing = moe.install(self._patches)
+                from prism_plugin.adapters.megatron import activation_offload  # fake activations offloaded too
+
+                activation_offload.install(self._patches)
                 from prism_plugin.adapters.megatron import fsdp_chunks  # Megatron-FSDP's uneven shards' offsets
                 from prism_plugin.device.device import current_gpu
 
