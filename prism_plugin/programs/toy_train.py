@@ -83,8 +83,11 @@ def main() -> None:
     tp_rank, dp_rank = rank % tp, rank // tp
     h, shard = args.hidden, args.hidden * 4 // tp
     torch.manual_seed(1000 + tp_rank)  # same weights across DP replicas, different TP shards
-    blocks = [(torch.nn.Parameter((torch.randn(h, shard) / h**0.5).to(args.device)),
-               torch.nn.Parameter((torch.randn(shard, h) / shard**0.5).to(args.device))) for _ in range(args.layers)]
+    blocks = []
+    for _ in range(args.layers):
+        w1 = torch.nn.Parameter((torch.randn(h, shard) / h**0.5).to(args.device))
+        w2 = torch.nn.Parameter((torch.randn(shard, h) / shard**0.5).to(args.device))
+        blocks.append((w1, w2))
     params = [w for block in blocks for w in block]
     opt = torch.optim.SGD(params, lr=0.1)
     gen = torch.Generator().manual_seed(7 + dp_rank)  # different data per DP replica
