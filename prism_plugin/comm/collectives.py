@@ -183,7 +183,7 @@ def reduce(vg: VirtualGroup, tensors: list[Tensor], root: int, op: object) -> Ti
             inner += works
             steps.append(finish)
     received = tensors if root == vg.rank else []
-    steps += _premul_steps(op, received) if vg.is_real(root) else []
+    steps += _premul_steps(op, received)  # received only at a real root
     return _launch(vg, OpKind.REDUCE, arrival, _nbytes(tensors), received, inner, chain(None, steps), tensors)
 
 

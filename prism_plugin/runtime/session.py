@@ -36,6 +36,7 @@ Seams owned here (each explicit, each undone by `deactivate`):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -397,17 +398,17 @@ class Session:
         root = group_src if group_src is not None else (vg.group_rank_of(src) if src is not None else 0)
         if root is None or vg.is_real(root):
             return
-        dev = torch.device(device) if device is not None else torch.device("cpu")
         from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
-        if _get_current_dispatch_mode_stack():  # pickled bytes are real host bytes: outside a virtual GPU's modes
-            dev = torch.device("cpu")  # (its object collectives run on the CPU: `device._object_collectives_on_cpu`)
-            with _disable_current_modes(), torch._C.DisableTorchFunction():
-                pairs = [c10d._object_to_tensor(obj, dev, pg) for obj in object_list]
-        else:
+        # pickled bytes are real host bytes: under a virtual GPU's modes, made outside them and on the CPU (where its
+        # object collectives run: `device._object_collectives_on_cpu`)
+        on_host = bool(_get_current_dispatch_mode_stack())
+        dev = torch.device("cpu") if on_host or device is None else torch.device(device)
+        with (_disable_current_modes() if on_host else contextlib.nullcontext(),
+              torch._C.DisableTorchFunction() if on_host else contextlib.nullcontext()):
             pairs = [c10d._object_to_tensor(obj, dev, pg) for obj in object_list]
-        vg.pending_root_payloads.append(torch.cat([size for _, size in pairs]))
-        vg.pending_root_payloads.append(torch.cat([tensor for tensor, _ in pairs]))
+            vg.pending_root_payloads.append(torch.cat([size for _, size in pairs]))
+            vg.pending_root_payloads.append(torch.cat([tensor for tensor, _ in pairs]))
 
 
 def _creator(opts: Any, backend_options: Any) -> PrismProcessGroup:
