@@ -8,6 +8,9 @@ Megatron's own memory log lines. The two runs start together (`integration_tests
 modelled, none measured.
 
 - rank 0 (the first stage, 3 warm-up micro-batches: a period of 3 iterations), local spec;
+- the same rank as `prism emulate` profiles it (``--prism-output`` and ``--prism-trace``, 3 iterations): the trace
+  the execution graph is built from and the timeline must be the full run's too, record for record, and so must
+  the class trace (the graph's) made from the trace;
 - heavy: rank 2 of 8 (TP2 with sequence parallelism, the second stage), TransformerEngine with FP8 (hybrid,
   delayed scaling); rank 0 of 8 with TE and 4 experts over EP2 (all-to-all dispatcher, grouped GEMM), 32
   micro-batches per call (the MoE routing policy's answer counts are advanced with the device's).
@@ -41,8 +44,9 @@ ARGS = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size", "1024"
 WALL = frozenset({"fast_forward", "wall_s", "write_s", "late_median_us", "late_p90_us", "late_max_us"})
 
 
-def _run(tmp_path: Path, fast_forward: str, world: int, rank: int, extra: list[str]) -> tuple[dict[str, Any], str]:
-    proc = subprocess.run([sys.executable, "-m", "prism_plugin.megatron", str(SCRIPT), *ARGS, *extra,
+def _run(tmp_path: Path, fast_forward: str, world: int, rank: int, extra: list[str],
+         *more: str) -> tuple[dict[str, Any], str]:
+    proc = subprocess.run([sys.executable, "-m", "prism_plugin.megatron", str(SCRIPT), *ARGS, *extra, *more,
                            "--prism-world-size", str(world), "--prism-real-ranks", str(rank), "--prism-profile",
                            "dgx-h100", "--prism-device", "virtual-gpu", "--prism-fast-forward", fast_forward],
                           capture_output=True, text=True, timeout=900, cwd=ROOT,
@@ -75,3 +79,34 @@ def test_fast_forward_gives_the_full_runs_figures(tmp_path: Path, world: int, ra
     assert "fast_forward" not in full["megatron"]
     assert_same_figures(fast, full, rel_tol=1e-12, abs_tol=1e-9, ignore=WALL)
     assert _memory_lines(fast_log) == _memory_lines(full_log) and len(_memory_lines(full_log)) == 2
+
+
+def test_a_profiling_runs_trace_and_timeline_are_the_full_runs(tmp_path: Path) -> None:
+    from prism_plugin.graph.convert import class_trace
+    from prism_plugin.graph.layout import WorldLayout
+    from prism_plugin.graph.rank_trace import RankTrace
+    from prism_plugin.topology import MegatronLayout
+
+    def profiled(mode: str) -> tuple[dict[str, Any], str]:
+        out = tmp_path / mode
+        return _run(tmp_path, mode, 4, 0, ["--transformer-impl", "local", "--train-iters", "3",
+                    "--untie-embeddings-and-output-weights"], "--prism-output",
+                    str(out), "--prism-trace", str(out / "trace"))
+
+    (fast, _), (full, _) = at_once(lambda: profiled("on"), lambda: profiled("off"))
+    ff = fast["megatron"]["fast_forward"]
+    assert ff["schedule_calls"] == {"fast-forwarded": 3} and ff["microbatches_skipped"] >= 24, ff
+    assert_same_figures(fast, full, rel_tol=1e-12, abs_tol=1e-9, ignore=WALL | {"path"})
+    traces = {mode: json.loads((tmp_path / mode / "trace" / "rank0.trace.json").read_text()) for mode in ("on", "off")}
+    assert len(traces["off"]["iterations"]) == 2 and len(traces["off"]["iterations"][1]["ops"]) > 100
+    # times are microseconds rounded to 1e-3: the advance multiplies where the full run adds (far below 1e-6 s)
+    assert_same_figures(traces["on"], traces["off"], rel_tol=0, abs_tol=2e-3)
+    timelines = {mode: json.loads((tmp_path / mode / "timeline" / "rank0.timeline.json").read_text())
+                 for mode in ("on", "off")}
+    assert len(timelines["off"]["traceEvents"]) > 1000
+    assert_same_figures(timelines["on"], timelines["off"], rel_tol=0, abs_tol=2e-3, ignore=frozenset({"write_s"}))
+    layout = WorldLayout(MegatronLayout(world_size=4, pp=4))
+    graphs = [[node.to_dict() for node in class_trace(RankTrace.from_dict(traces[mode]), layout, warmup=1)[0].nodes]
+              for mode in ("on", "off")]
+    assert len(graphs[1]) > 100
+    assert_same_figures(graphs[0], graphs[1], rel_tol=1e-9, abs_tol=1e-6)

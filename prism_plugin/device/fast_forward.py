@@ -33,8 +33,14 @@ While the adapter skips the program's calls the device is silent (`silent`): an 
 between the skipped calls takes no time and no answer; anything that allocates or changes a figure makes it raise
 `FastForwardBroken`: the fast-forward would no longer be exact.
 
-**Not fast-forwarded** (it runs for real; `unavailable` says why): without virtual time; with a timeline, memory
-history, a kernel table or a traced, recorded, replayed, profiled or fault-injected communication layer; with
+**Observers that keep records.** The tracer (whose records `prism emulate` builds its execution graph from) and
+the timeline offer period views (`prism_plugin.runtime.periods`): their records of the two periods are part of the
+proof (the same records, times relative to the period's start, sequence numbers relative to the group's), and the
+advance writes the last period's records ``n`` more times, shifted, through their own bounds. The timeline's kernel
+recorder keeps receiving the kernels while the engine records them.
+
+**Not fast-forwarded** (it runs for real; `unavailable` says why): without virtual time; with memory history, a
+kernel table, a Kineto trace, or a recorded, replayed, profiled or fault-injected communication layer; with
 several real ranks (their clocks couple at each exchange); with the allocator's garbage collection (block ages).
 
 Limitations: a CUDA event recorded in one period and waited on in a later one would not be shifted by the advance
@@ -63,6 +69,11 @@ _LAYOUT_PARTS = ("the fake host bytes", "the live storages", "the cuBLAS workspa
                  "the groups used")
 
 
+def _has_periods(observer: Any) -> bool:
+    """Whether `observer` keeps records a fast-forward can repeat (`prism_plugin.runtime.periods`)."""
+    return callable(getattr(observer, "periods", None))
+
+
 class FastForwardBroken(RuntimeError):
     """Work the adapter skipped changed the device: the fast-forward would not be exact."""
 
@@ -78,6 +89,8 @@ class _Capture:
     layout: tuple[Any, ...]
     totals: dict[Any, float]
     mallocs: int
+    views: tuple[Any, ...] = ()
+    """Where each recording observer (`FastForward.views`) stands."""
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -203,6 +216,11 @@ class FastForward:
         self._periods: list[list[tuple[Any, ...]]] = []
         self._events: list[tuple[Any, ...]] | None = None
         self._extra_totals: dict[str, float] = {}
+        self._outer_record: Any = None
+        """The clock's kernel recorder before the recording (a timeline's), fed while recording, restored after."""
+        self.views: list[Any] = []
+        """The period views (`prism_plugin.runtime.periods`) of the observers that keep records: the tracer and
+        the timeline; proven and repeated with the device."""
         self.advanced_periods = 0
         self.advanced_s = 0.0
         self.not_proven: Counter[str] = Counter()
@@ -214,8 +232,9 @@ class FastForward:
         gpu, clock = self.gpu, self.gpu.clock
         if clock is None:
             return "no virtual time"
-        if clock.record is not None and self._events is None:
-            return "a timeline records every kernel"
+        if clock.record is not None and self._events is None and not _has_periods(getattr(clock.record, "__self__",
+                                                                                         None)):
+            return "a kernel recorder without a period view records every kernel"
         for model in gpu.allocators:
             if model.history is not None:
                 return "the allocator's memory history is recorded"
@@ -231,7 +250,7 @@ class FastForward:
             if len(session.real_ranks) > 1:
                 return "several real ranks (their clocks couple at every exchange)"
             others = [type(o).__name__ for o in session.observers if o is not session.counters and o is not clock
-                      and not (callable(getattr(o, "idle", None)) and o.idle())]
+                      and not (callable(getattr(o, "idle", None)) and o.idle()) and not _has_periods(o)]
             if others:
                 return f"the communication layer is observed ({', '.join(others)})"
         return None
@@ -243,13 +262,22 @@ class FastForward:
         self._extra_totals = dict(extra_totals)
         if self._events is not None:
             self._periods = [*self._periods[-2:], self._events]
+        else:  # the recording starts
+            self._outer_record = self.gpu.clock.record
+            keepers = [*(self.session.observers if self.session is not None else ()),
+                       getattr(self._outer_record, "__self__", None)]
+            keepers = [o for i, o in enumerate(keepers) if _has_periods(o) and all(o is not k for k in keepers[:i])]
+            self.views = [o.periods() for o in keepers]
         self._captures = [*self._captures[-3:], self._capture()]
         events: list[tuple[Any, ...]] = []
         self._events = self._log.events = events
         base = self.gpu.clock.host_s
+        outer = self._outer_record
 
         def record(row: str, name: str, start_s: float, end_s: float) -> None:
             events.append(("k", row, name, start_s - base, end_s - start_s))
+            if outer is not None:
+                outer(row, name, start_s, end_s)
 
         self.gpu.clock.record = record
         self._log.tap()
@@ -275,6 +303,14 @@ class FastForward:
         recorded = self._periods[-periods:]
         if not all(_same(a, b) for a, b in zip(recorded, recorded[1:], strict=False)):
             return "the periods ran different kernels, ops or allocations"
+        for i, view in enumerate(self.views):
+            kept = [view.signature(a.views[i], b.views[i], a.host_s, self._seq_of(a.totals))
+                    for a, b in zip(captures, captures[1:], strict=False)]
+            reason = next((k for k in kept if isinstance(k, str)), None)
+            if reason is not None:
+                return reason
+            if not all(_same(a, b) for a, b in zip(kept, kept[1:], strict=False)):
+                return f"the periods kept different records in the {type(view).__name__.removesuffix('Periods')}"
         deltas = [_delta(a.totals, b.totals) for a, b in zip(captures, captures[1:], strict=False)]
         if not all(_same_map(a, b) for a, b in zip(deltas, deltas[1:], strict=False)):
             return "the running totals grew differently"
@@ -317,7 +353,7 @@ class FastForward:
         c1, c2 = self._captures[-2], self._captures[-1]
         period = self._periods[-1]
         gpu, clock, log = self.gpu, self.gpu.clock, self._log
-        clock.record, log.events, self._events = None, None, None
+        clock.record, log.events, self._events = self._outer_record, None, None
         tracker = gpu.tracker
         made = {key: log.born.get(id(block)) for key, block in tracker._blocks.items()}  # blocks are reused
         shift = periods * log.replay(period, periods)
@@ -334,6 +370,9 @@ class FastForward:
         for (part, key), delta in deltas.items():
             if delta:
                 by_part.setdefault(part, {})[key] = delta
+        seq_step = self._seq_of(by_part.get("seq", {}), key=lambda i: i)
+        for i, view in enumerate(self.views):
+            view.repeat(c1.views[i], c2.views[i], periods, period_s, seq_step)
         for name, delta in by_part.get("clock", {}).items():
             setattr(clock, name, getattr(clock, name) + periods * delta)
         gpu.kernel_timer.advance(by_part.get("kernels", {}), periods)
@@ -378,18 +417,25 @@ class FastForward:
 
     def stop(self) -> None:
         """The repeated work ended (the schedule returned): drop the marks and the recording."""
-        self.gpu.clock.record = None
+        if self._events is not None:
+            self.gpu.clock.record = self._outer_record
         self._log.untap()
         self._reset()
 
     def _reset(self) -> None:
         self._events = None
+        self._outer_record, self.views = None, []
         self._captures, self._periods = [], []
         self._log = _AllocatorLog(self.gpu.allocators)
 
     def summary(self) -> dict[str, Any]:
         return {"periods_advanced": self.advanced_periods, "emulated_s_advanced": round(self.advanced_s, 9),
                 "not_proven": dict(self.not_proven)}
+
+    def _seq_of(self, figures: dict[Any, float], key: Any = lambda i: ("seq", i)) -> Any:
+        """A group -> its figure in `figures` (a capture's totals: its sequence number; a period's growth)."""
+        groups = {id(vg): i for i, vg in enumerate(self.session.virtual_groups)} if self.session is not None else {}
+        return lambda vg: int(figures.get(key(groups[id(vg)]), 0))
 
     # -- captures -----------------------------------------------------------------------------------------------------
     def _capture(self, *, allocators: bool = False) -> _Capture:
@@ -417,4 +463,5 @@ class FastForward:
             totals.update({("seq", i): vg.seq for i, vg in enumerate(session.virtual_groups)})
             layout = (*layout, tuple((name, use[1], frozenset(use[2])) for name, use in counters.comm_use.items()))
         totals.update({("extra", k): v for k, v in self._extra_totals.items()})
-        return _Capture(host, dict(clock.ends), positions, layout, totals, self._log.mallocs)
+        return _Capture(host, dict(clock.ends), positions, layout, totals, self._log.mallocs,
+                        tuple(view.position() for view in self.views))

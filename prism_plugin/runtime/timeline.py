@@ -110,7 +110,7 @@ class _OpRecord:
 class _Iteration:
     """The ops and spans recorded between two marks (index 0: before the first mark)."""
 
-    __slots__ = ("index", "start_s", "end_s", "ops", "spans")
+    __slots__ = ("index", "start_s", "end_s", "ops", "spans", "order")
 
     def __init__(self, index: int, start_s: float) -> None:
         self.index = index
@@ -118,6 +118,8 @@ class _Iteration:
         self.end_s = -1.0  # set by the next mark; the open one ends at its last record
         self.ops: list[_OpRecord] = []
         self.spans: list[tuple[str, str, float, float, dict[str, Any] | None, str]] = []
+        self.order = bytearray()
+        """0 for an op, 1 for a span, in the order they came (a fast-forward's repeat keeps it: `periods`)."""
 
 
 class Timeline:
@@ -162,11 +164,9 @@ class Timeline:
 
     def on_issued(self, event: OpEvent, work: OpWork) -> None:
         """Record the op with its final arrival and completion, and link the record to `work` (chained)."""
-        ops = self._ops
-        if ops is None or (self._used >= self.max_records and not self._make_room()):
+        if not self._room():
             self.dropped_ops += 1
             return
-        self._used += 1
         vg = event.group
         gid = self._gids.get(id(vg))
         if gid is None:
@@ -177,16 +177,35 @@ class Timeline:
                         event.completion_s if failure is None else failure.raise_at_s, failure is not None,
                         work.trace)
         work.trace = rec
-        ops.append(rec)
+        self._keep_op(rec)
 
     def add_span(self, row: str, name: str, start_s: float, end_s: float, args: dict | None = None, *,
                  category: str = "compute") -> None:
         """A span on row `row` (e.g. a kernel on "cuda stream 7"); spans of one row should not overlap."""
-        if self._ops is None or (self._used >= self.max_records and not self._make_room()):
+        if not self._room():
             self.dropped_spans += 1
             return
+        self._keep_span((row, name, start_s, end_s, args, category))
+
+    def _room(self) -> bool:
+        """Whether one more record is kept (the budget: `_make_room`)."""
+        return self._ops is not None and (self._used < self.max_records or self._make_room())
+
+    def _keep_op(self, rec: _OpRecord) -> None:
         self._used += 1
-        self._current.spans.append((row, name, start_s, end_s, args, category))
+        self._current.ops.append(rec)
+        self._current.order.append(0)
+
+    def _keep_span(self, span: tuple[str, str, float, float, dict[str, Any] | None, str]) -> None:
+        self._used += 1
+        self._current.spans.append(span)
+        self._current.order.append(1)
+
+    def periods(self) -> Any:
+        """This timeline's side of a fast-forward (`prism_plugin.runtime.periods`)."""
+        from prism_plugin.runtime.periods import TimelinePeriods
+
+        return TimelinePeriods(self)
 
     def on_mark(self, iteration: int, start_s: float) -> None:
         """Iteration `iteration` starts at `start_s`: close the open iteration, open the next."""

@@ -82,6 +82,12 @@ class Tracer:
     def on_op(self, event: OpEvent) -> None:
         pass
 
+    def periods(self) -> Any:
+        """This tracer's side of a fast-forward (`prism_plugin.runtime.periods`)."""
+        from prism_plugin.runtime.periods import TracerPeriods
+
+        return TracerPeriods(self)
+
     def on_issued(self, event: OpEvent, work: OpWork) -> None:
         """Record the op (issued at ``event.issue_s``, this rank's own arrival) and link it to `work`."""
         current = self._current

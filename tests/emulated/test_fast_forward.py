@@ -42,7 +42,12 @@ try:
 """
 
 STEADY = """
-    W, M, FF = {w}, {m}, {ff}
+    W, M, FF, BUDGET = {w}, {m}, {ff}, {budget}
+    if BUDGET:  # a timeline draws every kernel (its record budget may fill on the way)
+        from prism_plugin.runtime.timeline import Timeline
+        timeline = Timeline(0, 1, ".", now_s=lambda: vg.clock.host_s, time_name="emulated")
+        timeline.max_records = BUDGET
+        vg.clock.record = timeline.add_span
     fifo = deque(forward() for _ in range(W))
     steady, i, skipped, proofs = M - W, 0, 0, []
     while i < steady:
@@ -72,11 +77,14 @@ STEADY = """
     out["clock"] = summary["virtual_time"]
     out["tallies"] = [[t.op, t.count, t.total_s, t.flops, t.bytes] for t in sorted(
         vg.kernel_timer._tallies.values(), key=lambda t: t.op)]
+    if BUDGET:
+        out["timeline"] = timeline.to_dict()
+        out["timeline_summary"] = {{k: v for k, v in timeline.summary().items() if k not in ("path", "write_s")}}
 """
 
 
-def _run(w: int, m: int, ff: bool) -> dict:
-    return run_child(program(PRELUDE, STEADY.format(w=w, m=m, ff=ff), EPILOGUE))
+def _run(w: int, m: int, ff: bool, budget: int = 0) -> dict:
+    return run_child(program(PRELUDE, STEADY.format(w=w, m=m, ff=ff, budget=budget), EPILOGUE))
 
 
 @pytest.mark.parametrize(("w", "m"), [(3, 40), (1, 20)])
@@ -87,6 +95,19 @@ def test_fast_forward_gives_every_figure_of_the_full_run(library: None, w: int, 
     for key in ("stats", "device", "clock", "tallies"):
         assert_same_figures(fast[key], full[key], rel_tol=0, abs_tol=1e-12, path=key)
     assert fast["clock"]["kernels"] == full["clock"]["kernels"] > 0
+
+
+@pytest.mark.parametrize("budget", [100_000, 600])
+def test_a_timeline_keeps_what_the_full_run_keeps(library: None, budget: int) -> None:
+    """The timeline's kernels of the advanced periods are drawn as the full run draws them (each shifted by whole
+    periods); with a small record budget it fills on the way, and keeps and drops the same records."""
+    full, fast = _run(3, 40, ff=False, budget=budget), _run(3, 40, ff=True, budget=budget)
+    assert fast["skipped"] >= 18, fast
+    assert_same_figures(fast["timeline"], full["timeline"], rel_tol=0, abs_tol=1e-6, path="timeline")
+    assert fast["timeline_summary"] == full["timeline_summary"]
+    dropped = full["timeline_summary"]["dropped"]
+    assert (dropped["spans"] > 0) == (budget < 1000), dropped
+    assert_same_figures(fast["clock"], full["clock"], rel_tol=0, abs_tol=1e-12, path="clock")
 
 
 def test_work_that_grows_is_never_proven(library: None) -> None:

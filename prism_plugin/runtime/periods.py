@@ -1,0 +1,135 @@
+"""The tracer's and the timeline's side of an exact fast-forward (`prism_plugin.device.fast_forward`).
+
+A fast-forward advances a virtual GPU by whole periods of repeated work without running them. The records an op
+observer keeps for those periods must then be what running them would have kept: `prism emulate` builds its
+execution graph from the tracer's records (`prism_plugin.runtime.tracer`), and the timeline
+(`prism_plugin.runtime.timeline`) draws them. So each of the two offers a *period view* (its ``periods()``), with
+which the engine:
+
+- notes where the observer stands at each mark (`position`);
+- proves that two periods kept the same records (`signature`: each record with its times relative to its
+  period's start and its sequence number relative to its group's at that start), as it proves the kernels and
+  allocations the same;
+- writes the last period's records `times` more times (`repeat`), each shifted by a whole number of periods in
+  time and by the group's per-period growth in sequence number, through the observer's own bounds (the tracer's
+  iteration limit, the timeline's record budget), so what is kept and what is dropped is what the full run keeps
+  and drops.
+
+A period the observer cannot describe (an iteration mark inside it, the timeline's record budget filled inside
+it) gives a reason instead of a signature: the engine then proves nothing there, and the work runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["TimelinePeriods", "TracerPeriods"]
+
+SeqOf = Callable[[Any], int]
+"""A group (`prism_plugin.comm.group.VirtualGroup`) -> a sequence number (its own at a mark, or its growth)."""
+
+
+def _rel(t: float, base: float) -> float:
+    return t - base if t >= 0.0 else -1.0
+
+
+def _shift(t: float, by: float) -> float:
+    return t + by if t >= 0.0 else t
+
+
+class TracerPeriods:
+    """`prism_plugin.runtime.tracer.Tracer`'s period view."""
+
+    def __init__(self, tracer: Any) -> None:
+        self.tracer = tracer
+
+    def position(self) -> tuple[Any, int]:
+        current = self.tracer._current
+        return (None, self.tracer.untraced_ops) if current is None else (id(current), len(current))
+
+    def signature(self, a: tuple[Any, int], b: tuple[Any, int], base_s: float, seq_of: SeqOf) -> list[Any] | str:
+        if a[0] != b[0]:
+            return "an iteration of the trace ended inside the period"
+        if a[0] is None:
+            return [("untraced", b[1] - a[1])]
+        groups = self.tracer._keep
+        return [(r.op, r.group, r.seq - seq_of(groups[r.group]), r.size, r.peer, r.issue_s - base_s,
+                 r.return_s - base_s, _rel(r.wait_s, base_s), _rel(r.end_s, base_s), r.thread)
+                for r in self.tracer._current[a[1]:b[1]]]
+
+    def repeat(self, a: tuple[Any, int], b: tuple[Any, int], times: int, period_s: float, seq_step: SeqOf) -> None:
+        tracer = self.tracer
+        if a[0] is None:
+            tracer.untraced_ops += times * (b[1] - a[1])
+            return
+        from prism_plugin.runtime.tracer import OpRecord
+
+        current, groups = tracer._current, tracer._keep
+        period = current[a[1]:b[1]]
+        for k in range(1, times + 1):
+            by = k * period_s
+            for r in period:
+                copy = OpRecord(r.op, r.group, r.seq + k * seq_step(groups[r.group]), r.size, r.peer, r.issue_s + by,
+                                r.thread)
+                copy.return_s, copy.wait_s, copy.end_s = r.return_s + by, _shift(r.wait_s, by), _shift(r.end_s, by)
+                current.append(copy)
+
+
+class TimelinePeriods:
+    """`prism_plugin.runtime.timeline.Timeline`'s period view: its open iteration keeps the order in which ops and
+    spans came (``order``), so a repeat meets the record budget exactly where the full run would."""
+
+    def __init__(self, timeline: Any) -> None:
+        self.timeline = timeline
+
+    def position(self) -> tuple[Any, ...]:
+        t = self.timeline
+        it = t._current
+        return (id(it), t._ops is None, len(it.ops), len(it.spans), len(it.order), t.dropped_ops, t.dropped_spans)
+
+    def signature(self, a: tuple[Any, ...], b: tuple[Any, ...], base_s: float, seq_of: SeqOf) -> list[Any] | str:
+        if a[0] != b[0]:
+            return "an iteration of the timeline ended inside the period"
+        if a[1]:  # the iteration filled the budget before the period: everything in it is dropped
+            return [("dropped", b[5] - a[5], b[6] - a[6])]
+        if b[1]:
+            return "the timeline's record budget filled inside the period"
+        it, groups = self.timeline._current, self.timeline._groups
+        ops = [(r.kind, r.gid, r.seq - seq_of(groups[r.gid]), r.size, r.peer, r.issue_s - base_s,
+                r.arrival_s - base_s, r.end_s - base_s, r.failed, _rel(r.wait_s, base_s), _rel(r.done_s, base_s),
+                r.thread) for r in it.ops[a[2]:b[2]]]
+        spans = [(row, name, start - base_s, end - base_s, args, category)
+                 for row, name, start, end, args, category in it.spans[a[3]:b[3]]]
+        return [bytes(it.order[a[4]:b[4]]), ops, spans]
+
+    def repeat(self, a: tuple[Any, ...], b: tuple[Any, ...], times: int, period_s: float, seq_step: SeqOf) -> None:
+        t = self.timeline
+        if a[1]:
+            t.dropped_ops += times * (b[5] - a[5])
+            t.dropped_spans += times * (b[6] - a[6])
+            return
+        from prism_plugin.runtime.timeline import _OpRecord
+
+        it = t._current
+        ops, spans, order = it.ops[a[2]:b[2]], it.spans[a[3]:b[3]], bytes(it.order[a[4]:b[4]])
+        for k in range(1, times + 1):
+            by = k * period_s
+            o = s = 0
+            for kind in order:
+                if not t._room():
+                    if kind:
+                        t.dropped_spans += 1
+                    else:
+                        t.dropped_ops += 1
+                elif kind:
+                    row, name, start, end, args, category = spans[s]
+                    t._keep_span((row, name, start + by, end + by, args, category))
+                else:
+                    r = ops[o]
+                    copy = _OpRecord(r.kind, r.gid, r.seq + k * seq_step(t._groups[r.gid]), r.size, r.peer,
+                                     r.issue_s + by, r.arrival_s + by, r.end_s + by, r.failed, None)
+                    copy.wait_s, copy.done_s, copy.thread = _shift(r.wait_s, by), _shift(r.done_s, by), r.thread
+                    t._keep_op(copy)
+                s += kind
+                o += 1 - kind
