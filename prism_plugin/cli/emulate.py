@@ -15,7 +15,9 @@ config, the figures it can and cannot give); the steps below are the same.
 2. **profile**: each run is the unmodified script as one real rank of N on a virtual GPU of the profile's model
    (``python -m prism_plugin.megatron ... --prism-device virtual-gpu --prism-trace``), with virtual time
    (`prism_plugin.device.clock`): its trace holds the modelled kernel time between its ops, its
-   summary the exact per-rank memory;
+   summary the exact per-rank memory. A Megatron run trains the job's first ``--warmup`` + 2 iterations
+   (``--prism-iterations``, `profiled_iterations`: a launch script's ``--train-iters 500000`` is not run to its
+   end), and its pipeline's steady state is fast-forwarded (`prism_plugin.device.fast_forward`);
 3. **graph**: the traces become the N-rank execution graph (``<out>/job.graph``);
 4. **replay**: the graph's replay on the profile gives every class's step time, compute, exposed communication
    and pipeline bubble (`prism_plugin.cli.graph.replay_prediction`);
@@ -53,7 +55,7 @@ from prism_plugin.cli.settings_args import add_setting_arguments, given_settings
 from prism_plugin.config.errors import ConfigError, int_at_least, positive_int
 
 __all__ = ["add_emulate_parser", "check_job_argv", "check_megatron_job", "emulate", "layout_of_megatron_args",
-           "run_command"]
+           "profiled_iterations", "run_command"]
 
 _LAYOUT_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
                  "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
@@ -179,9 +181,12 @@ def check_job_argv(script_argv: list[str], command: str, other: str) -> None:
 
 
 def run_command(script_argv: list[str], rank: int, run_dir: Path, world_size: int, profile: str,
-                gpus_per_node: int, *, trace: bool = True, graph: Path | None = None) -> list[str]:
+                gpus_per_node: int, *, trace: bool = True, graph: Path | None = None,
+                iterations: int | None = None) -> list[str]:
     """One profiling (or hybrid, with `graph`) run's command: the job as real rank `rank` of `world_size` on a
-    virtual GPU of `profile`, writing into `run_dir` (and its trace, with `trace`)."""
+    virtual GPU of `profile`, writing into `run_dir` (and its trace, with `trace`); with `iterations`, the job's
+    first that many iterations (``--prism-iterations``: a job stated longer is shortened, a shorter one runs as
+    it is)."""
     command = [sys.executable, "-m", "prism_plugin.megatron", *script_argv,
                "--prism-world-size", str(world_size), "--prism-real-ranks", str(rank), "--prism-profile", profile,
                "--prism-gpus-per-node", str(gpus_per_node), "--prism-device", "virtual-gpu",
@@ -190,7 +195,15 @@ def run_command(script_argv: list[str], rank: int, run_dir: Path, world_size: in
         command += ["--prism-trace", str(run_dir / "trace")]
     if graph is not None:
         command += ["--prism-graph", str(graph)]
+    if iterations is not None:
+        command += ["--prism-iterations", str(iterations)]
     return command
+
+
+def profiled_iterations(warmup: int) -> int:
+    """The iterations a Megatron profiling run needs: the `warmup` ones the graph drops, one steady iteration, and
+    the one whose start closes it (the trace drops the iteration the program's end cuts)."""
+    return warmup + 2
 
 
 
@@ -309,7 +322,7 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
             return ds_job.command(sys.executable, rank, run_dir, profile=profile, gpus_per_node=gpus_per_node,
                                   trace=graph is None, graph=graph)
         return run_command(script_argv, rank, run_dir, world_size, profile, gpus_per_node, trace=graph is None,
-                            graph=graph)
+                           graph=graph, iterations=profiled_iterations(warmup))
 
     specs = []
     for i, ranks in enumerate(plan.runs):
