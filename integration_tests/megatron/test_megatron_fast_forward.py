@@ -8,6 +8,9 @@ Megatron's own memory log lines. The two runs start together (`integration_tests
 modelled, none measured.
 
 - rank 0 (the first stage, 3 warm-up micro-batches: a period of 3 iterations), local spec;
+- rank 3 (the last stage: no warm-up, a period of 1 iteration; each micro-batch's reported loss is kept in the
+  schedule's ``forward_data_store`` until the step ends, so the skipped ones' entries are made to own the blocks
+  the allocator's replay left for them), local spec;
 - the same rank as `prism emulate` profiles it (``--prism-output`` and ``--prism-trace``, 3 iterations): the trace
   the execution graph is built from and the timeline must be the full run's too, record for record, and so must
   the class trace (the graph's) made from the trace;
@@ -63,6 +66,7 @@ def _memory_lines(log: str) -> list[str]:
 
 @pytest.mark.parametrize(("world", "rank", "extra"), [
     pytest.param(4, 0, ["--transformer-impl", "local"], id="first-stage-local"),
+    pytest.param(4, 3, ["--transformer-impl", "local"], id="last-stage-local"),
     pytest.param(8, 2, ["--transformer-impl", "transformer_engine", "--tensor-model-parallel-size", "2",
                         "--sequence-parallel", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
                  id="middle-stage-te-fp8", marks=pytest.mark.heavy),

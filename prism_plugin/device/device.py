@@ -22,6 +22,7 @@ step time is modelled (virtual time is a separate layer) and nothing here sleeps
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,18 @@ class _AllocatorTracker(StorageTracker):
         block = self._blocks.pop(key, None)
         if block is not None and not self.gpu.fusion.hold(block):  # held: freed when the region ends
             self.free(block)
+
+    def adopt(self, tensor: torch.Tensor, block: Block) -> None:
+        """`tensor` (made while this tracker was paused: no block of its own) owns `block`, allocated already (a
+        fast-forward's replay: `prism_plugin.device.fast_forward.FastForward.orphans`); its death frees it."""
+        storage = tensor.untyped_storage()
+        key, nbytes = storage._cdata, storage.nbytes()
+        assert key not in self._live and tensor.device.type == "cuda"
+        self._live[key] = (weakref.ref(storage, lambda _ref, k=key: self._free(k)), nbytes)
+        self._blocks[key] = block
+        self.allocations += 1
+        self.current_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
     def live_count(self) -> tuple[int, int]:
         """How many device and fake host storages are alive."""

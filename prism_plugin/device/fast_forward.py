@@ -20,6 +20,12 @@ totals (kernels, seconds, launches, kernel tallies, value-policy answers, commun
 sequence numbers, and the adapter's own: data consumed) grew by the same amounts in both. The allocator's block
 layout need not repeat (its small pool rarely does): the allocator is replayed, not extrapolated.
 
+**A growing container.** The adapter may name the storages that a container of the program holds and that grows
+by the same objects every period (the last pipeline stage's losses, kept until the step ends): they are left out
+of the live storages compared and never remapped; after the replay, the blocks no storage owns (`orphans`, in
+malloc order) are what the skipped work left in the container, and the adapter makes its copies own them
+(the virtual GPU's tracker's ``adopt``).
+
 **The advance** by ``n`` periods:
 
 - the allocator models run the second period's requests ``n`` more times (`_AllocatorLog.replay`: malloc by size
@@ -216,6 +222,11 @@ class FastForward:
         self._periods: list[list[tuple[Any, ...]]] = []
         self._events: list[tuple[Any, ...]] | None = None
         self._extra_totals: dict[str, float] = {}
+        self._held: frozenset[int] = frozenset()
+        """The storages a growing container of the program holds (the adapter's, at the last mark)."""
+        self.orphans: list[Any] = []
+        """After `advance`: the replayed blocks no storage owns, in malloc order: what the skipped work left in
+        the growing container (the adapter makes its objects own them: `adopt`)."""
         self._outer_record: Any = None
         """The clock's kernel recorder before the recording (a timeline's), fed while recording, restored after."""
         self.views: list[Any] = []
@@ -256,10 +267,13 @@ class FastForward:
         return None
 
     # -- marks and the proof --------------------------------------------------------------------------------------
-    def mark(self, **extra_totals: float) -> None:
+    def mark(self, held: frozenset[int] = frozenset(), **extra_totals: float) -> None:
         """A boundary between two periods of the repeated work; `extra_totals`: the adapter's own running totals
-        (data consumed), proven and advanced with the device's."""
+        (data consumed), proven and advanced with the device's; `held`: the storage keys (``_cdata``) of what a
+        container of the program that grows by the same objects every period holds (the last pipeline stage's
+        losses): left out of the live storages the proof compares, never remapped by the advance."""
         self._extra_totals = dict(extra_totals)
+        self._held = held
         if self._events is not None:
             self._periods = [*self._periods[-2:], self._events]
         else:  # the recording starts
@@ -355,10 +369,14 @@ class FastForward:
         gpu, clock, log = self.gpu, self.gpu.clock, self._log
         clock.record, log.events, self._events = self._outer_record, None, None
         tracker = gpu.tracker
+        held = self._held
         made = {key: log.born.get(id(block)) for key, block in tracker._blocks.items()}  # blocks are reused
         shift = periods * log.replay(period, periods)
         for key, block in list(tracker._blocks.items()):
-            tracker._blocks[key] = log.counterpart(block, made[key], shift, since=since)
+            if key not in held:
+                tracker._blocks[key] = log.counterpart(block, made[key], shift, since=since)
+        owned = {id(b) for b in (*tracker._blocks.values(), *tracker.workspaces.values())}
+        self.orphans = [b for m, b in sorted(log.blocks.items()) if m >= since and id(b) not in owned]
         log.untap()
         deltas = _delta(c1.totals, c2.totals)
         period_s = c2.host_s - c1.host_s
@@ -443,7 +461,11 @@ class FastForward:
         host = clock.host_s
         positions = {k: max(t - host, 0.0) for k, t in clock.ends.items()}
         tracker = gpu.tracker
-        layout: tuple[Any, ...] = (tracker.host_bytes, tracker.live_count(), len(tracker.workspaces),
+        held = self._held
+        devices, hosts = tracker.live_count()
+        held_host = [tracker._host[k] for k in held if k in tracker._host]
+        live = (devices - sum(1 for k in held if k in tracker._blocks), hosts - len(held_host))
+        layout: tuple[Any, ...] = (tracker.host_bytes - sum(held_host), live, len(tracker.workspaces),
                                    clock.backward_depth, clock._future_wait_s > 0.0, gpu.fusion.folds(),
                                    len(clock.marks))
         totals: dict[Any, float] = {("clock", n): getattr(clock, n) for n in _CLOCK_TOTALS}

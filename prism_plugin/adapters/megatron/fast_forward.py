@@ -18,11 +18,14 @@ as it is:
   to where it was after ``n x L``), each backward returns the gradient it returned at the boundary, so when the
   schedule resumes its locals and list hold the boundary's objects, which stand for the skipped work's last;
 - objects the schedule let go at the boundary's next steps (the popped micro-batch's input and output, the
-  forward's token count) are held meanwhile and let go where the program would have.
+  forward's token count) are held meanwhile and let go where the program would have;
+- the last stage appends each micro-batch's reported losses to the schedule's ``forward_data_store``, kept until
+  the step ends: its storages are the engine's *held* ones (left out of the proof's live storages), and each
+  skipped forward appends a copy of the boundary's entry whose tensors own the blocks the allocator's replay
+  left unowned (`FastForward.orphans`), in malloc order (`ScheduleFastForward._adopt`).
 
 Not fast-forwarded (runs for real, counted in the summary): the interleaved and no-pipelining schedules,
-forward-only passes (evaluation), a stage whose periods are not proven (the last stage keeps each micro-batch's
-losses, so its memory grows: never proven).
+forward-only passes (evaluation), a stage whose periods are not proven.
 """
 
 from __future__ import annotations
@@ -31,9 +34,19 @@ import functools
 from collections import Counter, deque
 from typing import Any
 
-from prism_plugin.device.fast_forward import FastForward
+from prism_plugin.device.fast_forward import FastForward, FastForwardBroken
 
 __all__ = ["ScheduleFastForward"]
+
+
+def _storages(store: list[Any] | None) -> frozenset[int]:
+    """The storage keys of the tensors `store`'s entries hold."""
+    if not store:
+        return frozenset()
+    from torch.utils._pytree import tree_leaves
+
+    return frozenset(x.untyped_storage()._cdata for entry in store for x in tree_leaves(entry)
+                     if hasattr(x, "untyped_storage"))
 
 
 class _Counting:
@@ -80,6 +93,12 @@ class _Run:
         self.held: dict[str, Any] = {}
         self.silence: Any = None
         self.advanced = False
+        self.store: list[Any] | None = None
+        """The schedule's ``forward_data_store``: the last stage appends each micro-batch's reported losses, kept
+        until the step ends (a container that grows by the same objects every period)."""
+        self.pending: deque[Any] = deque()
+        """The entries the skipped forwards append to the store, made at the boundary (`ScheduleFastForward._adopt`)."""
+        self.per_forward = 0
 
     @property
     def period(self) -> int:
@@ -142,6 +161,7 @@ class ScheduleFastForward:
             if counting is not None:
                 kwargs["data_iterator"] = counting
             run = self.run = _Run(kwargs["num_microbatches"], counting)
+            run.store = kwargs.get("forward_data_store")
             self.engine.mark(**self._totals(run))  # the recording starts with the warm-up: every block is numbered
             try:
                 return schedule(*args, **kwargs)
@@ -175,7 +195,10 @@ class ScheduleFastForward:
             return forward(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
                            forward_data_store, config, *rest, **kwargs)
         if run.skipping:
+            for _ in range(run.per_forward):
+                forward_data_store.append(run.pending.popleft())
             return run.fifo[0][1] if run.fifo else run.held["output"], run.tokens
+        run.store = forward_data_store
         output, tokens = forward(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
                                  forward_data_store, config, *rest, **kwargs)
         run.held.pop("output", None)  # the program let go of these here (the schedule's locals got new values)
@@ -244,7 +267,7 @@ class ScheduleFastForward:
         """A mark before steady exchange `index` (`popped`, `grad_out`: the schedule's locals there); when proven,
         advance and start skipping (returns what the skipped exchange returns), else None."""
         engine = self.engine
-        engine.mark(**self._totals(run))
+        engine.mark(held=_storages(run.store), **self._totals(run))
         if len(run.fifo) != run.warmup or (run.warmup == 0 and popped[1] is None):
             # the schedule's forwards and backwards did not all pass the seams (a multi-module backward): the
             # skipped calls could not return the objects the program holds
@@ -256,9 +279,13 @@ class ScheduleFastForward:
         periods = (steady - 2 - index) // run.period
         if periods < 1:
             return None
-        self._advance(run, engine.advance(periods))
+        grown = engine.advance(periods)
+        entries = int(grown.pop("store", 0))
+        self._advance(run, grown)
         run.advanced = True
         run.skipping = periods * run.period
+        if entries:
+            self._adopt(run, entries)
         self.microbatches_skipped += run.skipping
         # held until the program would have let go of them: the popped micro-batch's input at the next exchange,
         # its output and the forward's token count at the next forward; the gradient until the schedule holds it
@@ -269,7 +296,8 @@ class ScheduleFastForward:
 
     def _totals(self, run: _Run) -> dict[str, float]:
         """The adapter's running totals a micro-batch adds to: data taken, MoE routing answers, host calls."""
-        totals: dict[str, float] = {"data": run.data.taken if run.data is not None else 0}
+        totals: dict[str, float] = {"data": run.data.taken if run.data is not None else 0,
+                                    "store": len(run.store) if run.store is not None else 0}
         routing = self.routing
         if routing is not None:
             totals["moe.tokens_sent"], totals["moe.tokens_received"] = routing.tokens_sent, routing.tokens_received
@@ -295,6 +323,37 @@ class ScheduleFastForward:
                 self.routing.by_layer[int(key.removeprefix("moe.layer."))]["calls"] += count
             elif kind == "host":
                 self.host_calls.skipped[name] += count
+
+    def _adopt(self, run: _Run, entries: int) -> None:
+        """The `entries` objects the skipped forwards would have appended to the store: copies of the last one
+        whose tensors own the blocks the allocator's replay left unowned (`FastForward.orphans`), in malloc order,
+        so that the store holds what the full run's holds and its death frees those blocks."""
+        import torch
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        assert run.store
+        flat, spec = tree_flatten(run.store[-1])
+        leaves = [x for x in flat if isinstance(x, torch.Tensor)]
+        orphans = self.engine.orphans
+        whole = all(t.device.type == "cuda" and t.is_contiguous() and t.storage_offset() == 0
+                    and t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in leaves)
+        if not whole or len(orphans) != entries * len(leaves) or entries % run.skipping:
+            raise FastForwardBroken(
+                f"prism fast-forward: the skipped micro-batches append {entries} entries of {len(leaves)} tensors to "
+                f"the schedule's forward_data_store but the replay left {len(orphans)} blocks (or the entries are "
+                "not whole device tensors), so the fast-forward would not be exact; run with --prism-fast-forward "
+                "off and report the job")
+        tracker, blocks = self.engine.gpu.tracker, iter(orphans)
+        with tracker.paused():
+            for _ in range(entries):
+                made = []
+                for x in flat:
+                    if isinstance(x, torch.Tensor):
+                        x = torch.empty_like(x)
+                        tracker.adopt(x, next(blocks))
+                    made.append(x)
+                run.pending.append(tree_unflatten(made, spec))
+        run.per_forward = entries // run.skipping
 
     def summary(self) -> dict[str, Any]:
         return {"schedule_calls": dict(self.calls), "microbatches": self.microbatches,
