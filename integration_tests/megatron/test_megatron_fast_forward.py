@@ -8,6 +8,8 @@ Megatron's own memory log lines. The two runs start together (`integration_tests
 modelled, none measured.
 
 - rank 0 (the first stage, 3 warm-up micro-batches: a period of 3 iterations), local spec;
+- rank 0 of 2 without pipelining (data-parallel 2, 32 micro-batches per call: Megatron's no-pipelining schedule,
+  a period of one micro-batch; heavy: with TransformerEngine and FP8, whose first micro-batch differs);
 - rank 3 (the last stage: no warm-up, a period of 1 iteration; each micro-batch's reported loss is kept in the
   schedule's ``forward_data_store`` until the step ends, so the skipped ones' entries are made to own the blocks
   the allocator's replay left for them), local spec;
@@ -67,6 +69,11 @@ def _memory_lines(log: str) -> list[str]:
 @pytest.mark.parametrize(("world", "rank", "extra"), [
     pytest.param(4, 0, ["--transformer-impl", "local"], id="first-stage-local"),
     pytest.param(4, 3, ["--transformer-impl", "local"], id="last-stage-local"),
+    pytest.param(2, 0, ["--transformer-impl", "local", "--pipeline-model-parallel-size", "1", "--global-batch-size",
+                        "64"], id="no-pipelining-local"),
+    pytest.param(2, 0, ["--transformer-impl", "transformer_engine", "--pipeline-model-parallel-size", "1",
+                        "--global-batch-size", "64", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+                 id="no-pipelining-te-fp8", marks=pytest.mark.heavy),
     pytest.param(8, 2, ["--transformer-impl", "transformer_engine", "--tensor-model-parallel-size", "2",
                         "--sequence-parallel", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
                  id="middle-stage-te-fp8", marks=pytest.mark.heavy),

@@ -153,7 +153,7 @@ def command(example: Example, folder: Path, iterations: int) -> list[str]:
     return [sys.executable, "-m", "prism_plugin.megatron", "prism_plugin/programs/pretrain_gpt.py", *args,
             *example.added, "--prism-world-size", str(example.world_size), "--prism-real-ranks", str(example.rank),
             "--prism-device", "virtual-gpu", "--prism-iterations", str(iterations), "--prism-output",
-            str(folder / "out"), "--prism-timeline", "off", *example.prism]  # a timeline turns fast-forward off
+            str(folder / "out"), "--prism-timeline", "off", *example.prism]  # the timeline's writing: not timed
 
 
 def run(example: Example, folder: Path, *, iterations: int = 1, timeout_s: float = 1200.0) -> ExampleRun:

@@ -63,6 +63,8 @@ _SCHEDULES = (
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving",
 )
+_FAST_FORWARDED = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving")
+"""The schedules whose steady state is fast-forwarded (`fast_forward.ScheduleFastForward`)."""
 
 
 def current_adapter() -> MegatronAdapter | None:
@@ -241,8 +243,8 @@ class MegatronAdapter:
         for name in _SCHEDULES:
             original = getattr(schedules, name)
             inner = original
-            if self.fast_forward is not None and name == "forward_backward_pipelining_without_interleaving":
-                inner = self.fast_forward.wrap(original)
+            if self.fast_forward is not None and name in _FAST_FORWARDED:
+                inner = self.fast_forward.wrap(original, pipelined=name != "forward_backward_no_pipelining")
 
             def marked(*args: Any, _original: Any = inner, **kwargs: Any) -> Any:
                 prism_plugin.mark_iteration()

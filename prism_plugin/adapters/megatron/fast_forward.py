@@ -24,8 +24,12 @@ as it is:
   skipped forward appends a copy of the boundary's entry whose tensors own the blocks the allocator's replay
   left unowned (`FastForward.orphans`), in malloc order (`ScheduleFastForward._adopt`).
 
-Not fast-forwarded (runs for real, counted in the summary): the interleaved and no-pipelining schedules,
-forward-only passes (evaluation), a stage whose periods are not proven.
+The no-pipelining schedule (``forward_backward_no_pipelining``) is driven through the same seams with a period of
+one micro-batch (`ScheduleFastForward._forward_unpipelined`).
+
+Not fast-forwarded (runs for real, counted in the summary): the interleaved schedule, the combined 1F1B and
+hybrid-context-parallel paths of the no-pipelining one, forward-only passes (evaluation), a stage whose periods
+are not proven.
 """
 
 from __future__ import annotations
@@ -37,6 +41,20 @@ from typing import Any
 from prism_plugin.device.fast_forward import FastForward, FastForwardBroken
 
 __all__ = ["ScheduleFastForward"]
+
+
+def _combined(kwargs: dict[str, Any]) -> str | None:
+    """Why the no-pipelining schedule would not run its plain loop (None: it does): the combined 1F1B schedule
+    (``--overlap-moe-expert-parallel-comm``) and hybrid context parallelism take other paths."""
+    from megatron.core.utils import get_model_config
+
+    model = kwargs.get("model")
+    config = get_model_config(model[0] if isinstance(model, list) else model)
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        return "the combined 1F1B schedule (--overlap-moe-expert-parallel-comm)"
+    if getattr(config, "hybrid_context_parallel", False):
+        return "hybrid context parallelism"
+    return None
 
 
 def _storages(store: list[Any] | None) -> frozenset[int]:
@@ -71,8 +89,11 @@ class _Counting:
 class _Run:
     """One call of the schedule."""
 
-    def __init__(self, num_microbatches: int, data: _Counting | None) -> None:
+    def __init__(self, num_microbatches: int, data: _Counting | None, *, pipelined: bool = True) -> None:
         self.num_microbatches = num_microbatches
+        self.pipelined = pipelined
+        """False: the no-pipelining schedule (one forward and one backward per micro-batch, a period of one)."""
+        self.skip_backward = False
         self.data = data
         self.forwards = 0
         self.warmup: int | None = None
@@ -145,12 +166,13 @@ class ScheduleFastForward:
         patches.setattr(comm, "send_backward_recv_forward", functools.wraps(up)(
             lambda s, *a, **k: self._send_backward_recv_forward(up, s, *a, **k)))
 
-    def wrap(self, schedule: Any) -> Any:
-        """`schedule` (the non-interleaved one) driving the fast-forward for each call."""
+    def wrap(self, schedule: Any, *, pipelined: bool = True) -> Any:
+        """`schedule` (the non-interleaved one; the no-pipelining one when not `pipelined`) driving the
+        fast-forward for each call."""
 
         @functools.wraps(schedule)
         def driven(*args: Any, **kwargs: Any) -> Any:
-            reason = self._why_not(kwargs)
+            reason = self._why_not(kwargs) or (None if pipelined else _combined(kwargs))
             if reason is not None:
                 self.calls[reason] += 1
                 return schedule(*args, **kwargs)
@@ -160,7 +182,7 @@ class ScheduleFastForward:
             counting = _Counting(data) if data is not None and not isinstance(data, list) else None
             if counting is not None:
                 kwargs["data_iterator"] = counting
-            run = self.run = _Run(kwargs["num_microbatches"], counting)
+            run = self.run = _Run(kwargs["num_microbatches"], counting, pipelined=pipelined)
             run.store = kwargs.get("forward_data_store")
             self.engine.mark(**self._totals(run))  # the recording starts with the warm-up: every block is numbered
             try:
@@ -194,6 +216,10 @@ class ScheduleFastForward:
         if run is None:
             return forward(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
                            forward_data_store, config, *rest, **kwargs)
+        if not run.pipelined:
+            return self._forward_unpipelined(run, functools.partial(
+                forward, forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store,
+                config, *rest, **kwargs), forward_data_store)
         if run.skipping:
             for _ in range(run.per_forward):
                 forward_data_store.append(run.pending.popleft())
@@ -227,6 +253,9 @@ class ScheduleFastForward:
         run = self.run
         if run is None:
             return backward(input_tensor, output_tensor, output_tensor_grad, config, *rest, **kwargs)
+        if run.skip_backward:  # the no-pipelining schedule's, after a skipped forward
+            run.skip_backward = False
+            return None
         if run.skipping:
             if run.fifo:
                 run.fifo.rotate(-1)
@@ -293,6 +322,47 @@ class ScheduleFastForward:
         run.silence = engine.silent()
         run.silence.__enter__()
         return run.fifo[0][0] if run.fifo else run.held["input"]
+
+    def _forward_unpipelined(self, run: _Run, forward: Any, store: list[Any]) -> Any:
+        """A forward of the no-pipelining schedule: micro-batch ``i`` runs its forward then its backward, so every
+        forward from the second on (``i = 1``: the first micro-batch is special, e.g. TransformerEngine's FP8
+        weight caching) is a mark; once proven, micro-batches up to the last one inside ``no_sync`` are skipped
+        (that one runs, then the last, which syncs the gradients)."""
+        if run.skipping:
+            return self._skip_unpipelined(run, store)
+        if run.silence is not None:  # the first forward after the skipped ones: the device speaks again
+            silence, run.silence = run.silence, None
+            silence.__exit__(None, None, None)
+        index = run.forwards
+        run.store = store
+        if not run.advanced and 1 <= index <= run.num_microbatches - 3:
+            self.engine.mark(held=_storages(store), **self._totals(run))
+            periods = run.num_microbatches - 2 - index
+            if self.engine.proven() and periods >= 1:
+                grown = self.engine.advance(periods)
+                entries = int(grown.pop("store", 0))
+                self._advance(run, grown)
+                run.advanced = True
+                run.skipping = periods
+                self.microbatches_skipped += periods
+                if entries:
+                    self._adopt(run, entries)
+                run.silence = self.engine.silent()
+                run.silence.__enter__()
+                return self._skip_unpipelined(run, store)
+        output, tokens = forward()
+        run.forwards += 1
+        run.tokens = tokens  # the schedule's local holds it until the next forward returns
+        return output, tokens
+
+    def _skip_unpipelined(self, run: _Run, store: list[Any]) -> Any:
+        """A skipped micro-batch of the no-pipelining schedule: its entries in the store, no output (its skipped
+        backward ignores it), the last real forward's token count (the schedule adds it in silence)."""
+        run.skipping -= 1
+        run.skip_backward = True
+        for _ in range(run.per_forward):
+            store.append(run.pending.popleft())
+        return None, run.tokens
 
     def _totals(self, run: _Run) -> dict[str, float]:
         """The adapter's running totals a micro-batch adds to: data taken, MoE routing answers, host calls."""
