@@ -138,7 +138,8 @@ def check_megatron_job(argv: list[str], capability: tuple[int, int], environ: Ma
     """What a Megatron job's arguments and environment make it fail on in every profiling run, refused before the
     first (a `ConfigError` naming the argument and the fix): Megatron's own asserts on TP/CP without
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (GPUs before Blackwell, `capability`), heads not divisible by TP, expert
-    parallelism without experts, and context parallelism on the local spec without the flash stand-in."""
+    parallelism without experts, context parallelism on the local spec without the flash stand-in, and tied
+    embeddings over more than two pipeline stages (their gradients' group is not one of the graph's)."""
     env = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for name, flag in _LAYOUT_FLAGS.items():
@@ -146,9 +147,18 @@ def check_megatron_job(argv: list[str], capability: tuple[int, int], environ: Ma
     parser.add_argument("--num-attention-heads", dest="heads", type=int, default=None)
     parser.add_argument("--num-experts", dest="experts", type=int, default=None)
     parser.add_argument("--transformer-impl", dest="impl", default="transformer_engine")
-    for flag in ("--use-torch-fsdp2", "--use-megatron-fsdp", "--overlap-moe-expert-parallel-comm"):
+    for flag in ("--use-torch-fsdp2", "--use-megatron-fsdp", "--overlap-moe-expert-parallel-comm",
+                 "--untie-embeddings-and-output-weights"):
         parser.add_argument(flag, action="store_true")
     known, _ = parser.parse_known_args(argv)
+    if (known.pp or 1) > 2 and not known.untie_embeddings_and_output_weights:
+        raise ConfigError(f"the job ties its input embedding and output weights (no "
+                          f"--untie-embeddings-and-output-weights) over --pipeline-model-parallel-size {known.pp}: "
+                          "Megatron all-reduces their gradients over the first and last stages only, a group the "
+                          "execution graph does not model yet (its groups run along whole layout axes); add "
+                          "--untie-embeddings-and-output-weights to emulate the untied job (the same compute and "
+                          "memory but for that all-reduce, one per step), or run the ranks you care about through the "
+                          "drop-in (python -m prism_plugin.megatron ... --prism-device virtual-gpu)")
     tp, cp, ep = known.tp or 1, known.cp or 1, known.ep or 1
     fsdp_or_overlap = known.use_torch_fsdp2 or known.use_megatron_fsdp or known.overlap_moe_expert_parallel_comm
     if (tp > 1 or cp > 1) and capability[0] < 10 and not fsdp_or_overlap \
@@ -411,7 +421,7 @@ def _report(runs: list[dict[str, Any]], prediction: dict[str, Any], plan: Any, l
             "peak_allocated_bytes": device["peak_allocated_bytes"],
             "peak_reserved_bytes": device["peak_reserved_bytes"],
             "device_total_bytes": device["device_total_bytes"], "fits": device["fits"],
-            "profiling_run_wall_s": run["wall_s"]})
+            "profiling_run_wall_s": run["wall_s"], "fast_forward": _fast_forwarded(s)})
     peak = gpu.peak_flops_per_s.get("bfloat16")
     tflops = flops / step_s / world_size / 1e12 if flops and step_s > 0 else None
     return {
@@ -426,12 +436,22 @@ def _report(runs: list[dict[str, Any]], prediction: dict[str, Any], plan: Any, l
         **{k: v for k, v in figures.items() if k not in ("global_batch_size", "seq_length",
                                                           "model_flops_per_iteration")},
         "classes": classes,
+        "fast_forward": {k: sum(c["fast_forward"][k] for c in classes) for k in ("microbatches",
+                                                                                 "microbatches_skipped")},
         "kernel_model": runs[0]["summary"]["virtual_gpu"].get("kernels", {}).get("model"),
         **_fit_fields([r["summary"]["virtual_gpu"].get("kernels", {}).get("fit") for r in runs]),
         "figures": "modelled: kernel model (per-op time), cost model (communication), allocator model (memory); "
                    "step, throughput and MFU from the graph's replay",
         "replay": {k: prediction[k] for k in ("step_us", "num_actors", "events", "replay_s")},
     }
+
+
+def _fast_forwarded(summary: dict[str, Any]) -> dict[str, int]:
+    """A profiling run's micro-batches (over its schedule calls) and how many of them were fast-forwarded
+    (`prism_plugin.device.fast_forward`; 0 and 0 when it was off or had no schedule to drive)."""
+    ff = summary.get("megatron", {}).get("fast_forward") or {}
+    return {"microbatches": int(ff.get("microbatches", 0)), "microbatches_skipped": int(ff.get("microbatches_skipped",
+                                                                                                 0))}
 
 
 def _fit_fields(fits: list[Any]) -> dict[str, Any]:

@@ -32,11 +32,11 @@ from prism_plugin.topology.plan_space import (
 
 
 def toy(*, layers: int = 4, heads: int = 4, groups: int = 2, ffn: int = 128, experts: int | None = None,
-        name: str = "toy") -> ModelPreset:
+        name: str = "toy", untied: bool = True) -> ModelPreset:
     return ModelPreset(name=name, family="test", hidden_size=16 * heads, num_layers=layers, num_attention_heads=heads,
                        num_query_groups=groups, ffn_hidden_size=ffn, vocab_size=128, seq_length=16,
                        max_position_embeddings=16, normalization=Normalization.RMS_NORM, activation=Activation.SWIGLU,
-                       position_embedding=PositionEmbedding.ROPE, rotary_base=10000, untied_embeddings=True,
+                       position_embedding=PositionEmbedding.ROPE, rotary_base=10000, untied_embeddings=untied,
                        bias=False, num_experts=experts, moe_router_topk=None if experts is None else 2, source="test")
 
 
@@ -63,6 +63,16 @@ def test_dense_toy_on_8_gpus_exact() -> None:
     assert found.rejected == Counter({"tp divides heads": 8, "vp needs pp > 1": 6, "tp*pp*cp divides gpus": 2,
                                       "mbs*dp divides global batch": 1, "pp divides micro-batches": 1})
     assert found.combinations == 4 * 2 * 2 * 2 == 14 + 18
+
+
+def test_tied_embeddings_over_more_than_two_stages_are_excluded() -> None:
+    # pp 4 of a tied model: the embedding's gradient group (first and last stage) is no group of the graph
+    space = Space(tp=(1,), pp=(1, 2, 4), vp=(None,), cp=(1,), **ONE_EACH)
+    tied = enumerate_layouts(toy(untied=False), gpus=4, global_batch=4, seq=16, space=space)
+    assert [c.pp for c in tied.candidates] == [1, 2]
+    assert tied.rejected == Counter({"tied embeddings need pp <= 2": 1})
+    untied = enumerate_layouts(toy(), gpus=4, global_batch=4, seq=16, space=space)
+    assert [c.pp for c in untied.candidates] == [1, 2, 4] and not untied.rejected
 
 
 def test_moe_toy_expert_rules_exact() -> None:
@@ -107,6 +117,7 @@ def _first_failure(model: ModelPreset, gpus: int, gbs: int, seq: int, space: Spa
         "tp divides ffn": lambda: experts is not None or ffn % tp == 0,
         "tp within a node": lambda: tp <= node,
         "pp divides layers": lambda: layers % pp == 0,
+        "tied embeddings need pp <= 2": lambda: pp <= 2 or model.untied_embeddings,
         "vp needs pp > 1": lambda: vp is None or pp > 1,
         "vp divides layers/pp": lambda: vp is None or layers // pp % vp == 0,
         "2*cp divides seq": lambda: cp == 1 or seq % (2 * cp) == 0,
