@@ -12,10 +12,10 @@ modelled, none measured.
   a period of one micro-batch; heavy: with TransformerEngine and FP8, whose first micro-batch differs);
 - rank 3 (the last stage: no warm-up, a period of 1 iteration; each micro-batch's reported loss is kept in the
   schedule's ``forward_data_store`` until the step ends, so the skipped ones' entries are made to own the blocks
-  the allocator's replay left for them), local spec;
-- the same rank as `prism emulate` profiles it (``--prism-output`` and ``--prism-trace``, 3 iterations): the trace
-  the execution graph is built from and the timeline must be the full run's too, record for record, and so must
-  the class trace (the graph's) made from the trace;
+  the allocator's replay left for them), local spec, as `prism emulate` profiles it (``--prism-output`` and
+  ``--prism-trace``, 3 iterations): the trace the execution graph is built from and the timeline must be the full
+  run's too, record for record, and so must the class trace (the graph's) made from the trace (heavy: without
+  trace and timeline);
 - heavy: rank 2 of 8 (TP2 with sequence parallelism, the second stage), TransformerEngine with FP8 (hybrid,
   delayed scaling); rank 0 of 8 with TE and 4 experts over EP2 (all-to-all dispatcher, grouped GEMM), 32
   micro-batches per call (the MoE routing policy's answer counts are advanced with the device's).
@@ -68,7 +68,7 @@ def _memory_lines(log: str) -> list[str]:
 
 @pytest.mark.parametrize(("world", "rank", "extra"), [
     pytest.param(4, 0, ["--transformer-impl", "local"], id="first-stage-local"),
-    pytest.param(4, 3, ["--transformer-impl", "local"], id="last-stage-local"),
+    pytest.param(4, 3, ["--transformer-impl", "local"], id="last-stage-local", marks=pytest.mark.heavy),
     pytest.param(2, 0, ["--transformer-impl", "local", "--pipeline-model-parallel-size", "1", "--global-batch-size",
                         "64"], id="no-pipelining-local"),
     pytest.param(2, 0, ["--transformer-impl", "transformer_engine", "--pipeline-model-parallel-size", "1",
@@ -100,7 +100,7 @@ def test_a_profiling_runs_trace_and_timeline_are_the_full_runs(tmp_path: Path) -
 
     def profiled(mode: str) -> tuple[dict[str, Any], str]:
         out = tmp_path / mode
-        return _run(tmp_path, mode, 4, 0, ["--transformer-impl", "local", "--train-iters", "3",
+        return _run(tmp_path, mode, 4, 3, ["--transformer-impl", "local", "--train-iters", "3",
                     "--untie-embeddings-and-output-weights"], "--prism-output",
                     str(out), "--prism-trace", str(out / "trace"))
 
@@ -108,11 +108,11 @@ def test_a_profiling_runs_trace_and_timeline_are_the_full_runs(tmp_path: Path) -
     ff = fast["megatron"]["fast_forward"]
     assert ff["schedule_calls"] == {"fast-forwarded": 3} and ff["microbatches_skipped"] >= 24, ff
     assert_same_figures(fast, full, rel_tol=1e-12, abs_tol=1e-9, ignore=WALL | {"path"})
-    traces = {mode: json.loads((tmp_path / mode / "trace" / "rank0.trace.json").read_text()) for mode in ("on", "off")}
+    traces = {mode: json.loads((tmp_path / mode / "trace" / "rank3.trace.json").read_text()) for mode in ("on", "off")}
     assert len(traces["off"]["iterations"]) == 2 and len(traces["off"]["iterations"][1]["ops"]) > 100
     # times are microseconds rounded to 1e-3: the advance multiplies where the full run adds (far below 1e-6 s)
     assert_same_figures(traces["on"], traces["off"], rel_tol=0, abs_tol=2e-3)
-    timelines = {mode: json.loads((tmp_path / mode / "timeline" / "rank0.timeline.json").read_text())
+    timelines = {mode: json.loads((tmp_path / mode / "timeline" / "rank3.timeline.json").read_text())
                  for mode in ("on", "off")}
     assert len(timelines["off"]["traceEvents"]) > 1000
     assert_same_figures(timelines["on"], timelines["off"], rel_tol=0, abs_tol=2e-3, ignore=frozenset({"write_s"}))
