@@ -13,7 +13,7 @@ which the engine:
 - writes the last period's records `times` more times (`repeat`), each shifted by a whole number of periods in
   time and by the group's per-period growth in sequence number, through the observer's own bounds (the tracer's
   iteration limit, the timeline's record budget), so what is kept and what is dropped is what the full run keeps
-  and drops.
+  and drops. A copy is a record of its original's own class: this module imports neither observer.
 
 A period the observer cannot describe (an iteration mark inside it, the timeline's record budget filled inside
 it) gives a reason instead of a signature: the engine then proves nothing there, and the work runs.
@@ -63,14 +63,12 @@ class TracerPeriods:
         if a[0] is None:
             tracer.untraced_ops += times * (b[1] - a[1])
             return
-        from prism_plugin.runtime.tracer import OpRecord
-
         current, groups = tracer._current, tracer._keep
         period = current[a[1]:b[1]]
         for k in range(1, times + 1):
             by = k * period_s
             for r in period:
-                copy = OpRecord(r.op, r.group, r.seq + k * seq_step(groups[r.group]), r.size, r.peer, r.issue_s + by,
+                copy = type(r)(r.op, r.group, r.seq + k * seq_step(groups[r.group]), r.size, r.peer, r.issue_s + by,
                                 r.thread)
                 copy.return_s, copy.wait_s, copy.end_s = r.return_s + by, _shift(r.wait_s, by), _shift(r.end_s, by)
                 current.append(copy)
@@ -109,8 +107,6 @@ class TimelinePeriods:
             t.dropped_ops += times * (b[5] - a[5])
             t.dropped_spans += times * (b[6] - a[6])
             return
-        from prism_plugin.runtime.timeline import _OpRecord
-
         it = t._current
         ops, spans, order = it.ops[a[2]:b[2]], it.spans[a[3]:b[3]], bytes(it.order[a[4]:b[4]])
         for k in range(1, times + 1):
@@ -127,7 +123,7 @@ class TimelinePeriods:
                     t._keep_span((row, name, start + by, end + by, args, category))
                 else:
                     r = ops[o]
-                    copy = _OpRecord(r.kind, r.gid, r.seq + k * seq_step(t._groups[r.gid]), r.size, r.peer,
+                    copy = type(r)(r.kind, r.gid, r.seq + k * seq_step(t._groups[r.gid]), r.size, r.peer,
                                      r.issue_s + by, r.arrival_s + by, r.end_s + by, r.failed, None)
                     copy.wait_s, copy.done_s, copy.thread = _shift(r.wait_s, by), _shift(r.done_s, by), r.thread
                     t._keep_op(copy)
