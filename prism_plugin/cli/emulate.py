@@ -15,7 +15,7 @@ config, the figures it can and cannot give); the steps below are the same.
 2. **profile**: each run is the unmodified script as one real rank of N on a virtual GPU of the profile's model
    (``python -m prism_plugin.megatron ... --prism-device virtual-gpu --prism-trace``), with virtual time
    (`prism_plugin.device.clock`): its trace holds the modelled kernel time between its ops, its
-   summary the exact per-rank memory. A Megatron run trains the job's first ``--warmup`` + 2 iterations
+   summary the exact per-rank memory. A Megatron run trains the job's first ``--warmup`` + 2 iterations (at least 3)
    (``--prism-iterations``, `profiled_iterations`: a launch script's ``--train-iters 500000`` is not run to its
    end), and its pipeline's steady state is fast-forwarded (`prism_plugin.device.fast_forward`);
 3. **graph**: the traces become the N-rank execution graph (``<out>/job.graph``);
@@ -211,9 +211,11 @@ def run_command(script_argv: list[str], rank: int, run_dir: Path, world_size: in
 
 
 def profiled_iterations(warmup: int) -> int:
-    """The iterations a Megatron profiling run needs: the `warmup` ones the graph drops, one steady iteration, and
-    the one whose start closes it (the trace drops the iteration the program's end cuts)."""
-    return warmup + 2
+    """The iterations a Megatron profiling run trains: the `warmup` ones the graph drops, one steady iteration, and
+    the one whose start closes it (the trace drops the iteration the program's end cuts); at least 3, so that a
+    graph that keeps every iteration (``--warmup 0``) still holds a steady one beside the first (whose
+    allocations, FP8 casts and optimizer state differ)."""
+    return max(warmup + 2, 3)
 
 
 
