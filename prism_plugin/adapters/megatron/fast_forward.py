@@ -276,8 +276,7 @@ class ScheduleFastForward:
             run.exchanges += 1
             return run.fifo[0][0] if run.fifo else run.held["input"]
         if run.silence is not None:  # the first exchange after the skipped iterations: the device speaks again
-            silence, run.silence = run.silence, None
-            silence.__exit__(None, None, None)
+            self._speak(run)
             run.held.pop("grad_out")  # the schedule's own local holds it now, as at the boundary
         marked = run.at_mark()
         popped, grad_out = run.popped, run.grad_out
@@ -308,19 +307,10 @@ class ScheduleFastForward:
         periods = (steady - 2 - index) // run.period
         if periods < 1:
             return None
-        grown = engine.advance(periods)
-        entries = int(grown.pop("store", 0))
-        self._advance(run, grown)
-        run.advanced = True
-        run.skipping = periods * run.period
-        if entries:
-            self._adopt(run, entries)
-        self.microbatches_skipped += run.skipping
         # held until the program would have let go of them: the popped micro-batch's input at the next exchange,
         # its output and the forward's token count at the next forward; the gradient until the schedule holds it
         run.held = {"input": popped[0], "output": popped[1], "tokens": run.tokens, "grad_out": grad_out}
-        run.silence = engine.silent()
-        run.silence.__enter__()
+        self._start_skipping(run, periods, periods * run.period)
         return run.fifo[0][0] if run.fifo else run.held["input"]
 
     def _forward_unpipelined(self, run: _Run, forward: Any, store: list[Any]) -> Any:
@@ -331,29 +321,40 @@ class ScheduleFastForward:
         if run.skipping:
             return self._skip_unpipelined(run, store)
         if run.silence is not None:  # the first forward after the skipped ones: the device speaks again
-            silence, run.silence = run.silence, None
-            silence.__exit__(None, None, None)
+            self._speak(run)
         index = run.forwards
         run.store = store
         if not run.advanced and 1 <= index <= run.num_microbatches - 3:
             self.engine.mark(held=_storages(store), **self._totals(run))
             periods = run.num_microbatches - 2 - index
             if self.engine.proven() and periods >= 1:
-                grown = self.engine.advance(periods)
-                entries = int(grown.pop("store", 0))
-                self._advance(run, grown)
-                run.advanced = True
-                run.skipping = periods
-                self.microbatches_skipped += periods
-                if entries:
-                    self._adopt(run, entries)
-                run.silence = self.engine.silent()
-                run.silence.__enter__()
+                self._start_skipping(run, periods, periods)
                 return self._skip_unpipelined(run, store)
         output, tokens = forward()
         run.forwards += 1
         run.tokens = tokens  # the schedule's local holds it until the next forward returns
         return output, tokens
+
+    def _start_skipping(self, run: _Run, periods: int, microbatches: int) -> None:
+        """Advance the device by `periods` proven periods (`microbatches` of the schedule's), grow the adapter's
+        totals with it, make the store's entries of the skipped forwards, and silence the device while the
+        schedule's skipped calls return."""
+        grown = self.engine.advance(periods)
+        entries = int(grown.pop("store", 0))
+        self._advance(run, grown)
+        run.advanced = True
+        run.skipping = microbatches
+        self.microbatches_skipped += microbatches
+        if entries:
+            self._adopt(run, entries)
+        run.silence = self.engine.silent()
+        run.silence.__enter__()
+
+    @staticmethod
+    def _speak(run: _Run) -> None:
+        """The first real call after the skipped ones: the device is no longer silent (raises if it was touched)."""
+        silence, run.silence = run.silence, None
+        silence.__exit__(None, None, None)
 
     def _skip_unpipelined(self, run: _Run, store: list[Any]) -> Any:
         """A skipped micro-batch of the no-pipelining schedule: its entries in the store, no output (its skipped
