@@ -85,4 +85,4 @@ def test_the_all_to_all_overlap_schedule_hides_communication(tmp_path: Path) -> 
                              lambda: _run(tmp_path / "overlap", "--overlap-moe-expert-parallel-comm", global_batch=64))
     assert plain["op_counts"]["all_to_all"] == overlap["op_counts"]["all_to_all"] == 2 * 2 * 4 * 6
     steps = [s["virtual_gpu"]["virtual_time"]["step_times_s"] for s in (plain, overlap)]
-    assert steps == [[0.022024306], [0.021113009]]  # modelled, deterministic: 0.91 ms of all-to-all hidden
+    assert steps == [[0.023116386], [0.022205089]]  # modelled, deterministic: 0.91 ms of all-to-all hidden

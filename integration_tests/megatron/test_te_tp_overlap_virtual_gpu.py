@@ -86,4 +86,5 @@ def test_a_te_fp8_job_runs_in_hybrid_mode_against_its_graph(tmp_path: Path) -> N
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
     (hybrid,) = report["hybrid"]
     assert hybrid["rank"] == 1 and hybrid["graph"]["ops_not_in_graph"] == 0
-    assert hybrid["step_ms"] == hybrid["replay_step_ms"] and round(hybrid["step_ms"], 3) == report["step_ms"]
+    # the live step, kept to the nanosecond, is the replay's to within that rounding (0.001 us)
+    assert abs(hybrid["difference_us"]) <= 0.001 and round(hybrid["step_ms"], 3) == report["step_ms"]

@@ -41,6 +41,7 @@ __all__ = [
     "KernelEfficiency",
     "KernelModel",
     "RooflineModel",
+    "attention_wave_utilization",
     "gemm_wave_utilization",
     "peak_dtype",
 ]
@@ -153,6 +154,27 @@ def gemm_wave_utilization(shape: tuple[int, ...], sms: int, tile: tuple[int, int
     return tiles / (waves * sms)
 
 
+def attention_wave_utilization(shape: tuple[int, ...], backward: bool, sms: int, block: int = 128) -> float:
+    """Fraction of the GPU's SMs a fused attention kernel keeps busy over its waves of thread blocks, in (0, 1].
+
+    Fused attention (cuDNN's, FlashAttention-2/3's) runs one thread block per (batch, head, block of 128 rows):
+    query rows in the forward, key rows in the backward, so ``tiles = b * h * ceil(rows / block)`` over
+    ``ceil(tiles / sms)`` waves, as `gemm_wave_utilization` (no split along the other sequence). Shapes
+    ``(batch, heads, seq_q, seq_kv, head_dim[, causal])``; another shape counts as 1. Measured (this project's H200
+    sweep, cuDNN 9.19): 12 heads of 2,048 tokens (192 blocks, two waves on 132 SMs: 0.73) ran causal forward at
+    286 TFLOP/s against 526 for 32 heads of 4,096 (1,024 blocks: 0.97).
+
+    >>> round(attention_wave_utilization((1, 12, 2048, 2048, 128, 1), False, 132), 4)
+    0.7273
+    """
+    if len(shape) < 5:
+        return 1.0
+    tiles = shape[0] * shape[1] * -(-shape[3 if backward else 2] // block)
+    if tiles <= 0:
+        return 1.0
+    return tiles / (-(-tiles // sms) * sms)
+
+
 # -- efficiencies (the profile's `kernels:` section) ----------------------------------------------------------
 
 _CLASS_DEFAULTS: dict[KernelClass, tuple[float, float]] = {
@@ -180,10 +202,15 @@ _DEFAULTS: dict[str, Any] = {
     "attention.seq_half": 0.0,
     "attention.backward_factor": 1.0,
     "attention.full_factor": 1.0,
+    # a GEMM's shape and dtype (`gemm_factor`): neutral unless a profile sets them
+    "gemm.k_half": 0.0,
+    "gemm.float8_factor": 1.0,
 }
 _CLASS_FIELDS = ("compute_efficiency", "memory_efficiency")
 _ATTENTION_FIELDS = ("seq_half", "backward_factor", "full_factor")
 """The attention class's own fields besides `_CLASS_FIELDS`."""
+_GEMM_FIELDS = ("k_half", "float8_factor")
+"""The GEMM class's own fields besides `_CLASS_FIELDS`."""
 _TOP_FIELDS = ("min_kernel_us", "launch_overhead_us", "gemm_tile", "gemm_split_k_min_depth",
                *(c.value for c in KernelClass))
 
@@ -214,7 +241,12 @@ def _checked(key: str, value: Any, where: str, error: type[ConfigError]) -> Any:
             raise error(f"{field} must be >= 0 (the key length at which attention reaches half its efficiency), "
                         f"got {value!r}; e.g. 270")
         return float(value)
-    if key in ("attention.backward_factor", "attention.full_factor"):
+    if key == "gemm.k_half":
+        if value < 0:
+            raise error(f"{field} must be >= 0 (the inner dimension at which a GEMM reaches half its efficiency), "
+                        f"got {value!r}; e.g. 200")
+        return float(value)
+    if key in ("attention.backward_factor", "attention.full_factor", "gemm.float8_factor"):
         if value <= 0:
             raise error(f"{field} must be > 0 (a ratio of efficiencies), got {value!r}; e.g. 0.65")
         return float(value)
@@ -284,7 +316,8 @@ class KernelEfficiency:
             if not isinstance(value, Mapping):
                 raise error(f"{where}`kernels.{key}` must be a mapping of {' and '.join(_CLASS_FIELDS)}, "
                             f"e.g. {{memory_efficiency: 0.8}}; got {value!r}")
-            fields = (*_CLASS_FIELDS, *_ATTENTION_FIELDS) if key == KernelClass.ATTENTION.value else _CLASS_FIELDS
+            fields = (*_CLASS_FIELDS, *{KernelClass.ATTENTION.value: _ATTENTION_FIELDS,
+                                        KernelClass.GEMM.value: _GEMM_FIELDS}.get(key, ()))
             for sub, figure in value.items():
                 if str(sub) not in fields:
                     raise _unknown(str(sub), fields, f"kernels.{key}.", where, error)
@@ -353,6 +386,27 @@ class KernelEfficiency:
             factor *= seq / (seq + self.value("attention.seq_half"))
         return factor
 
+    def gemm_factor(self, cost: KernelCost) -> float:
+        """A GEMM's efficiency relative to ``gemm.compute_efficiency`` (before wave quantization), from its dtype
+        and shape.
+
+        An FP8 GEMM (the float8 and mxfp8 peaks) runs at ``float8_factor`` of the efficiency a BF16 one reaches of
+        its own peak (its tiles finish twice as fast, so their fixed prologue, epilogue and scaling weigh more),
+        and every GEMM saturates in its inner dimension ``k`` as ``k / (k + k_half)`` (each tile loads and stores
+        its output once, however deep its loop over k). Shapes ``(m, n, k)`` or ``(b, m, n, k)``; another shape
+        (a convolution backward's empty one) gets the dtype factor only.
+
+        >>> eff = KernelEfficiency.from_mapping({"gemm": {"k_half": 256, "float8_factor": 0.9}})
+        >>> eff.gemm_factor(KernelCost(op="aten._scaled_mm.default", kernel_class=KernelClass.GEMM, flops=1,
+        ...     bytes=1, dtype="float8_e4m3fn", shape=(8192, 8192, 768)))
+        0.675
+        """
+        factor = self.value("gemm.float8_factor") if peak_dtype(cost.dtype) in ("float8", "mxfp8") else 1.0
+        if len(cost.shape) in (3, 4) and cost.shape[-1] > 0:
+            k = cost.shape[-1]
+            factor *= k / (k + self.value("gemm.k_half"))
+        return factor
+
 
 # -- models ---------------------------------------------------------------------------------------------------
 
@@ -372,13 +426,14 @@ class RooflineModel:
     """``duration = max(flops / achieved_flops, bytes / achieved_bandwidth, min_kernel)`` on one GPU.
 
     ``achieved_flops = peak_flops_per_s[peak_dtype(dtype)] * compute_efficiency(class)``, times
-    `gemm_wave_utilization` for a GEMM; ``achieved_bandwidth = hbm_bytes_per_s * memory_efficiency(class)``
-    (``pcie_bytes_per_s`` for a host copy)
+    `gemm_wave_utilization` and `KernelEfficiency.gemm_factor` for a GEMM, `KernelEfficiency.attention_factor` and
+    `attention_wave_utilization` for fused attention;
+    ``achieved_bandwidth = hbm_bytes_per_s * memory_efficiency(class)`` (``pcie_bytes_per_s`` for a host copy)
     (the roofline: Williams, Waterman, Patterson, CACM 2009). Pure arithmetic, deterministic.
 
-    Example (dgx-h100 figures): a 4096^3 bf16 mm does 2 * 4096^3 = 137,438,953,472 FLOPs at
-    989.4e12 * 0.75 * 1024/1056 = 7.1956e14 FLOP/s -> 191.0 us; its 100,663,296 bytes at 3.35e12 * 0.8 would
-    take 37.6 us, so it is compute-bound.
+    Example (an H100 with compute efficiency 0.75 and no k_half): a 4096^3 bf16 mm does 2 * 4096^3 =
+    137,438,953,472 FLOPs at 989.4e12 * 0.75 * 1024/1056 = 7.1956e14 FLOP/s -> 191.0 us; its 100,663,296 bytes at
+    3.35e12 * 0.8 would take 37.6 us, so it is compute-bound.
     """
 
     name = "roofline"
@@ -401,6 +456,9 @@ class RooflineModel:
         if fastest > 1:
             raise ConfigError(f"kernels.attention: compute_efficiency x backward_factor x full_factor reaches "
                               f"{fastest:.3g} of peak; an attention kernel runs at most at peak: lower them")
+        if self._compute[KernelClass.GEMM] * max(1.0, eff.value("gemm.float8_factor")) > 1:
+            raise ConfigError("kernels.gemm: compute_efficiency x float8_factor exceeds 1: an FP8 GEMM runs at most "
+                              "at the FP8 peak; lower them")
         self._bandwidth = {cls: (gpu.pcie_bytes_per_s if cls is KernelClass.HOST_COPY else gpu.hbm_bytes_per_s)
                            * eff.memory_efficiency(cls) for cls in KernelClass}
 
@@ -418,9 +476,11 @@ class RooflineModel:
         """The FLOP/s this kernel runs at (the compute roof it meets)."""
         rate = self._peak(cost.dtype) * self._compute[cost.kernel_class]
         if cost.kernel_class is KernelClass.GEMM:
-            rate *= gemm_wave_utilization(cost.shape, self.gpu.multi_processor_count, self._tile, self._split)
+            rate *= gemm_wave_utilization(cost.shape, self.gpu.multi_processor_count, self._tile,
+                                          self._split) * self.efficiency.gemm_factor(cost)
         elif cost.kernel_class is KernelClass.ATTENTION:
-            rate *= self.efficiency.attention_factor(cost)
+            rate *= self.efficiency.attention_factor(cost) * attention_wave_utilization(
+                cost.shape, "backward" in cost.op or "bwd" in cost.op, self.gpu.multi_processor_count)
         return rate
 
     def duration_s(self, cost: KernelCost) -> float:

@@ -79,7 +79,9 @@ def test_the_fingerprint_moves_with_any_model_file(tmp_path: Path) -> None:
         shutil.copy(path, target)
     assert model_fingerprint(tmp_path) == model_fingerprint()
     profile = tmp_path / "prism_plugin/cost/profiles/dgx-h100.yaml"
-    profile.write_text(profile.read_text().replace("compute_efficiency: 0.75", "compute_efficiency: 0.375"))
+    text = profile.read_text()
+    assert "min_kernel_us: 2.5" in text
+    profile.write_text(text.replace("min_kernel_us: 2.5", "min_kernel_us: 25"))
     assert model_fingerprint(tmp_path) != model_fingerprint()
 
 

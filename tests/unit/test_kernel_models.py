@@ -73,26 +73,27 @@ def test_wave_utilization() -> None:
 
 
 def test_roofline_gemm_4096_cubed_bf16_on_h100() -> None:
-    # 2 * 4096^3 = 137,438,953,472 FLOPs at 989.4e12 * 0.75 (dgx-h100 gemm.compute_efficiency) * 1024/1056
-    # (wave utilization) = 7.195636...e14 FLOP/s -> 191.00319488983 us; bytes 3 * 4096^2 * 2 = 100,663,296 at
-    # 3.35e12 * 0.8 = 2.68e12 B/s would take 37.56 us: compute-bound.
+    # 2 * 4096^3 = 137,438,953,472 FLOPs at 989.4e12 * 0.7291 (dgx-h100 gemm.compute_efficiency) * 1024/1056
+    # (wave utilization) * 4096/(4096 + 272) (gemm.k_half) = 6.5595245...e14 FLOP/s -> 209.525786038 us; bytes
+    # 3 * 4096^2 * 2 = 100,663,296 at 3.35e12 * 0.8 = 2.68e12 B/s would take 37.56 us: compute-bound.
     cost = _gemm(4096, 4096, 4096)
     assert cost.flops == 137_438_953_472 and cost.bytes == 100_663_296
-    assert ROOF.duration_s(cost) == 137_438_953_472 / (989.4e12 * 0.75 * 1024 / 1056)
-    assert ROOF.duration_s(cost) == pytest.approx(191.00319488983e-6, rel=1e-12)
+    assert ROOF.duration_s(cost) == 137_438_953_472 / (989.4e12 * 0.7291 * (1024 / 1056) * (4096 / 4368))
+    assert ROOF.duration_s(cost) == pytest.approx(209.525786038e-6, rel=1e-10)
     assert ROOF.name == "roofline"
 
 
 def test_roofline_memory_bound_gemm_tf32_and_floor() -> None:
-    # (16384, 16384, 16) bf16: 8.59e9 FLOPs take 11.7 us, but 537,919,488 bytes at 2.68e12 B/s take 200.7 us
-    skinny = _gemm(16384, 16384, 16)
-    assert skinny.bytes == (16384 * 16 + 16 * 16384 + 16384 * 16384) * 2 == 537_919_488
+    # (16, 16384, 16384) bf16: 8.59e9 FLOPs take 12.5 us (128 tiles on 132 SMs, k factor 16384/16656), but
+    # 537,919,488 bytes at 2.68e12 B/s take 200.7 us
+    skinny = _gemm(16, 16384, 16384)
+    assert skinny.bytes == (16 * 16384 + 16384 * 16384 + 16 * 16384) * 2 == 537_919_488
     assert ROOF.duration_s(skinny) == 537_919_488 / (3.35e12 * 0.8)
     # float32 GEMM the program allows on TF32 tensor cores: 494.7e12, not the 66.9e12 CUDA-core rate
     tf32 = dataclasses.replace(_gemm(4096, 4096, 4096, size=4), dtype="tf32")
-    assert ROOF.duration_s(tf32) == 137_438_953_472 / (494.7e12 * 0.75 * 1024 / 1056)
+    assert ROOF.duration_s(tf32) == 137_438_953_472 / (494.7e12 * 0.7291 * (1024 / 1056) * (4096 / 4368))
     fp32 = dataclasses.replace(tf32, dtype="float32")
-    assert ROOF.duration_s(fp32) == 137_438_953_472 / (66.9e12 * 0.75 * 1024 / 1056)
+    assert ROOF.duration_s(fp32) == 137_438_953_472 / (66.9e12 * 0.7291 * (1024 / 1056) * (4096 / 4368))
     # a (64, 16, 32) mm: 65,536 FLOPs and 7,168 bytes, both far under the 2.5 us floor (min_kernel_us)
     assert ROOF.duration_s(_gemm(64, 16, 32)) == 2.5e-6
 
@@ -110,7 +111,8 @@ def test_dtype_peaks_and_missing_float8_on_a100() -> None:
     assert [peak_dtype(d) for d in ("float8_e5m2", "float16", "int32", "bool", "tf32")] == [
         "float8", "float16", "float32", "float32", "tf32"]
     fp8 = dataclasses.replace(_gemm(4096, 4096, 4096, size=1), dtype="float8_e4m3fn", op="aten._scaled_mm.default")
-    assert ROOF.duration_s(fp8) == 137_438_953_472 / (1978.9e12 * 0.75 * 1024 / 1056)
+    # FP8: the float8 peak at gemm.float8_factor (0.8674) of the BF16 efficiency
+    assert ROOF.duration_s(fp8) == 137_438_953_472 / (1978.9e12 * 0.7291 * ((1024 / 1056) * (0.8674 * (4096 / 4368))))
     a100 = RooflineModel(gpu_spec("a100-sxm-80gb"), load_profile("dgx-a100").kernels)
     with pytest.raises(ConfigError, match="has no float8 peak"):
         a100.duration_s(fp8)
@@ -140,8 +142,10 @@ def test_table_exact_interpolated_and_miss(tmp_path) -> None:
     assert table.duration_s(big) == 200e-6 and table.duration_s(small) == 20e-6  # exact keys
     assert table.duration_s(_add(1024)) == 20e-6  # repeated key: the median of 10, 20, 30 us
     # 8192^3: nearest is 4096^3 (8x the FLOPs, 4x the bytes); both compute-bound at the same wave utilization
-    # (64*64 tiles in 32 waves = 4096/4224 = 1024/1056), so the roofline ratio is exactly 8: 200 us * 8
-    assert table.duration_s(_gemm(8192, 8192, 8192)) == pytest.approx(1600e-6, rel=1e-12)
+    # (64*64 tiles in 32 waves = 4096/4224 = 1024/1056), so the roofline ratio is 8 times the k factors' ratio
+    # (gemm.k_half 272: 4096/4368 against 8192/8464): 200 us * 8 * 0.93773 / 0.96786
+    assert table.duration_s(_gemm(8192, 8192, 8192)) == pytest.approx(1600e-6 * (4096 / 4368) / (8192 / 8464),
+                                                                       rel=1e-12)
     # no entry of aten.mm in float16, none of aten.mul: the fallback roofline answers, counted per op
     fp16 = dataclasses.replace(big, dtype="float16")
     assert table.duration_s(fp16) == ROOF.duration_s(fp16) > 0
@@ -154,7 +158,8 @@ def test_table_exact_interpolated_and_miss(tmp_path) -> None:
 
 def test_a_table_from_another_device_scales_by_its_own_roofline(tmp_path) -> None:
     """A CPU-recorded table emulating an H100 by name: a near shape scales by what the table measured (4x the FLOPs
-    of a compute-bound GEMM: 4x its time), not by the H100's roofline, on which both GEMMs sit at the floor."""
+    of a compute-bound GEMM: 4x its time), not by the H100's roofline, on which the larger keeps 4x the SMs busy
+    (split-K) and so takes no longer."""
     gemm, big = _gemm(64, 2048, 512, "float32", 4), _gemm(64, 4096, 1024, "float32", 4)
     add, add2 = _add(64 * 512), _add(64 * 1024)
     rows = [_row(gemm, 4000.0, device="cpu"), _row(add, 20.0, device="cpu"), _row(_add(64 * 2048), 25.0, device="cpu")]
@@ -164,9 +169,10 @@ def test_a_table_from_another_device_scales_by_its_own_roofline(tmp_path) -> Non
     # the adds: the best measured bandwidth is the 64 x 2048 one's (768 KiB in 25 us); 64 x 1024's bytes at it
     # take 12.5 us, under the table's floor (its shortest entry, 20 us): 20 us x 20 / 20
     assert on_cpu.duration_s(add2) == pytest.approx(20e-6, rel=1e-12)
-    assert ROOF.duration_s(big) == ROOF.duration_s(gemm)  # what the H100's roofline would have scaled by: 1
+    assert ROOF.duration_s(big) <= ROOF.duration_s(gemm)  # what the H100's roofline would have scaled by: <= 1
     same = _table(tmp_path, rows)  # no target named: the table is taken to be the GPU's (the fallback scales)
-    assert same.scaled_by == "gpu" and same.duration_s(big) == pytest.approx(4000e-6, rel=1e-12)
+    assert same.scaled_by == "gpu" and same.duration_s(big) == pytest.approx(
+        4000e-6 * ROOF.duration_s(big) / ROOF.duration_s(gemm), rel=1e-12)
 
 
 def test_table_devices_and_bad_files(tmp_path) -> None:
@@ -211,7 +217,8 @@ def test_efficiency_defaults_are_reported() -> None:
 def test_profile_kernels_round_trip_and_override() -> None:
     assert profile_from_yaml(profile_to_yaml(H100_PROFILE)) == H100_PROFILE
     data = yaml.safe_load(profile_to_yaml(H100_PROFILE))
-    assert data["kernels"]["gemm"] == {"compute_efficiency": 0.75, "memory_efficiency": 0.8}
+    assert data["kernels"]["gemm"] == {"compute_efficiency": 0.7291, "float8_factor": 0.8674, "k_half": 272.0,
+                                       "memory_efficiency": 0.8}
     assert data["kernels"]["gemm_tile"] == [128, 128]
     slower = override_profile(H100_PROFILE, {"kernels.gemm.compute_efficiency": 0.6, "kernels.min_kernel_us": 4})
     assert slower.kernels.compute_efficiency(KernelClass.GEMM) == 0.6 and slower.kernels.value("min_kernel_us") == 4
@@ -226,6 +233,9 @@ def test_profile_kernels_round_trip_and_override() -> None:
      "unknown field `kernels.gemm.compute`; did you mean `kernels.gemm.compute_efficiency`"),
     ({"gemmm": {"compute_efficiency": 0.5}}, "unknown field `kernels.gemmm`; did you mean `kernels.gemm`"),
     ({"gemm_tile": [128]}, "`kernels.gemm_tile` must be two positive integers"),
+    ({"gemm": {"k_half": -1}}, "`kernels.gemm.k_half` must be >= 0"),
+    ({"gemm": {"float8_factor": 0}}, "`kernels.gemm.float8_factor` must be > 0"),
+    ({"gemm": {"k_halve": 1}}, "did you mean `kernels.gemm.k_half`"),
     ({"min_kernel_us": 0}, "`kernels.min_kernel_us` must be > 0 microseconds"),
     ({"norm": 0.7}, "`kernels.norm` must be a mapping of compute_efficiency and memory_efficiency"),
     ({"elementwise": {"memory_efficiency": "fast"}}, "`kernels.elementwise.memory_efficiency` must be a finite number"),

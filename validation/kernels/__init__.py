@@ -1,9 +1,12 @@
 """Published kernel measurements against the roofline kernel model: fit on the ``fit`` rows, held to the ``validate``.
 
-``validation/kernels/h100.yaml`` lists measured fused-attention and GEMM throughputs on Hopper with their sources and
-roles. `fit_attention` derives the profile's attention figures (``kernels.attention``: ``compute_efficiency``,
-``seq_half``, ``backward_factor``, ``full_factor``, `prism_plugin.cost.kernels.KernelEfficiency.attention_factor`)
-from the fit rows alone; `errors` compares every row's measured kernel time with the model's under a profile.
+``validation/kernels/h100.yaml`` lists published fused-attention and GEMM throughputs on Hopper with their sources and
+roles; ``validation/kernels/h200_sweep.json`` is this project's own sweep on an H200 (``benchmarks/gpu_kernels.py``:
+its GEMM rows are ``fit`` rows, its cuDNN attention rows ``validate``). `fit_attention` derives the profile's
+attention figures (``kernels.attention``: ``compute_efficiency``, ``seq_half``, ``backward_factor``, ``full_factor``,
+`prism_plugin.cost.kernels.KernelEfficiency.attention_factor`) and `fit_gemm` its GEMM figures (``kernels.gemm``:
+``compute_efficiency``, ``float8_factor``, ``k_half``, `KernelEfficiency.gemm_factor`) from the fit rows alone;
+`errors` compares every row's measured kernel time with the model's under a profile.
 
     python -m validation.kernels            # the fit, then every row's error (fit and validate apart), as JSON
 
@@ -27,14 +30,22 @@ import yaml
 
 from prism_plugin.cost import load_profile
 from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel
+from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel, attention_wave_utilization
 from prism_plugin.cost.profiles import override_profile
 
-__all__ = ["DATA", "Measurement", "errors", "fit_attention", "load", "model"]
+__all__ = ["DATA", "NEUTRAL_GEMM", "SWEEP", "Measurement", "errors", "fit_attention", "fit_gemm", "load", "model"]
 
 DATA = Path(__file__).resolve().parent / "h100.yaml"
+SWEEP = Path(__file__).resolve().parent / "h200_sweep.json"
 _SEQ_HALF_GRID = range(0, 4001)
 """Key lengths tried for ``seq_half`` (the fit's one nonlinear figure)."""
+_K_HALF_GRID = range(0, 2001, 4)
+"""Inner dimensions tried for ``gemm.k_half`` (the GEMM fit's one nonlinear figure)."""
+NEUTRAL_GEMM = {"gemm.compute_efficiency": 1.0, "gemm.float8_factor": 1.0, "gemm.k_half": 0.0}
+"""The GEMM figures `fit_gemm`'s neutral model takes: the dtype's peak, wave quantization alone."""
+_SWEEP_MIN_US = 25.0
+"""Sweep GEMMs shorter than this are left out of the fit: launch- and latency-bound (512^3 and 1024^3 take 12-14 us
+at 18-21% of peak), a regime the kernel floor and wave model stand for, not the efficiency."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +83,32 @@ def _gemm(row: Sequence[Any]) -> Measurement:
     return Measurement("gemm", source, role, f"{source} {dtype} {m}x{n}x{k}", cost, 2 * m * n * k / (tflops * 1e12))
 
 
-def load(path: Path = DATA) -> list[Measurement]:
+def _sweep(path: Path) -> list[Measurement]:
+    """The H200 sweep's rows: its GEMMs of at least `_SWEEP_MIN_US` (fit), its cuDNN attention (validate; the
+    flash backend is FlashAttention-2, which TransformerEngine does not run on Hopper)."""
+    measured = json.loads(path.read_text())["measured"]
+    rows = []
+    for r in measured["gemm"] + measured["fp8"]:
+        if "error" not in r and r["us"] >= _SWEEP_MIN_US:
+            tflops = 2 * r["m"] * r["n"] * r["k"] / (r["us"] * 1e-6) / 1e12
+            row = _gemm(["h200_sweep", r["dtype"], r["m"], r["n"], r["k"], tflops, "fit"])
+            rows.append(Measurement(row.kind, row.source, row.role, f"{row.label} ({r['where']})", row.cost,
+                                    r["us"] * 1e-6))
+    for r in measured["attention"]:
+        if "error" not in r and r["backend"] == "cudnn":
+            for direction, key in (("forward", "fwd_us"), ("backward", "bwd_us")):
+                flops = 4 * r["batch"] * r["heads"] * r["seq"] ** 2 * r["head_dim"] * (0.5 if r["causal"] else 1.0)
+                flops *= 2.5 if direction == "backward" else 1.0
+                rows.append(_attention(["h200_sweep", direction, r["causal"], r["batch"], r["heads"], r["seq"],
+                                        r["head_dim"], flops / (r[key] * 1e-6) / 1e12, "validate"]))
+    return rows
+
+
+def load(path: Path = DATA, sweep: Path | None = SWEEP) -> list[Measurement]:
+    """The rows of `path` (published figures) and of `sweep` (this project's own, when given)."""
     data = yaml.safe_load(path.read_text())
     rows = [_attention(r) for r in data["attention"]] + [_gemm(r) for r in data["gemm"]]
+    rows += _sweep(sweep) if sweep is not None else []
     for m in rows:
         if m.role not in ("fit", "validate") or m.source not in data["sources"]:
             raise ValueError(f"{path}: {m.label}: role must be fit or validate and the source one of `sources`")
@@ -87,15 +121,18 @@ def model(profile: str = "dgx-h100", overrides: Mapping[str, Any] | None = None)
     return RooflineModel(gpu_spec(loaded.gpu), loaded.kernels)
 
 
-def fit_attention(rows: Sequence[Measurement], peak_flops_per_s: float) -> dict[str, float]:
+def fit_attention(rows: Sequence[Measurement], peak_flops_per_s: float, sms: int) -> dict[str, float]:
     """``kernels.attention`` figures from the fit rows: for each ``seq_half`` of `_SEQ_HALF_GRID`, the least-squares
     fit of ``log(efficiency) = log(compute_efficiency) + [backward] log(backward_factor) + [full] log(full_factor) +
-    log(s / (s + seq_half))``; the ``seq_half`` with the smallest squared error wins (the first of equals)."""
+    log(s / (s + seq_half))``, efficiency being of the peak times `attention_wave_utilization` on `sms` SMs; the
+    ``seq_half`` with the smallest squared error wins (the first of equals)."""
     fit = [m for m in rows if m.kind == "attention" and m.role == "fit"]
     if not fit:
         raise ValueError("no attention row has role fit")
     points = [("bwd" in m.cost.op, len(m.cost.shape) == 5, m.cost.shape[3],
-               math.log(m.cost.flops / (m.measured_s * peak_flops_per_s))) for m in fit]
+               math.log(m.cost.flops / (m.measured_s * peak_flops_per_s
+                                        * attention_wave_utilization(m.cost.shape, "bwd" in m.cost.op, sms))))
+              for m in fit]
     best: tuple[float, int, list[float]] | None = None
     for half in _SEQ_HALF_GRID:
         xs = [(1.0, float(bwd), float(full)) for bwd, full, _, _ in points]
@@ -110,8 +147,39 @@ def fit_attention(rows: Sequence[Measurement], peak_flops_per_s: float) -> dict[
             "attention.backward_factor": round(math.exp(b), 4), "attention.full_factor": round(math.exp(f), 4)}
 
 
+def fit_gemm(rows: Sequence[Measurement], neutral: RooflineModel) -> dict[str, float]:
+    """``kernels.gemm`` figures from the fit rows that `neutral` (the profile with ``gemm.compute_efficiency`` 1 and
+    no shape or dtype factor) finds compute-bound: for each ``k_half`` of `_K_HALF_GRID`, the least-squares fit of
+    ``log(efficiency) = log(compute_efficiency) + [FP8] log(float8_factor) + log(k / (k + k_half))``, efficiency
+    being the measured FLOP/s over the neutral model's (the dtype's peak with wave quantization); the ``k_half``
+    with the smallest squared error wins (the first of equals)."""
+    points = []
+    for m in rows:
+        if m.kind != "gemm" or m.role != "fit":
+            continue
+        rate = neutral.achieved_flops_per_s(m.cost)
+        if m.cost.flops / rate < neutral.duration_s(m.cost):  # memory- or floor-bound under the neutral model
+            continue
+        efficiency = m.cost.flops / m.measured_s / rate
+        points.append((m.cost.dtype.startswith("float8"), m.cost.shape[-1], math.log(efficiency)))
+    if not points:
+        raise ValueError("no compute-bound GEMM row has role fit")
+    best: tuple[float, int, list[float]] | None = None
+    for half in _K_HALF_GRID:
+        xs = [(1.0, float(fp8)) for fp8, _, _ in points]
+        ys = [y - math.log(k / (k + half)) for _, k, y in points]
+        beta = _least_squares(xs, ys)
+        sse = sum((y - beta[0] - beta[1] * x[1]) ** 2 for x, y in zip(xs, ys, strict=True))
+        if best is None or sse < best[0] - 1e-15:
+            best = (sse, half, beta)
+    assert best is not None
+    _, half, (e, f) = best
+    return {"gemm.compute_efficiency": round(math.exp(e), 4), "gemm.float8_factor": round(math.exp(f), 4),
+            "gemm.k_half": float(half)}
+
+
 def _least_squares(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
-    """Ordinary least squares by the normal equations (3 unknowns, Gaussian elimination)."""
+    """Ordinary least squares by the normal equations (a few unknowns, Gaussian elimination)."""
     n = len(xs[0])
     a = [[sum(x[i] * x[j] for x in xs) for j in range(n)] + [sum(x[i] * y for x, y in zip(xs, ys, strict=True))]
          for i in range(n)]
@@ -146,9 +214,11 @@ def _summary(table: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def main() -> int:
     rows = load()
     roofline = model()
-    fitted = fit_attention(rows, roofline.gpu.peak_flops_per_s["bfloat16"])
+    fitted = fit_attention(rows, roofline.gpu.peak_flops_per_s["bfloat16"], roofline.gpu.multi_processor_count)
+    gemm = fit_gemm(rows, model(overrides=NEUTRAL_GEMM))
     table = errors(rows, roofline)
-    print(json.dumps({"fitted_attention": fitted, "summary": _summary(table), "rows": table}, indent=1))
+    print(json.dumps({"fitted_attention": fitted, "fitted_gemm": gemm, "summary": _summary(table), "rows": table},
+                     indent=1))
     return 0
 
 
