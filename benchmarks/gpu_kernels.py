@@ -95,7 +95,7 @@ class Clocks:
 _LABEL = ["start"]
 
 
-def timed(fn: Callable[[], Any], device: torch.device, target_s: float = 0.025, smoke: bool = False) -> float:
+def timed(fn: Callable[[], Any], device: torch.device, target_s: float = 0.025) -> float:
     """Seconds per call of `fn`: median of 3 batches of back-to-back calls, after warm-ups."""
     if device.type != "cuda":
         fn()
@@ -172,7 +172,7 @@ def measure_gemms(device: torch.device, smoke: bool, fp8: bool) -> list[dict[str
 
                 def fn(dy=dy, x=x) -> Any:
                     return torch.mm(dy.t(), x)
-            s = timed(fn, device, smoke=smoke)
+            s = timed(fn, device)
             rows.append({"where": where, "pass": pas, "dtype": "float8_e4m3fn" if fp8 else str(dtype)[6:],
                          "m": m, "n": n, "k": k, "us": round(s * 1e6, 3),
                          "tflops": round(2 * m * n * k / s / 1e12, 2)})

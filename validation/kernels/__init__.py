@@ -22,7 +22,7 @@ import math
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +92,7 @@ def _sweep(path: Path) -> list[Measurement]:
         if "error" not in r and r["us"] >= _SWEEP_MIN_US:
             tflops = 2 * r["m"] * r["n"] * r["k"] / (r["us"] * 1e-6) / 1e12
             row = _gemm(["h200_sweep", r["dtype"], r["m"], r["n"], r["k"], tflops, "fit"])
-            rows.append(Measurement(row.kind, row.source, row.role, f"{row.label} ({r['where']})", row.cost,
-                                    r["us"] * 1e-6))
+            rows.append(replace(row, label=f"{row.label} ({r['where']})", measured_s=r["us"] * 1e-6))
     for r in measured["attention"]:
         if "error" not in r and r["backend"] == "cudnn":
             for direction, key in (("forward", "fwd_us"), ("backward", "bwd_us")):
@@ -165,8 +164,8 @@ def fit_gemm(rows: Sequence[Measurement], neutral: RooflineModel) -> dict[str, f
     if not points:
         raise ValueError("no compute-bound GEMM row has role fit")
     best: tuple[float, int, list[float]] | None = None
+    xs = [(1.0, float(fp8)) for fp8, _, _ in points]
     for half in _K_HALF_GRID:
-        xs = [(1.0, float(fp8)) for fp8, _, _ in points]
         ys = [y - math.log(k / (k + half)) for _, k, y in points]
         beta = _least_squares(xs, ys)
         sse = sum((y - beta[0] - beta[1] * x[1]) ** 2 for x, y in zip(xs, ys, strict=True))
