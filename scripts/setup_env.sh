@@ -41,5 +41,9 @@ P="$V/bin/pip"
 "$P" install -q -c "$C" "setuptools>=70.1" wheel  # what its setup.py imports, besides torch and packaging
 FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE \
   "$P" install -q -c "$C" --no-deps --no-build-isolation --upgrade --target "$V/share/prism_plugin/te" flash-attn
+# 7. NVIDIA's emerging-optimizers (megatron-core's Muon) for virtual GPUs, in a private folder beside TE's: it declares
+#    Python >= 3.12 and cannot sit in this 3.11 environment's site-packages (prism_plugin/device/gpu_packages.py).
+"$P" install -q -c "$C" --no-deps --ignore-requires-python --upgrade --target "$V/share/prism_plugin/gpu-packages" \
+  emerging-optimizers
 startup_hook
 echo "$want" > "$stamp"

@@ -21,15 +21,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 GOAL_SHARE = 0.90
 NOT_RUNNABLE_HERE = {
-    "gpt3_moe_mcore_te_ep8_resume_torch_dist_dist_muon": "emerging-optimizers",
-    "gpt3_moe_mcore_te_ep8_resume_torch_dist_muon": "emerging-optimizers",
     "gpt3_weekly_mcore_tp2_pp2_current_scaling_native_fp8_tp_pp_sp_tp_overlap": "--deterministic-mode requires",
 }
-"""Cases the installed software cannot run on any device, GPUs included: Megatron's Muon needs the
-emerging-optimizers package, which the package registries do not hold; megatron-core 0.19.2's own argument check
-refuses the weekly case's --deterministic-mode with --tp-comm-overlap (the golden values came from the
-core_r0.19.0 branch, which allowed it). Not limits of fake execution: left out of the share's denominator, and
-printed."""
+"""Cases the installed software cannot run on any device, GPUs included: megatron-core 0.19.2's own argument
+check refuses the weekly case's --deterministic-mode with --tp-comm-overlap (the golden values came from the
+core_r0.19.0 branch, which allowed it). Not a limit of fake execution: left out of the share's denominator, and
+printed. (Megatron's Muon runs since 2026-12-04: emerging-optimizers from the virtual GPUs' package folder.)"""
 LIMITS = {
     "gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph":
         "--cuda-graph-impl",  # CUDA graphs capture real kernels (refused before any process starts)

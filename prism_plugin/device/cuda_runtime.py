@@ -155,9 +155,10 @@ def preload(path: Path | None = None) -> None:
             ctypes.CDLL(str(lib / name), mode=ctypes.RTLD_GLOBAL)
     ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     os.environ[_ENV] = str(path)
-    from prism_plugin.device import te
+    from prism_plugin.device import gpu_packages, te
 
     te.install()  # before the program (or an adapter's argument parsing) imports Megatron, which probes TE once
+    gpu_packages.install()
 
 
 _LIBRARY: Slot[ModuleType] = slot("virtual_cuda_library", permanent=True)
