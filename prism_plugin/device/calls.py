@@ -32,7 +32,10 @@ class DeviceCalls(TorchFunctionMode):
     The CPU wheel refuses both before any dispatch: an int device goes to its accelerator API, and
     ``Tensor.to(cuda)`` / ``.cuda()`` initialise CUDA. A move to another device becomes a new fake tensor of
     the same shape, dtype and layout there (fake tensors hold no values to copy); limitation: it is a leaf, so
-    no gradient flows back through the move (parameter moves run under no_grad, batches need none).
+    no gradient flows back through the move (parameter moves run under no_grad, batches need none). A move of
+    host memory the emulator holds as fake (no constant: ZeRO's offloaded partitions and host buffers) to the GPU
+    is the H2D copy a GPU runs, one ``host_copy`` kernel (``copy_``); a move of a real host tensor (data the
+    program read: a batch) and a move to the host (``_to_copy``) are still made without a kernel.
     """
 
     def __init__(self, values: ValuePolicy) -> None:
@@ -171,4 +174,9 @@ def _move(t: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
         out = torch.empty(t.size(), dtype=dtype, device=device,
                           memory_format=torch.contiguous_format if memory_format in (None, torch.preserve_format)
                           else memory_format)
+    if isinstance(t, FakeTensor) and t.device.type == "cpu" and device.type == "cuda" and t.constant is None:
+        # host memory the emulator holds as fake (ZeRO-Infinity's offloaded parameter partitions, a framework's
+        # host staging buffers): the move is the H2D copy a GPU runs, one host_copy kernel over the host link
+        with torch.no_grad():
+            out.copy_(t)
     return out.requires_grad_(t.requires_grad) if out.is_floating_point() else out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prism_plugin.adapters.deepspeed.offload import FakeCpuAdamOp, offloads_optimizer
+from prism_plugin.adapters.deepspeed.offload import FakeCpuAdamOp, offloads_optimizer, offloads_params
 from prism_plugin.adapters.deepspeed.virtual_gpu import check_config
 from prism_plugin.config.errors import ConfigError
 from prism_plugin.cost.gpu import gpu_spec
@@ -114,8 +114,10 @@ def test_virtual_gpu_takes_cpu_optimizer_offload_and_refuses_what_it_cannot_emul
     assert offloads_optimizer(_config("cpu")) and not offloads_optimizer(_config(None))
     with pytest.raises(ConfigError, match=r'offload_optimizer.device": \'nvme\'.*use "device": "cpu"'):
         check_config(_config("nvme"))
-    with pytest.raises(ConfigError, match=r'"zero_optimization.offload_param": parameter offload is not emulated'):
-        check_config(_config("cpu", offload_param={"device": "cpu"}))
+    check_config(_config("cpu", stage=3, offload_param={"device": "cpu"}))  # ZeRO-3 parameter offload: runs
+    assert offloads_params(_config("cpu", offload_param={"device": "cpu"})) and not offloads_params(_config("cpu"))
+    with pytest.raises(ConfigError, match=r'offload_param.device": \'nvme\'.*async I/O.*use "device": "cpu"'):
+        check_config(_config("cpu", stage=3, offload_param={"device": "nvme"}))
     check_config(_config("cpu", stage=3))
     with pytest.raises(ConfigError, match=r'torch_adam": true: torch.optim.AdamW would step on the host'):
         check_config(_config("cpu", torch_adam=True))

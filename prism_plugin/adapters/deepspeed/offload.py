@@ -41,7 +41,7 @@ import torch
 
 from prism_plugin.cost.host import HostSpec
 
-__all__ = ["FakeCpuAdamOp", "host_op_time", "install"]
+__all__ = ["FakeCpuAdamOp", "host_op_time", "install", "install_param_offload", "offloads_optimizer", "offloads_params"]
 
 
 class FakeCpuAdamOp:
@@ -108,6 +108,29 @@ def offloads_optimizer(ds_config: Any) -> bool:
     """Whether `ds_config` offloads ZeRO's optimizer to the CPU."""
     zero = (ds_config or {}).get("zero_optimization") or {}
     return str((zero.get("offload_optimizer") or {}).get("device", "none")).lower() == "cpu"
+
+
+def offloads_params(ds_config: Any) -> bool:
+    """Whether `ds_config` offloads ZeRO-3's parameter partitions to the CPU."""
+    zero = (ds_config or {}).get("zero_optimization") or {}
+    return str((zero.get("offload_param") or {}).get("device", "none")).lower() == "cpu"
+
+
+def install_param_offload(patches: Any, vgpu: Any) -> None:
+    """ZeRO-3's parameter offload on `vgpu`: each parameter's partition lives in host memory.
+
+    ``partition_parameters.Init`` makes each partition with ``torch.empty(..., device="cpu")`` (pinned): inside
+    `VirtualGpu.fake_host` it is a fake host tensor, counted in the summary's ``host_memory`` (a real rank's
+    pinned host memory), never allocated here. Each fetch moves the partition to the GPU (``ds_tensor.to(device)``
+    before the all-gather): the H2D copy a GPU runs, one ``host_copy`` kernel over the host link
+    (`prism_plugin.device.calls`); the updated partition stays on the host (no copy back).
+    """
+    from deepspeed.runtime.zero import partition_parameters
+
+    for name in ("_partition_param", "_partition_param_sec"):
+        member = vars(partition_parameters.Init).get(name)
+        if inspect.isfunction(member):
+            patches.setattr(partition_parameters.Init, name, vgpu.fake_host(member))
 
 
 def install(patches: Any, vgpu: Any, host: HostSpec) -> FakeCpuAdamOp:

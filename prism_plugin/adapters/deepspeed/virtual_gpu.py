@@ -71,8 +71,8 @@ def check_config(ds_config: Mapping[str, Any]) -> None:
 
     Adam/AdamW is FusedAdam (a CUDA extension) unless ``"torch_adam": true`` selects ``torch.optim.Adam(W)``
     (the same state: two moments of each parameter's size, a step counter), or the optimizer is offloaded to the
-    CPU: then it is DeepSpeedCPUAdam, whose step `offload` answers and times. Offloading to NVMe (ZeRO-Infinity's
-    async I/O extension) and parameter offload are refused.
+    CPU: then it is DeepSpeedCPUAdam, whose step `offload` answers and times. ZeRO-3's parameter offload to the
+    CPU runs (`offload.install_param_offload`); offloading to NVMe (ZeRO-Infinity's async I/O extension) is refused.
     """
     optimizer = ds_config.get("optimizer") or {}
     name = str(optimizer.get("type", "")).lower()
@@ -84,9 +84,10 @@ def check_config(ds_config: Mapping[str, Any]) -> None:
                           f"{offload!r}: offload to NVMe runs DeepSpeed's async I/O extension, which virtual GPUs do "
                           'not emulate; use "device": "cpu" (ZeRO-Offload) or drop it')
     param_offload = str((zero.get("offload_param") or {}).get("device", "none")).lower()
-    if param_offload not in ("none", ""):
-        raise ConfigError('"prism.device": "virtual-gpu" with "zero_optimization.offload_param": parameter offload '
-                          "is not emulated on virtual GPUs; drop it (optimizer offload to the CPU runs)")
+    if param_offload not in ("none", "", "cpu"):
+        raise ConfigError(f'"prism.device": "virtual-gpu" with "zero_optimization.offload_param.device": '
+                          f"{param_offload!r}: offload to NVMe runs DeepSpeed's async I/O extension, which virtual "
+                          'GPUs do not emulate; use "device": "cpu" (ZeRO-3 parameter offload) or drop it')
     if name in ("adam", "adamw") and offload == "cpu" and params.get("torch_adam") is True:
         raise ConfigError('"prism.device": "virtual-gpu" with "zero_optimization.offload_optimizer" and '
                           '"optimizer.params.torch_adam": true: torch.optim.AdamW would step on the host, whose CPU '
@@ -232,6 +233,8 @@ def install(patches: Any, vgpu: Any, *, profile: str | None = None, ds_config: A
     _answer_rank0_lists(patches, policy, read)
     for module in (stage_1_and_2, stage3):  # each binds utils.is_invalid_grad_norm by name
         patches.setattr(module, "is_invalid_grad_norm", answering(module.is_invalid_grad_norm))
+    if offload.offloads_params(ds_config):
+        offload.install_param_offload(patches, vgpu)
     if not offload.offloads_optimizer(ds_config):
         return None
     from prism_plugin.cost.host import HostSpec
