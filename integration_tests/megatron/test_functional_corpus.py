@@ -28,10 +28,7 @@ check refuses the weekly case's --deterministic-mode with --tp-comm-overlap (the
 core_r0.19.0 branch, which allowed it). Not a limit of fake execution: left out of the share's denominator, and
 printed. (Megatron's Muon runs since 2026-12-04: emerging-optimizers from the virtual GPUs' package folder.)"""
 LIMITS = {
-    "gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph":
-        "--cuda-graph-impl",  # CUDA graphs capture real kernels (refused before any process starts)
-    "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph":
-        "--cuda-graph-impl",  # (its FP8 block scaling runs since 2026-12-03)
+    # (CUDA graphs run since 2026-12-04: --cuda-graph-impl transformer_engine, prism_plugin/device/graphs.py)
     # (Megatron-FSDP's uneven shards run since 2026-12-04: the peers' shapes come from the buffer layout; and
     # NCCL's PREMUL_SUM, FSDP2's gradient reduce-scatter)
     "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading":

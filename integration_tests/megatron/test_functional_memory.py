@@ -3,7 +3,8 @@
 Three cases of ``validation/megatron_functional/cases`` (NVIDIA's golden values, branch core_r0.19.0, measured
 on a DGX H100) run through the drop-in as their last rank (rank 7 of 8), with their own arguments, mock data
 and ``--train-iters 3`` (`validation.megatron_functional.run.run_case`): TransformerEngine's layers (TE spec),
-TP1/PP1 with the distributed optimizer, TP1/PP4, and TP2/PP2. Each runs in about a minute on a 2-core host.
+TP1/PP1 with the distributed optimizer, TP1/PP4, and TP2/PP2, and the two cases with CUDA graphs (TE's
+``make_graphed_callables``: `prism_plugin.device.graphs`). Each runs in one to two minutes on a 2-core host.
 
 What is asserted, per case:
 
@@ -38,6 +39,8 @@ CASES = (
     "gpt3_mcore_te_tp1_pp4_resume_torch_dist_persistent_disable_bias_linear",
     "gpt3_mcore_te_tp2_pp2_resume_torch_dist",
     "gpt3_mcore_te_tp2_pp2_resume_torch_dist_defer_embedding_wgrad_compute",
+    "gpt3_mcore_te_tp2_pp2_ep4_etp1_resume_torch_dist_attn_cudagraph",  # CUDA graphs (TE's): +0.024%
+    "gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_scoped_cudagraph",  # graphed attn, mlp, router, preprocess: -0.38%
 )
 CI_CASE = CASES[3]
 """The case CI runs (the others are heavy): TP2 x PP2 with the output layer's weight gradients deferred to the

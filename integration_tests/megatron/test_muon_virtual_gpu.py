@@ -17,23 +17,17 @@ What Muon changes, derived from Megatron's and emerging-optimizers' code:
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from integration_tests.at_once import at_once
+from integration_tests.megatron.drop_in import train
 from prism_plugin.device import gpu_packages
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "prism_plugin" / "programs" / "pretrain_gpt.py"
 H, LAYERS, SEQ, ITERATIONS, NS_STEPS = 256, 2, 256, 2, 5
 ARGS = ["--transformer-impl", "transformer_engine", "--num-layers", str(LAYERS), "--hidden-size", str(H),
         "--num-attention-heads", "4", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
@@ -46,16 +40,7 @@ ORTHOGONALIZED = LAYERS * 6 + 1  # q, k, v, proj, fc1, fc2 per layer; position e
 
 
 def _train(tmp: Path, optimizer: str) -> dict[str, Any]:
-    out = tmp / optimizer
-    proc = subprocess.run([sys.executable, "-m", "prism_plugin.megatron", str(SCRIPT), *ARGS, "--optimizer", optimizer,
-                           "--prism-world-size", "2", "--prism-real-ranks", "1", "--prism-profile", "dgx-h100",
-                           "--prism-device", "virtual-gpu", "--prism-output", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-    logged = re.findall(rf"iteration\s+(\d)/\s+{ITERATIONS} \|", proc.stdout)
-    assert logged == [str(i + 1) for i in range(ITERATIONS)]  # Megatron's own iteration lines
-    return json.loads((out / "rank1.summary.json").read_text())
+    return train(tmp / optimizer, [*ARGS, "--optimizer", optimizer], iterations=ITERATIONS)
 
 
 @pytest.fixture(scope="module")

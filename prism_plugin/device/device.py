@@ -35,7 +35,7 @@ from prism_plugin.cost.allocator import Block, CachingAllocatorModel, DeviceOutO
 from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import DeviceTotal, GpuSpec
 from prism_plugin.cost.kernels import KernelCost
-from prism_plugin.device import cuda_runtime, fusion, snapshot
+from prism_plugin.device import cuda_runtime, fusion, graphs, snapshot
 from prism_plugin.device.active import Slot, slot
 from prism_plugin.device.calls import DeviceCalls
 from prism_plugin.device.clock import VirtualTime
@@ -134,8 +134,9 @@ class _AllocatorTracker(StorageTracker):
     def transient(self, nbytes: int, index: int) -> Block:
         """`nbytes` allocated on device `index`, on its current stream, for no storage (the caller frees it)."""
         shim = self.gpu.shim
+        stream = self.gpu.graphs.allocation_stream(shim.current_stream(index).stream_id)  # a capture's: its pool
         try:
-            return shim.allocators[index].malloc(nbytes, shim.current_stream(index).stream_id)
+            return shim.allocators[index].malloc(nbytes, stream)
         except DeviceOutOfMemory as exc:
             raise torch.OutOfMemoryError(str(exc)) from None
 
@@ -297,6 +298,8 @@ class VirtualGpu:
         self.kernel_summary: Callable[[], Any] | None = None
         """The kernel model's report (`prism_plugin.device.kernel_timer.KernelTimer.summary`), if any."""
         self.fusion = fusion.FusionRegions(self._region_ended)
+        self.graphs = graphs.CudaGraphs(self)
+        """CUDA graphs (`graphs`): a capture's kernels recorded, each replay one launch."""
         self.fake_host_depth = 0
         self.silent = False
         """Inside `fast_forward.FastForward.silent`: ops keep their memory but take no time and no answer."""
@@ -348,6 +351,8 @@ class VirtualGpu:
         device = _cuda_index(args, out) if index == -1 else index
         if device is None:
             return
+        if self.graphs.record(duration, str(func)):  # captured into a CUDA graph: runs at each replay
+            return
         stream = self.shim.current_stream(device).key
         self.clock.kernel(stream, duration, str(func))
         if to_host:  # a blocking copy to the host: the host has the data when the copy ends
@@ -386,7 +391,8 @@ class VirtualGpu:
             duration = self.fusion.region_time(end.cost, end.parts)
         else:
             duration = end.ops_s
-        self.clock.kernel(self.shim.current_stream(end.device).key, duration, end.name)
+        if not self.graphs.record(duration, end.name):
+            self.clock.kernel(self.shim.current_stream(end.device).key, duration, end.name)
 
     def _swap_tensors(self, t1: torch.Tensor, t2: torch.Tensor) -> None:
         """``torch.utils.swap_tensors`` (Module.to/cuda swaps fake parameters) once the fake mode's converter memo
@@ -409,6 +415,7 @@ class VirtualGpu:
             raise RuntimeError("prism virtual GPU: this process's torch has no virtual CUDA device; start it with "
                                "`prism run --device virtual-gpu` (the device library loads before torch)")
         self.shim.install()
+        graphs.install(self.shim._patches, self.graphs)
         self.shim.set_device(self.shim.current)
         self._original_swap = torch.utils.swap_tensors
         self.shim._patches.setattr(torch.utils, "swap_tensors", self._swap_tensors)
@@ -487,6 +494,7 @@ class VirtualGpu:
                                             "ZeRO-Offload's partitions): what a real run holds in host memory, "
                                             "modelled; nothing allocated here"}}
                    if self.tracker.host_peak_bytes else {}),
+                **({"cuda_graphs": self.graphs.summary()} if self.graphs.captured else {}),
                 "devices": devices, "untouched_devices": untouched, "values": self.values.summary()}
 
     def device_total(self, peak_reserved_bytes: int, nccl_buffer_bytes: int = 0, *, own: bool = True) -> DeviceTotal:

@@ -12,7 +12,7 @@ Streams and events: with virtual time (`start_clock`, `prism_plugin.device.clock
 each stream has an emulated clock, events complete when their stream reaches them, ``wait_event`` /
 ``wait_stream`` hold a stream, and ``synchronize`` / ``Event.synchronize`` move the host clock; without it they
 keep their order relations only (``synchronize`` returns at once, ``Event.elapsed_time`` is 0.0).
-Non-goals: CUDA graphs, IPC, peer access, ``torch.cuda.jiterator``.
+Non-goals: IPC, peer access, ``torch.cuda.jiterator`` (CUDA graphs: `prism_plugin.device.graphs`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,19 @@ def device_index(device: Any, current: int) -> int:
     if device.type != "cuda":
         raise ValueError(f"Expected a cuda device, but got: {device}")
     return current if device.index is None else device.index
+
+
+class VirtualGenerator(torch.Generator):
+    """A virtual GPU's RNG (``torch.cuda.default_generators[i]``): a host generator with the CUDA generator's
+    graph-safe state API, which TransformerEngine's RNG tracker takes once CUDA graphs can register generator
+    states (``--te-rng-tracker``): a state is a cloned generator, setting one copies its state in. Fake tensors
+    draw no values, so only the calls matter."""
+
+    def graphsafe_get_state(self) -> torch.Generator:
+        return self.clone_state()
+
+    def graphsafe_set_state(self, state: torch.Generator) -> None:
+        self.set_state(state.get_state())
 
 
 class VirtualStream:
@@ -184,7 +197,7 @@ class CudaShim:
         self.allocators = allocators
         self.current = current
         self.properties = _Properties(gpu)
-        self.generators = tuple(torch.Generator() for _ in allocators)
+        self.generators = tuple(VirtualGenerator() for _ in allocators)
         self._default = [VirtualStream(i, stream_id=0, shim=self) for i in range(len(allocators))]
         self._streams = list(self._default)
         self._patches = Patches()
@@ -325,7 +338,7 @@ class CudaShim:
             "manual_seed": self.manual_seed, "manual_seed_all": self.manual_seed_all,
             "seed": lambda: self.generators[self.current].seed(),
             "initial_seed": lambda: self.generators[self.current].initial_seed(),
-            "is_current_stream_capturing": lambda: False,  # no CUDA graph is ever captured (graphs are refused)
+            "is_current_stream_capturing": lambda: False,  # (the virtual GPU answers it: device/graphs.py)
             **self._memory_api(),
         }
         for name, value in api.items():

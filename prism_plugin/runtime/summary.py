@@ -68,6 +68,8 @@ class VirtualGpuSummary(_Closed):
     host_memory: _Section | None = Field(default=None, description="host tensors the program made from device "
                                          "ones (fake: no host memory used): live and peak bytes, as a real run "
                                          "would hold them")
+    cuda_graphs: _Section | None = Field(default=None, description="CUDA graphs the program captured: captures, "
+                                         "replays (one launch each) and the replays' device seconds")
     devices: list[DeviceSummary] = Field(description="the devices this process touched: its own, and any other "
                                                       "it allocated on")
     untouched_devices: list[int] = Field(default_factory=list, description="the other devices' indices")

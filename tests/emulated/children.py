@@ -9,7 +9,7 @@ import sys
 import textwrap
 from collections.abc import Mapping
 
-__all__ = ["EPILOGUE", "program", "run_child"]
+__all__ = ["EPILOGUE", "program", "run_child", "timed_h100_prelude"]
 
 
 EPILOGUE = """
@@ -22,6 +22,30 @@ cuda_runtime.exit_now(code)
 """
 """The end of a child whose prelude opened ``try:`` with ``out = {}`` and ``code = 0``: the error (traceback on
 stderr) or the figures as the ``RESULT`` line, then the virtual-GPU process's exit (`cuda_runtime.exit_now`)."""
+
+
+def timed_h100_prelude(launch_s: float, imports: str = "") -> str:
+    """A child's opening: a virtual H100 started with virtual time (dgx-h100's roofline through a `KernelTimer`,
+    `launch_s` per launch) as ``vg``, ``timer`` and ``clock``; ``out = {}``, ``code = 0`` and the open ``try:``.
+    `imports`: more import lines, run before the GPU starts."""
+    return f"""
+import json
+from prism_plugin.device import cuda_runtime
+cuda_runtime.preload()
+import torch
+from prism_plugin.cost.gpu import gpu_spec
+from prism_plugin.cost.kernel_models import kernel_model
+from prism_plugin.cost.profiles import load_profile
+from prism_plugin.device.device import VirtualGpu
+from prism_plugin.device.kernel_timer import KernelTimer
+{imports}
+out = {{}}
+code = 0
+try:
+    vg = VirtualGpu(gpu_spec("h100-sxm")).start()
+    timer = KernelTimer(kernel_model("roofline", vg.gpu, load_profile("dgx-h100").kernels))
+    clock = vg.start_time(timer.duration_s, {launch_s!r}, region_time=timer.region_duration_s)
+"""
 
 
 def program(prelude: str, body: str, epilogue: str) -> str:

@@ -10,7 +10,7 @@ model's bytes to the byte.
 from __future__ import annotations
 
 import pytest
-from children import EPILOGUE, program, run_child
+from children import EPILOGUE, program, run_child, timed_h100_prelude
 
 from prism_plugin.cost.gpu import gpu_spec
 from prism_plugin.cost.kernel_models import kernel_model
@@ -21,23 +21,7 @@ MiB = 1 << 20
 LAUNCH = 2.0**-17
 N = 4096  # y: (4096, 4096) bf16 = 32 MiB; bias: (4096,) bf16 = 8 KiB
 
-PRELUDE = f"""
-import json
-from prism_plugin.device import cuda_runtime
-cuda_runtime.preload()
-import torch
-from prism_plugin.cost.gpu import gpu_spec
-from prism_plugin.cost.kernel_models import kernel_model
-from prism_plugin.cost.profiles import load_profile
-from prism_plugin.device.device import VirtualGpu
-from prism_plugin.device.fusion import fused
-from prism_plugin.device.kernel_timer import KernelTimer
-out = {{}}
-code = 0
-try:
-    vg = VirtualGpu(gpu_spec("h100-sxm")).start()
-    timer = KernelTimer(kernel_model("roofline", vg.gpu, load_profile("dgx-h100").kernels))
-    clock = vg.start_time(timer.duration_s, {LAUNCH!r}, region_time=timer.region_duration_s)
+PRELUDE = timed_h100_prelude(LAUNCH, "from prism_plugin.device.fusion import fused") + """\
     stream = vg.shim.current_stream(0).key
     torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")  # this thread's cuBLAS workspace, held from here
     def bias_gelu(bias, y):  # megatron.core.fusions.fused_bias_gelu.bias_gelu
@@ -49,10 +33,10 @@ try:
         base, start = torch.cuda.memory_allocated(), clock.host_s
         allocs = torch.cuda.memory_stats()["allocation.all.allocated"]
         result = fn(*args)
-        return result, {{"allocated": torch.cuda.memory_allocated() - base,
+        return result, {"allocated": torch.cuda.memory_allocated() - base,
                          "peak": torch.cuda.max_memory_allocated() - base,
                          "mallocs": torch.cuda.memory_stats()["allocation.all.allocated"] - allocs,
-                         "start_s": start, "end_s": clock.ends[stream]}}
+                         "start_s": start, "end_s": clock.ends[stream]}
 """
 
 

@@ -75,10 +75,18 @@ def test_unemulable_features_are_refused(options: dict, flag: str) -> None:
 
 
 def test_cpu_mode_refuses_cuda_only_features_only_in_cpu_mode() -> None:
-    gpu_job = {"transformer_impl": "transformer_engine", "cuda_graph_impl": "local"}
+    gpu_job = {"transformer_impl": "transformer_engine", "cuda_graph_impl": "transformer_engine"}
     assert refusals_for(gpu_job, cpu_mode=False) == []
+    assert refusals_for(gpu_job, cpu_mode=False, virtual_gpu=True) == []  # TE's make_graphed_callables runs
     messages = refusals_for(gpu_job, cpu_mode=True)
     assert len(messages) == 2 and "--transformer-impl local" in messages[0] and "CUDA graphs" in messages[1]
+
+
+@pytest.mark.parametrize("options", [{"cuda_graph_impl": "local"}, {"cuda_graph_impl": "full_iteration"},
+                                     {"enable_cuda_graph": True}])
+def test_virtual_gpus_refuse_megatron_s_own_graph_managers(options: dict) -> None:
+    messages = refusals_for({"transformer_impl": "transformer_engine", **options}, cpu_mode=False, virtual_gpu=True)
+    assert len(messages) == 1 and "pass --cuda-graph-impl transformer_engine" in messages[0]
 
 
 def test_plain_job_and_gloo_twins_are_accepted() -> None:

@@ -42,7 +42,9 @@ is not installed, naming the set-up command), and with it ``--moe-grouped-gemm``
 ``--moe-permute-fusion`` (TE's Triton permutation kernels: `triton_kernels`), ``--moe-router-fusion`` (TE's fused
 router kernels: `prism_plugin.device.te.router`), and ``--attention-backend flash``
 (flash-attn's Python layer beside TE's: `prism_plugin.device.te.flash`; refused only when it is not installed);
-refused are CUDA graphs and the other GPU-only opt-ins above
+CUDA graphs run with ``--cuda-graph-impl transformer_engine`` (`prism_plugin.device.graphs`: a capture recorded
+once, each replay one launch, the captures' private memory pool); refused are Megatron's own graph managers
+(``--cuda-graph-impl local`` / ``full_iteration``, ``--enable-cuda-graph``) and the other GPU-only opt-ins above
 (``--save`` / ``--load`` run: nothing is written and no tensor value read, `checkpoint`; refused are the
 checkpoint kinds that path does not model, `checkpoint_refusals`).
 Of the defaults CPU mode switches off, only RoPE fusion with the local spec is switched off there
@@ -132,9 +134,11 @@ def refusals_for(options: Mapping[str, Any] | argparse.Namespace, *, cpu_mode: b
 def virtual_gpu_refusals(options: Mapping[str, Any] | argparse.Namespace) -> list[str]:
     """What device mode virtual-gpu refuses: code that needs real CUDA kernels or real values.
 
-    TransformerEngine (Megatron's default ``--transformer-impl``) and the GPU-only kernels a job opts into are
-    CUDA extensions that fake tensors cannot run; CUDA graphs capture real kernels; and the checkpoint kinds the
-    virtual-GPU checkpoint path does not model (`checkpoint_refusals`).
+    TransformerEngine (Megatron's default ``--transformer-impl``) when its Python layer is not installed; the
+    GPU-only kernels a job opts into, CUDA extensions that fake tensors cannot run; Megatron's own CUDA graph
+    managers (``--cuda-graph-impl local`` / ``full_iteration``: ``transformer_engine`` runs,
+    `prism_plugin.device.graphs`); and the checkpoint kinds the virtual-GPU checkpoint path does not model
+    (`checkpoint_refusals`).
     """
     out: list[str] = []
     if _get(options, "transformer_impl", "transformer_engine") == "transformer_engine" and not te_available():
@@ -146,9 +150,12 @@ def virtual_gpu_refusals(options: Mapping[str, Any] | argparse.Namespace) -> lis
         out.append(f"--attention-backend flash: flash-attn {FLASH_ATTN_VERSION}'s Python layer is not installed "
                    f"beside TransformerEngine's ({te_path()}); run `bash scripts/setup_env.sh`, or pass "
                    "--attention-backend fused (cuDNN fused attention, what TE picks on an H100 with auto)")
-    if _get(options, "cuda_graph_impl", "none") not in (None, "none") or _get(options, "enable_cuda_graph"):
-        out.append("--cuda-graph-impl / --enable-cuda-graph: CUDA graphs capture real kernels, which virtual "
-                   "GPUs do not run; pass --cuda-graph-impl none")
+    graphs = _get(options, "cuda_graph_impl", "none")
+    if graphs in ("local", "full_iteration") or _get(options, "enable_cuda_graph"):
+        out.append(f"--cuda-graph-impl {graphs if graphs not in (None, 'none') else 'local'} (or "
+                   "--enable-cuda-graph): Megatron's own graph managers hand the graphs torch.Tensor-typed "
+                   "arguments, which a virtual GPU's fake tensors are not; pass --cuda-graph-impl transformer_engine "
+                   "(TransformerEngine's make_graphed_callables, which runs here) or none")
     te_runs = _get(options, "transformer_impl", "transformer_engine") == "transformer_engine"
     for dest, flag, kernel in _GPU_ONLY_OPT_INS:
         if dest in ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion") and te_runs:

@@ -15,10 +15,11 @@ The device library must load before torch is imported, so the process that runs 
 
 TransformerEngine (Megatron's default ``--transformer-impl``) runs its own layer over fake kernels
 (`prism_plugin.device.te`, installed by the device library's preload before Megatron is imported).
-Refused up front in this mode (`refusals.virtual_gpu_refusals`): CUDA graphs, GPU-only opt-in kernels TE does not
-provide, checkpoint kinds the virtual-GPU checkpoint path does not model (``--save`` / ``--load`` themselves run:
-`checkpoint`). Switched off (as in CPU mode, one line each): RoPE fusion with the local spec. Megatron's other
-fusion defaults stay on, one kernel each (`fused_kernels`).
+CUDA graphs run through TE (``--cuda-graph-impl transformer_engine``: `prism_plugin.device.graphs`).
+Refused up front in this mode (`refusals.virtual_gpu_refusals`): Megatron's own CUDA graph managers, GPU-only
+opt-in kernels TE does not provide, checkpoint kinds the virtual-GPU checkpoint path does not model (``--save`` /
+``--load`` themselves run: `checkpoint`). Switched off (as in CPU mode, one line each): RoPE fusion with the
+local spec. Megatron's other fusion defaults stay on, one kernel each (`fused_kernels`).
 
 Data-dependent reads Megatron's logging options make have stated answers (`log_values`: ``--log-num-zeros-in-grad``
 reads 0); a read with no answer names ``--prism-device real``.
