@@ -153,9 +153,10 @@ def virtual_gpu_refusals(options: Mapping[str, Any] | argparse.Namespace) -> lis
     graphs = _get(options, "cuda_graph_impl", "none")
     if graphs in ("local", "full_iteration") or _get(options, "enable_cuda_graph"):
         out.append(f"--cuda-graph-impl {graphs if graphs not in (None, 'none') else 'local'} (or "
-                   "--enable-cuda-graph): Megatron's own graph managers hand the graphs torch.Tensor-typed "
-                   "arguments, which a virtual GPU's fake tensors are not; pass --cuda-graph-impl transformer_engine "
-                   "(TransformerEngine's make_graphed_callables, which runs here) or none")
+                   "--enable-cuda-graph): Megatron's own graph managers accept only arguments typed torch.Tensor and "
+                   "match static buffers by data pointer, which a virtual GPU's fake tensors lack; pass "
+                   "--cuda-graph-impl transformer_engine (TransformerEngine's make_graphed_callables, which runs "
+                   "here) or none")
     te_runs = _get(options, "transformer_impl", "transformer_engine") == "transformer_engine"
     for dest, flag, kernel in _GPU_ONLY_OPT_INS:
         if dest in ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion") and te_runs:
