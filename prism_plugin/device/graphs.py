@@ -19,11 +19,16 @@ handles and ``is_current_stream_capturing`` answered by `CudaGraphs`, so ``torch
   still holds them (torch's ``allocated_bytes`` likewise);
 - ``reset`` drops the recording; the pool's cached blocks stay reserved until ``empty_cache``.
 
-Limitations: collectives issued during capture run then, as issued ops on their communication streams, and a
-replay does not issue them again (a graph with communication inside replays its kernels only); the kernel model's
-per-op tallies count captured kernels once (the clock's ``kernel_s`` holds each replay); the private pool's free
-segments are released by ``empty_cache`` while the graph lives (torch keeps them), which moves reserved bytes,
-never allocated ones.
+A collective issued during capture (TP communication inside a graphed layer) is captured as NCCL's kernels are:
+its modelled cost joins the graph's kernels, in order, and every replay pays it; its ``wait()`` meanwhile is the
+graph's own ordering. The op is seen once, at capture, as a program's ``torch.distributed`` call is (its trace,
+counts and virtual peers' side).
+
+Limitations: a captured collective replays at the cost it had when captured, serialised with the graph's kernels
+(no overlap with them, as on the capture stream), and with real peers (several real ranks) its arrivals are not
+exchanged again at replay; the kernel model's per-op tallies count captured kernels once (the clock's
+``kernel_s`` holds each replay); the private pool's free segments are released by ``empty_cache`` while the graph
+lives (torch keeps them), which moves reserved bytes, never allocated ones.
 """
 
 from __future__ import annotations
@@ -86,6 +91,10 @@ class CudaGraphs:
         shim = self.gpu.shim
         graph._pool = tuple(pool) if pool is not None else self.pool_handle()  # type: ignore[assignment]
         self.capture = _Capture(graph, graph._pool, shim.current_stream(shim.current).key)
+        clock = self.gpu.clock
+        if clock is not None:  # collectives are captured too (the instance's methods shadow the class's meanwhile)
+            clock.on_op = self._captured_op
+            clock.sleep_until = self._captured_wait
 
     def end(self, graph: VirtualCudaGraph) -> None:
         capture = self.capture
@@ -94,6 +103,20 @@ class CudaGraphs:
         self.capture = None
         graph._kernels = capture.kernels
         self.captured += 1
+        clock = self.gpu.clock
+        if clock is not None:
+            del clock.on_op, clock.sleep_until
+
+    def _captured_op(self, event: Any) -> None:
+        """A collective issued during capture (the clock's op observer meanwhile): recorded into the graph at its
+        modelled cost, where the capture stream runs it at each replay; it occupies no stream now."""
+        assert self.capture is not None
+        self.record(event.cost_s, f"nccl:{event.kind.value}")
+        assert self.gpu.clock is not None
+        self.gpu.clock.comm_ops += 1  # issued once (the program's call), replayed with the graph
+
+    def _captured_wait(self, deadline_s: float, record: bool = True) -> None:
+        """``work.wait()`` during capture: a dependency inside the graph (its replay runs in order), no wait now."""
 
     def record(self, duration_s: float, name: str) -> bool:
         """A kernel launched now: recorded into the capture under way (True), or not capturing (False)."""

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from children import EPILOGUE, program, run_child, timed_h100_prelude
 
+from prism_plugin.config.kinds import OpKind
+from prism_plugin.cost import CostModel, load_profile
+from prism_plugin.cost.model import GroupPlacement
+
 MiB = 1 << 20
 LAUNCH = 2.0**-17
 N = 4096  # (4096, 4096) bf16: 32 MiB, a multiple of the allocator's 2 MiB rounding for large blocks
@@ -110,3 +114,49 @@ def test_a_weak_reference_to_a_static_output_owns_no_memory(library: None) -> No
     assert out["te_answered"] is True
     assert out["weak_allocated"] == 0 and out["after_drop"] == -32 * MiB
     assert out["weak"] == [[N, N], "torch.bfloat16", "cuda:0", None, 3]
+
+
+def test_a_collective_inside_a_capture_is_paid_at_every_replay(library: None) -> None:
+    """A TP all-reduce inside a graphed layer (rank 0 of 8 on one DGX H100 node, the prism backend): captured with
+    the graph's kernels at the cost model's figure, so a replay lasts the kernels' time plus the all-reduce's; the
+    op itself is issued once, at capture."""
+    out = run(f"""
+        import torch.distributed as dist
+        import prism_plugin as P
+        from prism_plugin.config.emulation import EmulationConfig, VirtualWorld
+        P.activate(EmulationConfig(world=VirtualWorld(world_size=8, real_ranks=(0,), gpus_per_node=8),
+                                   profile="dgx-h100", device="virtual-gpu"), backend="nccl")
+        x = torch.randn({N}, {N}, device="cuda", dtype=torch.bfloat16)
+        stream = torch.cuda.current_stream().key
+        def layer(x):
+            y = f(x)
+            dist.all_reduce(y)
+            return y
+        torch.cuda.synchronize()
+        start = clock.ends[stream]
+        f(x)
+        out["kernels_s"] = clock.ends[stream] - start
+        g = torch.cuda.CUDAGraph()
+        ops = clock.comm_ops
+        with torch.cuda.graph(g):
+            static = layer(x)
+        out["names"] = g._kernels
+        out["ops_at_capture"] = clock.comm_ops - ops
+        torch.cuda.synchronize()
+        start = clock.position(stream)
+        g.replay(); g.replay()
+        out["two_replays_s"] = clock.ends[stream] - start
+        out["ops_after"] = clock.comm_ops - ops
+    """)
+    placement = GroupPlacement.from_ranks(range(8), 8)
+    all_reduce_s = CostModel(load_profile("dgx-h100")).collective_us_placed(OpKind.ALL_REDUCE, 32 * MiB,
+                                                                             placement) * 1e-6
+    names = [name for name, _ in out["names"]]
+    # the graph's kernels in capture order: f's three, the emulator's share of the 7 virtual peers (mirror policy:
+    # y *= 8, as every virtual-GPU all-reduce runs it), the all-reduce at the cost model's figure
+    assert names == ["aten.relu.default", "aten.mul.Tensor", "aten.add.Tensor", "aten.mul_.Tensor",
+                     "nccl:all_reduce"]
+    assert abs(out["names"][-1][1] - all_reduce_s) < 1e-15
+    assert out["ops_at_capture"] == 1 and out["ops_after"] == 1  # issued once, at capture, onto the graph
+    assert abs(out["two_replays_s"] - 2 * sum(d for _, d in out["names"])) < 1e-12
+    assert abs(sum(d for _, d in out["names"][:3]) - out["kernels_s"]) < 1e-15
