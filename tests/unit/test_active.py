@@ -16,6 +16,7 @@ PACKAGE = Path(active.__file__).resolve().parents[1]
 
 DECLARED = {
     "session": ("prism_plugin.runtime.session", False),
+    "cuda_graphs": ("prism_plugin.device.graphs", False),
     "cuda_shim": ("prism_plugin.device.shim", False),
     "storage_tracker": ("prism_plugin.device.memory", False),
     "fusion_regions": ("prism_plugin.device.fusion", False),
