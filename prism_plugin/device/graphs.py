@@ -49,7 +49,6 @@ __all__ = ["CudaGraphs", "VirtualCudaGraph", "install"]
 class _Capture:
     graph: VirtualCudaGraph
     pool: tuple[int, int]
-    stream_key: tuple[int, int]
     kernels: list[tuple[str, float]] = field(default_factory=list)
 
 
@@ -88,9 +87,8 @@ class CudaGraphs:
             raise RuntimeError("CUDA graph capture is already underway in this process (one at a time, as torch)")
         if not self._weak_refs_answered:
             self._answer_weak_refs()
-        shim = self.gpu.shim
         graph._pool = tuple(pool) if pool is not None else self.pool_handle()  # type: ignore[assignment]
-        self.capture = _Capture(graph, graph._pool, shim.current_stream(shim.current).key)
+        self.capture = _Capture(graph, graph._pool)
         clock = self.gpu.clock
         if clock is not None:  # collectives are captured too (the instance's methods shadow the class's meanwhile)
             clock.on_op = self._captured_op

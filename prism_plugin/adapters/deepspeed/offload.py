@@ -41,7 +41,8 @@ import torch
 
 from prism_plugin.cost.host import HostSpec
 
-__all__ = ["FakeCpuAdamOp", "host_op_time", "install", "install_param_offload", "offloads_optimizer", "offloads_params"]
+__all__ = ["FakeCpuAdamOp", "host_op_time", "install", "install_param_offload", "offload_device", "offloads_optimizer",
+           "offloads_params"]
 
 
 class FakeCpuAdamOp:
@@ -104,16 +105,21 @@ def host_op_time(host: HostSpec) -> Any:
     return seconds
 
 
+def offload_device(ds_config: Any, section: str) -> str:
+    """``zero_optimization.<section>.device`` of `ds_config` (``offload_optimizer`` / ``offload_param``), lower
+    case; ``none`` when absent."""
+    zero = (ds_config or {}).get("zero_optimization") or {}
+    return str((zero.get(section) or {}).get("device", "none")).lower()
+
+
 def offloads_optimizer(ds_config: Any) -> bool:
     """Whether `ds_config` offloads ZeRO's optimizer to the CPU."""
-    zero = (ds_config or {}).get("zero_optimization") or {}
-    return str((zero.get("offload_optimizer") or {}).get("device", "none")).lower() == "cpu"
+    return offload_device(ds_config, "offload_optimizer") == "cpu"
 
 
 def offloads_params(ds_config: Any) -> bool:
     """Whether `ds_config` offloads ZeRO-3's parameter partitions to the CPU."""
-    zero = (ds_config or {}).get("zero_optimization") or {}
-    return str((zero.get("offload_param") or {}).get("device", "none")).lower() == "cpu"
+    return offload_device(ds_config, "offload_param") == "cpu"
 
 
 def install_param_offload(patches: Any, vgpu: Any) -> None:

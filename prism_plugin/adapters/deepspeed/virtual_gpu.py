@@ -74,16 +74,17 @@ def check_config(ds_config: Mapping[str, Any]) -> None:
     CPU: then it is DeepSpeedCPUAdam, whose step `offload` answers and times. ZeRO-3's parameter offload to the
     CPU runs (`offload.install_param_offload`); offloading to NVMe (ZeRO-Infinity's async I/O extension) is refused.
     """
+    from prism_plugin.adapters.deepspeed.offload import offload_device
+
     optimizer = ds_config.get("optimizer") or {}
     name = str(optimizer.get("type", "")).lower()
     params = optimizer.get("params") or {}
-    zero = ds_config.get("zero_optimization") or {}
-    offload = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower()
+    offload = offload_device(ds_config, "offload_optimizer")
     if offload not in ("none", "", "cpu"):
         raise ConfigError(f'"prism.device": "virtual-gpu" with "zero_optimization.offload_optimizer.device": '
                           f"{offload!r}: offload to NVMe runs DeepSpeed's async I/O extension, which virtual GPUs do "
                           'not emulate; use "device": "cpu" (ZeRO-Offload) or drop it')
-    param_offload = str((zero.get("offload_param") or {}).get("device", "none")).lower()
+    param_offload = offload_device(ds_config, "offload_param")
     if param_offload not in ("none", "", "cpu"):
         raise ConfigError(f'"prism.device": "virtual-gpu" with "zero_optimization.offload_param.device": '
                           f"{param_offload!r}: offload to NVMe runs DeepSpeed's async I/O extension, which virtual "
