@@ -41,7 +41,8 @@ def test_the_layout_comes_from_the_jobs_own_arguments() -> None:
 def test_prism_emulate_predicts_a_pipelined_job_from_two_virtual_gpu_runs(tmp_path: Path) -> None:
     out = tmp_path / "em"
     # the job states its length as a launch script does (GPT-3 175B's example: --train-iters 500000); each profiling
-    # run trains the 3 iterations the graph needs (--warmup 1: one dropped, one steady, one that closes it)
+    # run states the 3 iterations the graph needs (--warmup 1: one dropped, one steady, one whose mark closes it) and
+    # ends at that mark (--prism-stop-at-iteration 3: the third's memory from its allocator requests, replayed)
     job = [*JOB[:JOB.index("--train-iters") + 1], "500000", *JOB[JOB.index("--train-iters") + 2:]]
     proc = subprocess.run([sys.executable, "-m", "prism_plugin.cli.main", "emulate", "--world-size", "8", "--out",
                            str(out), "--jobs", "2", "--json", "--", str(SCRIPT), *job], capture_output=True, text=True,
@@ -53,12 +54,14 @@ def test_prism_emulate_predicts_a_pipelined_job_from_two_virtual_gpu_runs(tmp_pa
     assert (report["layout"], report["classes_of_ranks"], report["profiling_runs"]) == ("tp=1,pp=2,cp=1,ep=1,dp=4",
                                                                                           2, 2)
     assert (out / "job.graph").is_file() and report["kernel_model"] == "roofline"
-    # the micro-batches the runs' schedules ran (4 a step: GBS 16 over dp 4) and none skipped: a steady state of
-    # 3 micro-batches holds no two periods to prove (the fast-forward tests skip theirs)
-    assert report["fast_forward"] == {"microbatches": 2 * 3 * 4, "microbatches_skipped": 0}, report["fast_forward"]
+    # the micro-batches the runs' schedules ran (4 a step: GBS 16 over dp 4, two steps) and none skipped: a steady
+    # state of 3 micro-batches holds no two periods to prove (the fast-forward tests skip theirs)
+    assert report["fast_forward"] == {"microbatches": 2 * 2 * 4, "microbatches_skipped": 0}, report["fast_forward"]
     for run in ("run0", "run1"):
         [trace] = (out / run / "trace").glob("rank*.trace.json")
         assert len(json.loads(trace.read_text())["iterations"]) == 2, run
+        [summary] = (out / run).glob("rank*.summary.json")
+        assert json.loads(summary.read_text())["megatron"]["stop_at_iteration"]["stopped_at"] == 3, run
     stages = {c["class"]: c for c in report["classes"]}
     assert set(stages) == {"pp=0", "pp=1"} and all(c["ranks_like_it"] == 4 and c["fits"] for c in stages.values())
     assert all(c["step_ms"] == report["step_ms"] for c in stages.values())  # one step for the whole pipeline

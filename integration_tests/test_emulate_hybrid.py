@@ -58,7 +58,8 @@ def test_hybrid_ranks_of_a_pipelined_job_take_the_replays_step(tmp_path: Path) -
         assert h["replay_step_ms"] == replay_ms
         assert abs(h["difference_us"]) <= 0.01 * replay_ms * 1e3  # the program's kernel order (module docstring)
         g = h["graph"]
-        assert g["ops_replayed"] >= 50 and g["ops_outside_graph"] <= 0.1 * (g["ops_replayed"] + g["ops_outside_graph"])
+        # two iterations' ops (the run ends at the third's mark): pipeline sends and receives, DP reductions
+        assert g["ops_replayed"] >= 30 and g["ops_outside_graph"] <= 0.1 * (g["ops_replayed"] + g["ops_outside_graph"])
         assert (out / "hybrid" / f"rank{rank}" / f"rank{rank}.summary.json").is_file()
     # the same stage-0 rank with symmetric arrivals (its profiling run) does not wait for stage 1
     profiled = json.loads((out / "run0" / "rank0.summary.json").read_text())

@@ -179,4 +179,6 @@ def test_prism_emulate_predicts_the_cp_job_with_the_standin_from_the_environment
     (rank_class,) = report["classes"]
     assert rank_class["ranks_like_it"] == 8 and rank_class["fits"]
     assert rank_class["peak_allocated_bytes"] == 10_493_081_088  # as rank 1 through the drop-in: same work, CP rank 0
-    assert report["step_ms"] == 84.576 and rank_class["exposed_comm_ms"] == 11.319
+    # modelled; 84.576 ms until the kernel model's later changes (the H200 GEMM fit of e20845c among them), which this
+    # heavy test, outside CI, had not run under; the exposed communication is unchanged
+    assert report["step_ms"] == 88.134 and rank_class["exposed_comm_ms"] == 11.319

@@ -15,9 +15,11 @@ config, the figures it can and cannot give); the steps below are the same.
 2. **profile**: each run is the unmodified script as one real rank of N on a virtual GPU of the profile's model
    (``python -m prism_plugin.megatron ... --prism-device virtual-gpu --prism-trace``), with virtual time
    (`prism_plugin.device.clock`): its trace holds the modelled kernel time between its ops, its
-   summary the exact per-rank memory. A Megatron run trains the job's first ``--warmup`` + 2 iterations (at least 3)
-   (``--prism-iterations``, `profiled_iterations`: a launch script's ``--train-iters 500000`` is not run to its
-   end), and its pipeline's steady state is fast-forwarded (`prism_plugin.device.fast_forward`);
+   summary the exact per-rank memory. A Megatron run trains the job's first ``--warmup`` + 1 iterations (at least
+   2) and ends at the mark that starts the next one, which closes the last (``--prism-iterations``,
+   ``--prism-stop-at-iteration``, `profiled_iterations`: a launch script's ``--train-iters 500000`` is not run to
+   its end; what a job does after its last iteration, a final evaluation or checkpoint save, is not run), and its
+   pipeline's steady state is fast-forwarded (`prism_plugin.device.fast_forward`);
 3. **graph**: the traces become the N-rank execution graph (``<out>/job.graph``);
 4. **replay**: the graph's replay on the profile gives every class's step time, compute, exposed communication
    and pipeline bubble (`prism_plugin.cli.graph.replay_prediction`);
@@ -196,7 +198,8 @@ def run_command(script_argv: list[str], rank: int, run_dir: Path, world_size: in
     """One profiling (or hybrid, with `graph`) run's command: the job as real rank `rank` of `world_size` on a
     virtual GPU of `profile`, writing into `run_dir` (and its trace, with `trace`); with `iterations`, the job's
     first that many iterations (``--prism-iterations``: a job stated longer is shortened, a shorter one runs as
-    it is)."""
+    it is), ending where the last of them starts (``--prism-stop-at-iteration``: its mark closes the one before;
+    nothing of it is needed)."""
     command = [sys.executable, "-m", "prism_plugin.megatron", *script_argv,
                "--prism-world-size", str(world_size), "--prism-real-ranks", str(rank), "--prism-profile", profile,
                "--prism-gpus-per-node", str(gpus_per_node), "--prism-device", "virtual-gpu",
@@ -206,13 +209,13 @@ def run_command(script_argv: list[str], rank: int, run_dir: Path, world_size: in
     if graph is not None:
         command += ["--prism-graph", str(graph)]
     if iterations is not None:
-        command += ["--prism-iterations", str(iterations)]
+        command += ["--prism-iterations", str(iterations), "--prism-stop-at-iteration", str(iterations)]
     return command
 
 
 def profiled_iterations(warmup: int) -> int:
-    """The iterations a Megatron profiling run trains: the `warmup` ones the graph drops, one steady iteration, and
-    the one whose start closes it (the trace drops the iteration the program's end cuts); at least 3, so that a
+    """The iterations a Megatron profiling run states: the `warmup` ones the graph drops, one steady iteration, and
+    the one whose start closes it (the run ends there: `run_command`); at least 3, so that a
     graph that keeps every iteration (``--warmup 0``) still holds a steady one beside the first (whose
     allocations, FP8 casts and optimizer state differ)."""
     return max(warmup + 2, 3)
@@ -324,7 +327,8 @@ def emulate(script_argv: list[str], *, world_size: int, profile: str = "dgx-h100
         if bad:
             raise ConfigError(f"--hybrid {hybrid!r}: ranks {bad} are not in 0..{world_size - 1}")
     plan = make_plan(parse_layout(layout, framework, world_size), 1)
-    check_environment([ranks[0] for ranks in plan.runs] + list(hybrid_ranks))  # the runs share this environment
+    # the runs share this environment; a hybrid rank may be a class's profiled one
+    check_environment(sorted({ranks[0] for ranks in plan.runs} | set(hybrid_ranks)))
     claim_output("--output", out, "prism emulate", overwrite=overwrite)
     if progress is not None:
         progress(f"{layout} on N={world_size}: {len(plan.runs)} profiling run(s), one real rank each, output {out}")

@@ -45,8 +45,8 @@ __all__ = ["ITERATIONS", "LAYOUT_FLAGS", "MEMORY_ITERATIONS", "CandidateResult",
            "strip_flags"]
 
 ITERATIONS = 3
-"""``--train-iters`` of every candidate run: the first iteration, whose trace the graph drops (warm-up), and two
-whose traces it keeps (a rank's trace holds the iterations after its first mark)."""
+"""``--train-iters`` of every candidate run: the first iteration, whose trace the graph drops (warm-up), the steady
+one it keeps, and the third, whose mark closes it (the profiling runs end there: `emulate.run_command`)."""
 
 MEMORY_ITERATIONS = 2
 """``--train-iters`` of a memory run: the second iteration is the first whose forward and backward run with the

@@ -99,6 +99,7 @@ class MegatronSettings:
     attention: str
     moe_routing: str
     iterations: int | None = None
+    stop_at_iteration: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -214,7 +215,9 @@ def resolve(values: Mapping[str, object], entry: Entry, *, environ: Mapping[str,
                                memory_snapshot_max_entries=_int(parsed["memory_snapshot_max_entries"])),
         faults=tuple(parsed["faults"]),  # type: ignore[arg-type]
         megatron=MegatronSettings(attention=str(parsed["attention"]), moe_routing=str(parsed["moe_routing"]),
-                                  iterations=None if parsed.get("iterations") is None else _int(parsed["iterations"])),
+                                  iterations=None if parsed.get("iterations") is None else _int(parsed["iterations"]),
+                                  stop_at_iteration=(None if parsed.get("stop_at_iteration") is None
+                                                     else _int(parsed["stop_at_iteration"]))),
         deepspeed=DeepSpeedSettings(topology=parsed["topology"], pipe_activations=parsed["pipe_activations"]),
         given=frozenset(given), from_environment=frozenset(from_env), policy_defaults=policy_defaults)
 

@@ -328,6 +328,11 @@ SETTINGS: tuple[Setting, ...] = (
             entries=frozenset({Entry.DROP_IN}),
             help="Train the job's first K iterations, then stop as Megatron does at --train-iters (its dataset sized "
                  "for K, its learning-rate schedule kept); unset: the job's whole length."),
+    Setting(name="stop_at_iteration", group=Group.MEGATRON, parse=_int_at_least(2, 3), metavar="K",
+            entries=frozenset({Entry.DROP_IN}),
+            help="End the run where iteration K starts (its iteration mark, before any of its work): iterations "
+                 "1..K-1 complete, nothing after them runs (Megatron's final evaluation and checkpoint save among "
+                 "them); prism emulate's profiling runs end so. Unset: the run ends as the job does."),
     # DeepSpeed
     Setting(name="topology", group=Group.DEEPSPEED, parse=_mapping, entries=_DS_ONLY, metavar="{pipe,data,model}",
             help="Declared pipe/data/model sizes, checked against world_size."),

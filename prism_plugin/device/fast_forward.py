@@ -62,6 +62,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from prism_plugin.device.iteration_replay import is_request_hook
+
 __all__ = ["TOLERANCE_S", "FastForward", "FastForwardBroken"]
 
 TOLERANCE_S = 1e-10
@@ -247,7 +249,7 @@ class FastForward:
                                                                                          None)):
             return "a kernel recorder without a period view records every kernel"
         for model in gpu.allocators:
-            if model.history is not None:
+            if model.history is not None and not is_request_hook(model.history):
                 return "the allocator's memory history is recorded"
             if model.config.garbage_collection_threshold > 0:
                 return "the allocator's garbage collection (block ages)"

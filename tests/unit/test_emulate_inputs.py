@@ -130,3 +130,26 @@ def test_jobs_runs_profiling_runs_at_once_and_one_failure_stops_the_rest(jobs: i
     assert started == (["run0", "run1"] if jobs == 2 else ["run0"])
     assert main(["emulate", "--world-size", "8", "--jobs", "0", "--out", "o2", "--", "train.py"]) == 2
     assert "--jobs=0 must be a positive int" in capsys.readouterr().err
+
+
+def test_a_hybrid_rank_that_is_a_profiled_one_passes_the_checks(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--hybrid 0,7`` of a PP2 job: rank 0 is also stage 0's profiled rank (the environment check listed it twice
+    and refused the command, "real_ranks lists [0] more than once"); the profiling runs are each told to end at the
+    mark of the last iteration they state."""
+    from prism_plugin.cli import emulate as emulate_mod
+
+    started: list[list[str]] = []
+
+    def no_runs(specs: list[tuple[list[str], Path, int, str]], *args: object, **kwargs: object) -> list[object]:
+        started.extend(command for command, *_ in specs)
+        raise KeyboardInterrupt  # the checks passed: stop before any run
+
+    monkeypatch.setattr(emulate_mod, "_run_all", no_runs)
+    (tmp_path / "pretrain_gpt.py").write_text("raise SystemExit('the job must not run')\n")
+    job = [str(tmp_path / "pretrain_gpt.py"), "--pipeline-model-parallel-size", "2",
+           "--untie-embeddings-and-output-weights", "--train-iters", "500000"]
+    with pytest.raises(KeyboardInterrupt):
+        emulate_mod.emulate(job, world_size=8, profile="dgx-h100", out=tmp_path / "em", hybrid="0,7")
+    assert [c[c.index("--prism-real-ranks") + 1] for c in started] == ["0", "4"]
+    assert all(c[-4:] == ["--prism-iterations", "3", "--prism-stop-at-iteration", "3"] for c in started)

@@ -147,6 +147,10 @@ MEGATRON_CASES = [
      "--prism-record 'notes.txt' is a file"),
     (["train.py", "--prism-world-size", "2", "--prism-real-ranks", "0", "--prism-output", "notes.txt"],
      "--prism-output 'notes.txt' is a file"),
+    (["train.py", "--prism-world-size", "2", "--prism-real-ranks", "0", "--prism-stop-at-iteration", "1"],
+     "--prism-stop-at-iteration 1: give an integer >= 2"),
+    (["train.py", "--prism-world-size", "2", "--prism-real-ranks", "0", "--prism-stop-at-iteration", "3"],
+     "--prism-stop-at-iteration 3 needs --prism-device virtual-gpu"),
 ]
 
 

@@ -102,7 +102,7 @@ class MegatronAdapter:
 
     def __init__(self, session: Any, *, cpu_mode: bool | None = None, redirect_logs: bool = True,
                  fix_tp_data: bool = True, import_training: bool | None = None, virtual_gpu: bool = False,
-                 policy_defaults: tuple[dict[str, Any], ...] = ()) -> None:
+                 policy_defaults: tuple[dict[str, Any], ...] = (), stop_at_iteration: int | None = None) -> None:
         self.session = session
         self.virtual_gpu = virtual_gpu
         self.cpu_mode = False if virtual_gpu else (not torch.cuda.is_available()) if cpu_mode is None else cpu_mode
@@ -130,6 +130,11 @@ class MegatronAdapter:
         """Virtual GPUs: the 1F1B schedule's fast-forward (`fast_forward.ScheduleFastForward`), when on."""
         self.timers: Any = None
         """Virtual GPUs with virtual time: Megatron's timers on the emulated clock (`timers.TimerSeams`)."""
+        self.stop_at_iteration = stop_at_iteration
+        """``--prism-stop-at-iteration K``: the run ends at the iteration mark that starts iteration K."""
+        self.stopped_at: int | None = None
+        self.stop_refused: str | None = None
+        self._requests: Any = None
 
     # -- install / uninstall -------------------------------------------------------------------------
     def install(self) -> MegatronAdapter:
@@ -248,10 +253,47 @@ class MegatronAdapter:
 
             def marked(*args: Any, _original: Any = inner, **kwargs: Any) -> Any:
                 prism_plugin.mark_iteration()
+                self._stop_if_due()
                 return _original(*args, **kwargs)
 
             functools.update_wrapper(marked, original)
             rebind_everywhere(original, marked, self._patches)
+
+    def _stop_if_due(self) -> None:
+        """``--prism-stop-at-iteration K`` on a virtual GPU, at each iteration mark: from the mark that starts K-2 the
+        allocator's blocks are numbered, from K-1's its requests recorded (`iteration_replay`); the mark that starts K
+        replays them once (iteration
+        K's memory) and ends the program (a clean ``SystemExit``, which the run absorbs) before any of K's work.
+        The iterations before K are closed by that mark, so their trace, timeline and step times are the whole
+        run's. When the requests cannot be replayed, iteration K runs for real and the summary says why."""
+        k, iteration = self.stop_at_iteration, self.session.clock.iteration
+        if k is None or iteration < k - 2:
+            return
+        if self._requests is None:  # the mark of K-2 (or the first, for K = 2): births are numbered from here
+            from prism_plugin.device.device import current_gpu
+            from prism_plugin.device.iteration_replay import IterationRequests
+
+            self._requests = IterationRequests(current_gpu().allocators)
+            self._requests.start()
+        if iteration == k - 1:
+            self._requests.begin()
+        if iteration < k:
+            return
+        from prism_plugin.cost.allocator import DeviceOutOfMemory
+
+        self.stop_at_iteration = None
+        try:
+            why = self._requests.replay()
+        except DeviceOutOfMemory as exc:
+            raise torch.OutOfMemoryError(f"{exc} (iteration {iteration}'s requests, replayed)") from None
+        if why is not None:
+            self.stop_refused = why
+            print(f"prism: --prism-stop-at-iteration {k}: iteration {k} runs: {why}", file=sys.stderr, flush=True)
+            return
+        self.stopped_at = iteration
+        print(f"prism: --prism-stop-at-iteration {k}: the run ends where iteration {k} starts (its allocator "
+              f"requests replayed: {self._requests.replayed['mallocs']} mallocs)", file=sys.stderr, flush=True)
+        raise SystemExit(0)
 
     def _start_timers(self) -> Any:
         """Megatron's timers read the emulated clock (`timers`) when the virtual GPU keeps time; None otherwise."""
@@ -330,10 +372,20 @@ class MegatronAdapter:
             **({"checkpoints": self.checkpoints.summary()} if self.checkpoints is not None else {}),
             **({"fast_forward": self.fast_forward.summary()} if self.fast_forward is not None else {}),
             **({"timers": self.timers.summary()} if self.timers is not None else {}),
+            **self._stop_summary(),
             "policy_defaults": [*self.policy_defaults, *self._storage_defaults()],
             **_job_figures(),
         }
 
+
+    def _stop_summary(self) -> dict[str, Any]:
+        """``stop_at_iteration`` when ``--prism-stop-at-iteration`` was given: where the run ended (None: at the
+        job's end), the requests replayed for the iteration not run, or why they could not be."""
+        if self._requests is None and self.stopped_at is None and self.stop_at_iteration is None:
+            return {}
+        replayed = self._requests.replayed if self._requests is not None else {}
+        return {"stop_at_iteration": {"stopped_at": self.stopped_at, "replayed_requests": replayed or None,
+                                      "refused": self.stop_refused}}
 
     def _storage_defaults(self) -> list[dict[str, Any]]:
         """The storage figures a save or load took from `cost.storage`'s policy defaults."""

@@ -64,9 +64,10 @@ def reexec(argv: list[str], config: EmulationConfig) -> None:
 
 
 def run_script(config: EmulationConfig, script_argv: list[str], process_index: int, k: int, *,
-               policy_defaults: tuple[dict[str, str], ...] = ()) -> None:
+               policy_defaults: tuple[dict[str, str], ...] = (), stop_at_iteration: int | None = None) -> None:
     """Run the script on this process's virtual GPUs; write the summary and end the process (``os._exit``).
-    `policy_defaults`: the settings the launch left to a policy default (the summary lists them)."""
+    `policy_defaults`: the settings the launch left to a policy default (the summary lists them);
+    `stop_at_iteration`: ``--prism-stop-at-iteration`` (`MegatronAdapter`)."""
     from prism_plugin.adapters.megatron import log_values
     from prism_plugin.adapters.megatron.wrapper import FLAG_NAMES, start_run
     from prism_plugin.device import cuda_runtime
@@ -80,7 +81,7 @@ def run_script(config: EmulationConfig, script_argv: list[str], process_index: i
     code: int = 0
     try:
         emulated = start_run(config, process_index, k, cpu_mode=False, cuda_peak=False, virtual_gpu=True,
-                             policy_defaults=policy_defaults)
+                             policy_defaults=policy_defaults, stop_at_iteration=stop_at_iteration)
         emulated.add_summary(lambda: _device_summary(vgpu, emulated.session))
         with emulated:
             sys.argv = list(script_argv)

@@ -6,7 +6,8 @@
         [--prism-record DIR] [--prism-replay DIR] [--prism-trace DIR] [--prism-trace-iterations K] \
         [--prism-iteration-marker auto|explicit|optimizer-step] [--prism-no-timing] \
         [--prism-fault SPEC ...] [--prism-timeout S] [--prism-device real|virtual-gpu] [--prism-gpu MODEL] \\
-        [--prism-moe-routing balanced|skew:SEED[,ALPHA]] [--prism-attention local|flash] [--prism-iterations K]
+        [--prism-moe-routing balanced|skew:SEED[,ALPHA]] [--prism-attention local|flash] [--prism-iterations K] \\
+        [--prism-stop-at-iteration K]
 
 (or ``prism megatron ...``; without torchrun, K > 1 real ranks are launched as K local processes by the
 shared watch loop of `prism_plugin.runtime.lifecycle`, as ``prism run`` does.)
@@ -254,12 +255,12 @@ def _self_launch(argv: list[str], config: EmulationConfig, extra_env: dict[str, 
 
 def start_run(config: EmulationConfig, process_index: int, k: int, cpu_mode: bool, *,
               cuda_peak: bool, virtual_gpu: bool = False,
-              policy_defaults: tuple[dict[str, str], ...] = ()) -> EmulatedRun:
+              policy_defaults: tuple[dict[str, str], ...] = (), stop_at_iteration: int | None = None) -> EmulatedRun:
     """The real processes' store, this process's environment (RANK = its virtual rank, WORLD_SIZE = N), the
     emulation, the Megatron adapter and, in CPU mode, the tensor-storage tracker; shared with `native`.
 
     The run's summary gains ``megatron`` (the adapter's, with `policy_defaults`: settings the launch left to a
-    policy default) and ``memory`` (the tracker's peak; with
+    policy default; `stop_at_iteration`: ``--prism-stop-at-iteration``) and ``memory`` (the tracker's peak; with
     `cuda_peak`, ``torch.cuda.max_memory_allocated`` on a CUDA host). A failure after activation is
     summarised (``exit_code`` 1, ``error``) before it propagates.
     """
@@ -278,7 +279,8 @@ def start_run(config: EmulationConfig, process_index: int, k: int, cpu_mode: boo
     try:
         adapter = current_adapter() or MegatronAdapter(session, cpu_mode=cpu_mode, import_training=True,
                                                            virtual_gpu=virtual_gpu,
-                                                           policy_defaults=policy_defaults).install()
+                                                           policy_defaults=policy_defaults,
+                                                           stop_at_iteration=stop_at_iteration).install()
         run.add_summary(lambda: {"megatron": adapter.summary()})
         run.cleanup.callback(adapter.uninstall)
         if cpu_mode:
@@ -327,6 +329,10 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
         config = replace(config, timeout_s=job_timeout)
     virtual_gpu = config.device is DeviceMode.VIRTUAL_GPU
     cpu_mode = not virtual_gpu and not torch.cuda.is_available()
+    stop_at = flags.settings().megatron.stop_at_iteration
+    if stop_at is not None and not virtual_gpu:  # the iteration not run has its memory by the allocator model's replay
+        raise ConfigError(f"--prism-stop-at-iteration {stop_at} needs --prism-device virtual-gpu (the iteration it "
+                          "does not run has its memory from the allocator model); drop it to run the job to its end")
     if virtual_gpu:  # before Megatron's first import: its @jit_fuser functions and CUDA extensions become one kernel
         from prism_plugin.adapters.megatron.fused_kernels import install_for_process
 
@@ -350,8 +356,9 @@ def run(script_argv: list[str], flags: PrismFlags) -> dict[str, Any]:
         from prism_plugin.adapters.megatron.virtual import run_script
 
         # ends the process (os._exit) after the summary
-        run_script(config, script_argv, process_index, k, policy_defaults=flags.policy_defaults())
-    emulated = start_run(config, process_index, k, cpu_mode, cuda_peak=True)
+        run_script(config, script_argv, process_index, k, policy_defaults=flags.policy_defaults(),
+                   stop_at_iteration=stop_at)
+    emulated = start_run(config, process_index, k, cpu_mode, cuda_peak=True, stop_at_iteration=stop_at)
     with emulated:  # the program's exit status and error go into the summary; its exception propagates
         sys.argv = list(script_argv)
         sys.path.insert(0, os.path.dirname(os.path.abspath(script_argv[0])))

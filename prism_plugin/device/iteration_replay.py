@@ -1,0 +1,164 @@
+"""One more iteration's memory without running it: the allocator requests of the last iteration, replayed.
+
+A run that needs only its first K-1 iterations whole (`prism emulate`'s profiling runs: the execution graph keeps the
+steady iteration K-1, closed by the mark that starts K) may end where iteration K starts. Its memory figures must
+still be those of the run that trains iteration K: the caching allocator's block layout keeps changing after the
+first steady iteration (blocks split differently, a request lands in a larger block), so iteration K can reach a
+higher peak than K-1 with the very same requests.
+
+`IterationRequests` records every request the virtual GPU's allocator models receive from the mark that starts
+iteration K-1 to the mark that starts K (a malloc by device, size and stream; a free by its *distance*, how many
+mallocs ago the freed block was allocated), the fast-forward's replayed periods included (they reach the models
+too), through the models' history hook (`CachingAllocatorModel.history`). At the mark of K, `replay` runs those
+requests once more on the models: iteration K's, as a steady iteration repeats the one before it (the same
+assumption that lets the graph's one steady iteration stand for every later one). Blocks, splits, segments, every
+statistic and peak are then what the models give for iteration K.
+
+A block allocated in iteration K-2 and freed in K-1 (a lifetime across the mark: the last pipeline input a module
+keeps until the next step's first, the loss accumulators Megatron's log replaces) stands in the replay for the block
+K-1 allocated and left alive in the same place among those it carries into K: births are numbered from the mark of
+K-2 on, and the blocks K-2 carried into K-1 (and K-1 freed) must be the same requests, in the same order, as those
+K-1 carries into K.
+
+Refused (`replay` says why and the run goes on to train iteration K for real): carried sets that differ, a free of
+a block allocated before the mark of K-2, an out-of-memory in the recording, or a model whose history is already
+recorded (memory snapshots). Pure: no framework import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["IterationRequests", "is_request_hook"]
+
+
+class IterationRequests:
+    """The allocator requests of `allocators` (`prism_plugin.cost.allocator.CachingAllocatorModel`) of one iteration:
+    `start` at the mark before it (births are numbered from there), `begin` at its own mark (requests recorded from
+    there), `replay` at the next mark."""
+
+    def __init__(self, allocators: list[Any]) -> None:
+        self.allocators = allocators
+        self.events: list[tuple[Any, ...]] | None = None
+        self.mallocs = 0
+        """Mallocs since `start` (the next one's number)."""
+        self.window = 0
+        """The number of the first malloc of the recorded iteration."""
+        self._born: dict[int, int] = {}
+        """id(block) -> its malloc's number, for the blocks allocated since `start` and alive."""
+        self._blocks: dict[int, Any] = {}
+        self._request: dict[int, tuple[int, int]] = {}
+        """Malloc number -> (size, stream) of the request, for the blocks alive."""
+        self.refused: str | None = None
+        """Why the recording cannot be replayed (None: it can)."""
+        self.replayed: dict[str, int] = {}
+
+    def start(self) -> bool:
+        """Number births from now on; False (and `refused` says why) when a model's history is already taken."""
+        if any(model.history is not None for model in self.allocators):
+            self.refused = "the allocator's memory history is recorded"
+            return False
+        for model in self.allocators:
+            model.history = _Hook(self, model.device)
+        return True
+
+    def begin(self) -> None:
+        """The recorded iteration starts (its mark)."""
+        self.window, self.events = self.mallocs, []
+
+    def stop(self) -> None:
+        for model in self.allocators:
+            if isinstance(model.history, _Hook):
+                model.history = None
+
+    def on_alloc(self, device: int, block: Any, size: int) -> None:
+        self._born[id(block)] = self.mallocs
+        self._blocks[self.mallocs] = block
+        self._request[self.mallocs] = (size, block.stream)
+        self.mallocs += 1
+        if self.events is not None:
+            self.events.append(("m", device, size, block.stream))
+
+    def on_free(self, device: int, block: Any) -> None:
+        made = self._born.pop(id(block), None)
+        if made is not None:
+            del self._blocks[made]
+            request = self._request.pop(made)
+        if self.events is None:
+            return
+        if made is None:
+            self.refused = self.refused or "the iteration frees a block allocated before the iteration before it"
+        elif made < self.window:  # carried in from the iteration before: its counterpart is one this one carries
+            self.events.append(("x", device, made, request))
+        else:
+            self.events.append(("f", device, self.mallocs - made))
+
+    def on_oom(self) -> None:
+        self.refused = self.refused or "the iteration ran out of memory"
+
+    def replay(self) -> str | None:
+        """Stop recording and run the recorded requests once more on the models: None, or why not (nothing run).
+
+        A block the recorded iteration freed but the one before it allocated stands, in the replay, for the block
+        the recorded iteration allocated and left alive in the same place among those it carries over (by birth):
+        the two carried sets must be the same requests (size and stream) in the same order."""
+        self.stop()
+        if self.events is None:
+            return "no iteration was recorded"
+        if self.refused is not None:
+            return self.refused
+        carried = sorted(m for m in self._blocks if m >= self.window)
+        crossed = sorted((e[2], e[3]) for e in self.events if e[0] == "x")
+        if [self._request[m] for m in carried] != [request for _, request in crossed]:
+            return (f"the iteration carries {len(carried)} block(s) into the next, not the {len(crossed)} it freed "
+                    "of the iteration before's in the same order")
+        counterpart = {made: self._blocks[m] for (made, _), m in zip(crossed, carried, strict=True)}
+        by_device = {model.device: model for model in self.allocators}
+        mallocs = frees = 0
+        for event in self.events:
+            model = by_device[event[1]]
+            if event[0] == "m":
+                self._blocks[self.mallocs] = type(model).malloc(model, event[2], event[3])
+                self.mallocs += 1
+                mallocs += 1
+                continue
+            block = counterpart.pop(event[2]) if event[0] == "x" else self._blocks.pop(self.mallocs - event[2])
+            type(model).free(model, block)
+            frees += 1
+        self.replayed = {"mallocs": mallocs, "frees": frees, "carried": len(carried)}
+        return None
+
+
+class _Hook:
+    """A model's history hook feeding `IterationRequests` (the other actions are not requests)."""
+
+    def __init__(self, requests: IterationRequests, device: int) -> None:
+        self.requests = requests
+        self.device = device
+
+    def on_alloc(self, block: Any, size: int) -> None:
+        self.requests.on_alloc(self.device, block, size)
+
+    def on_free(self, block: Any) -> None:
+        self.requests.on_free(self.device, block)
+
+    def on_oom(self, *args: Any) -> None:
+        self.requests.on_oom()
+
+    def on_segment_alloc(self, *args: Any) -> None:
+        pass
+
+    def on_segment_free(self, *args: Any) -> None:
+        pass
+
+    def on_segment_map(self, *args: Any) -> None:
+        pass
+
+    def on_segment_unmap(self, *args: Any) -> None:
+        pass
+
+
+def is_request_hook(history: Any) -> bool:
+    """Whether a model's `history` is an `IterationRequests` recording (the fast-forward runs beside it: its
+    replayed periods reach the models, so the recording holds them)."""
+    return isinstance(history, _Hook)
