@@ -262,10 +262,10 @@ class MegatronAdapter:
     def _stop_if_due(self) -> None:
         """``--prism-stop-at-iteration K`` on a virtual GPU, at each iteration mark: from the mark that starts K-2 the
         allocator's blocks are numbered, from K-1's its requests recorded (`iteration_replay`); the mark that starts K
-        replays them once (iteration
-        K's memory) and ends the program (a clean ``SystemExit``, which the run absorbs) before any of K's work.
-        The iterations before K are closed by that mark, so their trace, timeline and step times are the whole
-        run's. When the requests cannot be replayed, iteration K runs for real and the summary says why."""
+        replays them once (iteration K's memory) and ends the program (a clean ``SystemExit``, which the run absorbs)
+        before any of K's work. The iterations before K are closed by that mark, so their trace, timeline and step
+        times are the whole run's. When the requests cannot be replayed, iteration K runs for real and the summary
+        says why."""
         k, iteration = self.stop_at_iteration, self.session.clock.iteration
         if k is None or iteration < k - 2:
             return
