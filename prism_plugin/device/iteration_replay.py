@@ -21,8 +21,9 @@ K-2 on, and the blocks K-2 carried into K-1 (and K-1 freed) must be the same req
 K-1 carries into K.
 
 Refused (`replay` says why and the run goes on to train iteration K for real): carried sets that differ, a free of
-a block allocated before the mark of K-2, an out-of-memory in the recording, or a model whose history is already
-recorded (memory snapshots). Pure: no framework import.
+a block allocated before the mark of K-2, an out-of-memory or a released segment in the recording (``empty_cache``,
+e.g. Megatron's ``--empty-unused-memory-level``: not a request), or a model whose history is already recorded
+(memory snapshots). Pure: no framework import.
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ class IterationRequests:
     def on_oom(self) -> None:
         self.refused = self.refused or "the iteration ran out of memory"
 
+    def on_release(self) -> None:
+        """A cached segment released (``empty_cache``, or a malloc's retry under memory pressure): not a request the
+        recording can repeat."""
+        if self.events is not None:
+            self.refused = self.refused or "the allocator released cached memory in the iteration (empty_cache)"
+
     def replay(self) -> str | None:
         """Stop recording and run the recorded requests once more on the models: None, or why not (nothing run).
 
@@ -149,13 +156,13 @@ class _Hook:
         pass
 
     def on_segment_free(self, *args: Any) -> None:
-        pass
+        self.requests.on_release()
 
     def on_segment_map(self, *args: Any) -> None:
         pass
 
     def on_segment_unmap(self, *args: Any) -> None:
-        pass
+        self.requests.on_release()
 
 
 def is_request_hook(history: Any) -> bool:

@@ -85,6 +85,7 @@ def test_without_the_replay_the_peak_is_not_the_run_ones() -> None:
     ("carries more", "carries 2 block(s) into the next, not the 1"),
     ("frees an older block", "frees a block allocated before the iteration before it"),
     ("history taken", "memory history is recorded"),
+    ("empties the cache", "released cached memory in the iteration (empty_cache)"),
 ])
 def test_what_cannot_be_replayed_is_refused_and_nothing_runs(case: str, why: str) -> None:
     model = CachingAllocatorModel(80 << 30)
@@ -100,6 +101,8 @@ def test_what_cannot_be_replayed_is_refused_and_nothing_runs(case: str, why: str
     if case == "frees an older block":
         model.free(old)
     program.iteration(2, carry=(4, 5) if case == "carries more" else (4,))
+    if case == "empties the cache":
+        model.empty_cache()
     before = figures(model)
     refused = requests.replay()
     assert refused is not None and why in refused and started == (case != "history taken")
