@@ -62,7 +62,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from prism_plugin.device.iteration_replay import is_request_hook
+from prism_plugin.device.iteration_replay import RequestLog, is_request_hook
 
 __all__ = ["TOLERANCE_S", "FastForward", "FastForwardBroken"]
 
@@ -129,17 +129,12 @@ def _delta(a: dict[Any, float], b: dict[Any, float]) -> dict[Any, float]:
     return {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b)}
 
 
-class _AllocatorLog:
+class _AllocatorLog(RequestLog):
     """The allocator requests of the recording (malloc by size and stream, free by distance) and their replay."""
 
     def __init__(self, allocators: list[Any]) -> None:
+        super().__init__()
         self.allocators = allocators
-        self.mallocs = 0
-        """Mallocs since the recording began (the next one's number)."""
-        self.born: dict[int, int] = {}
-        """id(block) -> its malloc's number, for the blocks allocated in the recording and alive."""
-        self.blocks: dict[int, Any] = {}
-        """Malloc number -> its block, while alive."""
         self.events: list[tuple[Any, ...]] | None = None
 
     def tap(self) -> None:
@@ -158,43 +153,30 @@ class _AllocatorLog:
 
         def tapped_malloc(size: int, stream: int = 0) -> Any:
             block = malloc(size, stream)
-            self._born(block)
+            self.number(block)
             if self.events is not None:
                 self.events.append(("m", device, size, stream))
             return block
 
         def tapped_free(block: Any) -> None:
-            made = self.born.pop(id(block), None)
-            if made is not None:
-                del self.blocks[made]
+            made = self.forget(block)
             if self.events is not None:
                 self.events.append(("f", device, None if made is None else self.mallocs - made))
             free(block)
 
         model.malloc, model.free = tapped_malloc, tapped_free
 
-    def _born(self, block: Any) -> None:
-        self.born[id(block)] = self.mallocs
-        self.blocks[self.mallocs] = block
-        self.mallocs += 1
-
     def replay(self, period: list[tuple[Any, ...]], times: int) -> int:
-        """Run the allocator requests of `period` (events as recorded) `times` more times on the models
-        themselves (untapped); returns the mallocs one period makes."""
+        """Run the allocator requests of `period` (events as recorded; its kernels and communication are not
+        requests) `times` more times on the models themselves (untapped); returns the mallocs one period makes."""
         by_device = {m.device: m for m in self.allocators}
-        per_period = sum(1 for e in period if e[0] == "m")
         for _ in range(times):
             for event in period:
                 if event[0] == "m":
-                    _, device, size, stream = event
-                    self._born(type(by_device[device]).malloc(by_device[device], size, stream))
+                    self.malloc(by_device[event[1]], event[2], event[3])
                 elif event[0] == "f":
-                    _, device, distance = event
-                    made = self.mallocs - distance
-                    block = self.blocks.pop(made)
-                    del self.born[id(block)]
-                    type(by_device[device]).free(by_device[device], block)
-        return per_period
+                    self.free(by_device[event[1]], event[2])
+        return sum(1 for e in period if e[0] == "m")
 
     def counterpart(self, block: Any, made: int | None, shift: int, *, since: int) -> Any:
         """What `block` (of malloc `made`, None: before the recording) stands for after a replay of `shift`

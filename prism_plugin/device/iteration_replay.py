@@ -30,24 +30,61 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["IterationRequests", "is_request_hook"]
+__all__ = ["IterationRequests", "RequestLog", "is_request_hook"]
 
 
-class IterationRequests:
+class RequestLog:
+    """Allocator blocks numbered by birth (their malloc's number), and requests run on the models by size and
+    stream (a malloc) or by distance (a free: the block allocated that many mallocs ago). The fast-forward's
+    recording (`prism_plugin.device.fast_forward`) and `IterationRequests` both keep one."""
+
+    def __init__(self) -> None:
+        self.mallocs = 0
+        """Mallocs numbered so far (the next one's number)."""
+        self.born: dict[int, int] = {}
+        """id(block) -> its malloc's number, for the numbered blocks alive."""
+        self.blocks: dict[int, Any] = {}
+        """Malloc number -> its block, while alive."""
+
+    def number(self, block: Any) -> int:
+        """Number `block`, just allocated; returns its number."""
+        made = self.mallocs
+        self.born[id(block)] = made
+        self.blocks[made] = block
+        self.mallocs += 1
+        return made
+
+    def forget(self, block: Any) -> int | None:
+        """`block` is freed: its number, or None when it was never numbered."""
+        made = self.born.pop(id(block), None)
+        if made is not None:
+            del self.blocks[made]
+        return made
+
+    def malloc(self, model: Any, size: int, stream: int) -> Any:
+        """Run a malloc on `model` itself (past any tap on the instance) and number its block."""
+        block = type(model).malloc(model, size, stream)
+        self.number(block)
+        return block
+
+    def free(self, model: Any, distance: int) -> None:
+        """Run on `model` the free of the block allocated `distance` mallocs ago."""
+        block = self.blocks[self.mallocs - distance]
+        self.forget(block)
+        type(model).free(model, block)
+
+
+class IterationRequests(RequestLog):
     """The allocator requests of `allocators` (`prism_plugin.cost.allocator.CachingAllocatorModel`) of one iteration:
     `start` at the mark before it (births are numbered from there), `begin` at its own mark (requests recorded from
     there), `replay` at the next mark."""
 
     def __init__(self, allocators: list[Any]) -> None:
+        super().__init__()
         self.allocators = allocators
         self.events: list[tuple[Any, ...]] | None = None
-        self.mallocs = 0
-        """Mallocs since `start` (the next one's number)."""
         self.window = 0
-        """The number of the first malloc of the recorded iteration."""
-        self._born: dict[int, int] = {}
-        """id(block) -> its malloc's number, for the blocks allocated since `start` and alive."""
-        self._blocks: dict[int, Any] = {}
+        """The number of the first malloc of the recorded iteration (births are numbered from `start`)."""
         self._request: dict[int, tuple[int, int]] = {}
         """Malloc number -> (size, stream) of the request, for the blocks alive."""
         self.refused: str | None = None
@@ -73,17 +110,13 @@ class IterationRequests:
                 model.history = None
 
     def on_alloc(self, device: int, block: Any, size: int) -> None:
-        self._born[id(block)] = self.mallocs
-        self._blocks[self.mallocs] = block
-        self._request[self.mallocs] = (size, block.stream)
-        self.mallocs += 1
+        self._request[self.number(block)] = (size, block.stream)
         if self.events is not None:
             self.events.append(("m", device, size, block.stream))
 
     def on_free(self, device: int, block: Any) -> None:
-        made = self._born.pop(id(block), None)
+        made = self.forget(block)
         if made is not None:
-            del self._blocks[made]
             request = self._request.pop(made)
         if self.events is None:
             return
@@ -114,25 +147,23 @@ class IterationRequests:
             return "no iteration was recorded"
         if self.refused is not None:
             return self.refused
-        carried = sorted(m for m in self._blocks if m >= self.window)
+        carried = sorted(m for m in self.blocks if m >= self.window)
         crossed = sorted((e[2], e[3]) for e in self.events if e[0] == "x")
         if [self._request[m] for m in carried] != [request for _, request in crossed]:
             return (f"the iteration carries {len(carried)} block(s) into the next, not the {len(crossed)} it freed "
                     "of the iteration before's in the same order")
-        counterpart = {made: self._blocks[m] for (made, _), m in zip(crossed, carried, strict=True)}
+        counterpart = {made: self.blocks[m] for (made, _), m in zip(crossed, carried, strict=True)}
         by_device = {model.device: model for model in self.allocators}
-        mallocs = frees = 0
         for event in self.events:
             model = by_device[event[1]]
             if event[0] == "m":
-                self._blocks[self.mallocs] = type(model).malloc(model, event[2], event[3])
-                self.mallocs += 1
-                mallocs += 1
-                continue
-            block = counterpart.pop(event[2]) if event[0] == "x" else self._blocks.pop(self.mallocs - event[2])
-            type(model).free(model, block)
-            frees += 1
-        self.replayed = {"mallocs": mallocs, "frees": frees, "carried": len(carried)}
+                self.malloc(model, event[2], event[3])
+            elif event[0] == "f":
+                self.free(model, event[2])
+            else:
+                type(model).free(model, counterpart.pop(event[2]))
+        kinds = [event[0] for event in self.events]
+        self.replayed = {"mallocs": kinds.count("m"), "frees": len(kinds) - kinds.count("m"), "carried": len(carried)}
         return None
 
 

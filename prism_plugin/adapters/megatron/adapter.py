@@ -135,6 +135,8 @@ class MegatronAdapter:
         self.stopped_at: int | None = None
         self.stop_refused: str | None = None
         self._requests: Any = None
+        self._stop_reached = False
+        """The mark that starts K has passed (the stop acts once: the run ended there, or iteration K runs)."""
 
     # -- install / uninstall -------------------------------------------------------------------------
     def install(self) -> MegatronAdapter:
@@ -267,7 +269,7 @@ class MegatronAdapter:
         times are the whole run's. When the requests cannot be replayed, iteration K runs for real and the summary
         says why."""
         k, iteration = self.stop_at_iteration, self.session.clock.iteration
-        if k is None or iteration < k - 2:
+        if k is None or self._stop_reached or iteration < k - 2:
             return
         if self._requests is None:  # the mark of K-2 (or the first, for K = 2): births are numbered from here
             from prism_plugin.device.device import current_gpu
@@ -281,7 +283,7 @@ class MegatronAdapter:
             return
         from prism_plugin.cost.allocator import DeviceOutOfMemory
 
-        self.stop_at_iteration = None
+        self._stop_reached = True
         try:
             why = self._requests.replay()
         except DeviceOutOfMemory as exc:
@@ -381,7 +383,7 @@ class MegatronAdapter:
     def _stop_summary(self) -> dict[str, Any]:
         """``stop_at_iteration`` when ``--prism-stop-at-iteration`` was given: where the run ended (None: at the
         job's end), the requests replayed for the iteration not run, or why they could not be."""
-        if self._requests is None and self.stopped_at is None and self.stop_at_iteration is None:
+        if self.stop_at_iteration is None:
             return {}
         replayed = self._requests.replayed if self._requests is not None else {}
         return {"stop_at_iteration": {"stopped_at": self.stopped_at, "replayed_requests": replayed or None,
