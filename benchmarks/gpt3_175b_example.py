@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _emulate  # noqa: E402
 from validation.megatron_examples import EXAMPLES, run  # noqa: E402
 
 TARGET_S = 60.0
@@ -43,34 +44,12 @@ EMULATE_TARGET_S = 600.0
 
 def emulate_once(jobs: int, timeout_s: float, extra: list[str]) -> dict:
     """One ``prism emulate`` of the example, in a fresh folder."""
-    import subprocess
-    import time
-
     example = EXAMPLES["gpt3_175b"]
-    root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="prism_175b_emulate_") as tmp:
-        folder = Path(tmp)
-        args = [a.format(folder=folder) for a in example.args]
-        command = [sys.executable, "-m", "prism_plugin.cli.main", "emulate", "--world-size", str(example.world_size),
-                   "--jobs", str(jobs), "--timeout", str(timeout_s), "--output", str(folder / "emulate"), "--json",
-                   "--", "prism_plugin/programs/pretrain_gpt.py", *args, *example.added, *extra]
-        start = time.perf_counter()
-        proc = subprocess.run(command, cwd=root, env={**os.environ, **example.env}, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        if proc.returncode != 0:
-            return {"exit_code": proc.returncode, "wall_s": round(wall, 1), "log_tail": proc.stderr[-3000:]}
-        report = json.loads(proc.stdout)
-        runs = []
-        for run_dir in sorted((folder / "emulate").glob("run*"), key=lambda d: int(d.name[3:])):
-            [summary] = run_dir.glob("rank*.summary.json")
-            ff = json.loads(summary.read_text()).get("megatron", {}).get("fast_forward") or {}
-            runs.append({"run": run_dir.name, "microbatches": ff.get("microbatches"),
-                         "microbatches_skipped": ff.get("microbatches_skipped")})
-        for run, cls in zip(runs, report["classes"], strict=False):
-            run["profiling_run_wall_s"] = cls.get("profiling_run_wall_s")
-        return {"exit_code": 0, "wall_s": round(wall, 1), "step_ms": report["step_ms"],
-                "peak_allocated_bytes": max(c["peak_allocated_bytes"] for c in report["classes"]),
-                "profiling_runs": report["profiling_runs"], "runs": runs}
+        args = [a.format(folder=Path(tmp)) for a in example.args]
+        return _emulate.emulate_once(["prism_plugin/programs/pretrain_gpt.py", *args, *example.added, *extra],
+                                     world_size=example.world_size, jobs=jobs, timeout_s=timeout_s,
+                                     env={**os.environ, **example.env})
 
 
 def main() -> int:

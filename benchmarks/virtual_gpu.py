@@ -6,6 +6,8 @@
     python benchmarks/virtual_gpu.py --model llama3-70b --layout tp=8,pp=8 --world-size 8192 --global-batch 1024
     python benchmarks/virtual_gpu.py --model llama3.1-405b --layout tp=8,pp=16,cp=2 --world-size 16384 \
         --global-batch 2048
+    python benchmarks/virtual_gpu.py --model llama3.1-405b --layout tp=8,pp=16,cp=2 --world-size 16384 \
+        --global-batch 2048 --emulate [--jobs 2] [--repeats 3]
 
 Each repeat is one real process: the repo's ``prism_plugin/programs/pretrain_gpt.py`` (Megatron's own
 ``pretrain`` loop, mock data, ``--transformer-impl local``, bf16, distributed optimizer, micro-batch 1,
@@ -50,6 +52,12 @@ Prints one JSON object:
   ``emulated_step_time_same_every_repeat`` checks it, ``emulated_step_time_s_per_repeat`` lists them);
   ``emulation_overhead_cpu_pct``: the overhead from the CPU-second medians.
 
+``--emulate`` times ``prism emulate`` of the same job instead (issue 22's target for Llama-3.1-405B TP8 PP16 CP2 at
+16384 GPUs: under 10 minutes): every class of ranks, one profiling run each, ``--jobs`` at a time, ``--attention``
+as above. It prints ``emulate_s`` (median wall seconds of the whole command over ``--repeats``, measured), and per
+repeat the report's modelled step (``step_ms``) and largest peak allocated, and each profiling run's wall seconds
+and fast-forward figures (micro-batches run, micro-batches skipped).
+
 Measured on the host: ``iteration_s``, ``build_s``, ``startup_s``, ``rss_mb``, ``emulation_overhead_pct``;
 modelled (deterministic): the memory figures and ``emulated_step_time_s``. The small case of issue 13 item 5
 (Llama-3-8B width, 2 layers, TP8, rank 7 of 64, 5 iterations, 3 repeats) is ``--layers 2`` and takes about a
@@ -75,6 +83,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import _emulate  # noqa: E402
 from prism_plugin.config.models import megatron_args, preset  # noqa: E402
 
 SCRIPT = ROOT / "prism_plugin" / "programs" / "pretrain_gpt.py"
@@ -153,7 +162,8 @@ def stage_layers(layers: int, pp: int) -> tuple[int, int, int]:
     return ends - ends // 2, middle, ends // 2
 
 
-def _command(spec: JobSpec, output: Path) -> list[str]:
+def _job(spec: JobSpec) -> list[str]:
+    """The job's program and its Megatron arguments (no prism setting)."""
     arch = megatron_args(preset(spec.model))
     arch[arch.index("--num-layers") + 1] = str(spec.layers)
     arch[arch.index("--seq-length") + 1] = str(spec.seq_length)
@@ -163,16 +173,38 @@ def _command(spec: JobSpec, output: Path) -> list[str]:
         layout += ["--decoder-first-pipeline-num-layers", str(first), "--decoder-last-pipeline-num-layers", str(last)]
     if spec.sequence_parallel and spec.layout["tp"] > 1:
         layout.append("--sequence-parallel")
-    if spec.attention != "local":
-        layout += ["--prism-attention", spec.attention]
     layout += ["--attention-dropout", str(spec.dropout), "--hidden-dropout", str(spec.dropout)]
-    return [sys.executable, "-m", "prism_plugin.megatron", str(SCRIPT), "--transformer-impl", "local", *arch,
-            *layout, "--micro-batch-size", "1", "--global-batch-size", str(spec.global_batch),
-            "--train-iters", str(spec.iterations), "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
-            "--bf16", "--use-distributed-optimizer", "--log-interval", "1", "--eval-iters", "0",
-            "--eval-interval", str(10**6), "--disable-gloo-process-groups",
+    return [str(SCRIPT), "--transformer-impl", "local", *arch, *layout, "--micro-batch-size", "1",
+            "--global-batch-size", str(spec.global_batch), "--train-iters", str(spec.iterations), "--lr", "1e-4",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--bf16", "--use-distributed-optimizer",
+            "--log-interval", "1", "--eval-iters", "0", "--eval-interval", str(10**6), "--disable-gloo-process-groups"]
+
+
+def _command(spec: JobSpec, output: Path) -> list[str]:
+    """The job through the drop-in, as rank `spec.rank` of `spec.world_size` on a virtual GPU."""
+    attention = ["--prism-attention", spec.attention] if spec.attention != "local" else []
+    return [sys.executable, "-m", "prism_plugin.megatron", *_job(spec), *attention,
             "--prism-world-size", str(spec.world_size), "--prism-real-ranks", str(spec.rank),
             "--prism-profile", spec.profile, "--prism-device", "virtual-gpu", "--prism-output", str(output)]
+
+
+def emulate(spec: JobSpec, *, repeats: int, jobs: int, timeout_s: float) -> dict:
+    """``prism emulate`` of the whole job (every class of ranks, `jobs` profiling runs at a time), `repeats`
+    times: ``emulate_s``, the median wall seconds of the command (measured), with each repeat's runs and the
+    report's modelled step and peak."""
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    done = [_emulate.emulate_once(_job(spec), world_size=spec.world_size, jobs=jobs, timeout_s=timeout_s, env=env,
+                                  options=("--profile", spec.profile, "--attention", spec.attention))
+            for _ in range(repeats)]
+    walls = [d["wall_s"] for d in done if d["exit_code"] == 0]
+    dp = spec.world_size // (spec.layout["tp"] * spec.layout["pp"] * spec.layout["cp"])
+    return {"benchmark": "virtual_gpu_emulate", "model": spec.model, "layers": spec.layers,
+            "seq_length": spec.seq_length, "layout": {**spec.layout, "dp": dp}, "global_batch": spec.global_batch,
+            "world_size": spec.world_size, "attention": spec.attention, "profile": spec.profile, "jobs": jobs,
+            "repeats": repeats, "emulate_s": statistics.median(walls) if len(walls) == len(done) else None,
+            "load_average_at_start": load_at_start, "load_average": [round(x, 2) for x in os.getloadavg()],
+            "cpu_count": os.cpu_count(), "repeat_runs": done}
 
 
 def measure(spec: JobSpec, *, virtual_time: bool = False) -> Measurement:
@@ -341,6 +373,10 @@ def main() -> None:
     ap.add_argument("--attention", choices=("local", "flash"), default=None,
                     help="local: Megatron's local attention; flash: --prism-attention flash (default when cp > 1)")
     ap.add_argument("--dropout", type=float, default=0.0, help="attention and hidden dropout (default 0, as Llama 3)")
+    ap.add_argument("--emulate", action="store_true",
+                    help="time `prism emulate` of the whole job instead (every class of ranks; --repeats times)")
+    ap.add_argument("--jobs", type=int, default=2, help="with --emulate: profiling runs at a time (default 2)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="with --emulate: seconds per profiling run")
     timing = ap.add_mutually_exclusive_group()
     timing.add_argument("--no-virtual-time", action="store_true",
                         help="only the runs without virtual time (no emulation_overhead_pct)")
@@ -364,6 +400,9 @@ def main() -> None:
                    iterations=args.iterations, seq_length=args.seq_length or model.seq_length,
                    global_batch=args.global_batch or args.world_size // model_parallel, profile=args.profile,
                    sequence_parallel=not args.no_sequence_parallel, attention=attention, dropout=args.dropout)
+    if args.emulate:
+        print(json.dumps(emulate(spec, repeats=args.repeats, jobs=args.jobs, timeout_s=args.timeout), indent=1))
+        return
     configurations = (True,) if args.only_virtual_time else ((False,) if args.no_virtual_time else (False, True))
     print(json.dumps(run(spec, repeats=args.repeats, warmup=args.warmup, configurations=configurations)))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prism_plugin.config.emulation import EmulationConfig
 from prism_plugin.config.errors import ConfigError
@@ -26,9 +26,11 @@ from prism_plugin.config.virtual_time import VirtualTimeOptions
 from prism_plugin.cost.allocator_config import AllocatorConfig
 from prism_plugin.cost.gpu import GpuSpec, gpu_spec
 from prism_plugin.cost.profiles import HardwareProfile, load_profile
-from prism_plugin.device import cuda_runtime, snapshot
-from prism_plugin.device.clock import VirtualTime
-from prism_plugin.device.device import VirtualGpu
+from prism_plugin.device import cuda_runtime
+
+if TYPE_CHECKING:  # torch: imported where a virtual GPU starts, not by the launchers that only resolve its model
+    from prism_plugin.device.clock import VirtualTime
+    from prism_plugin.device.device import VirtualGpu
 
 __all__ = ["VirtualTimeOptions", "resolve_gpu", "start_virtual_gpu", "start_virtual_time"]
 
@@ -48,6 +50,9 @@ def resolve_gpu(config: EmulationConfig, profile: HardwareProfile | None = None,
 
 def start_virtual_gpu(config: EmulationConfig, process_index: int) -> VirtualGpu:
     """Start this process's virtual GPUs (the device library must already be loaded: `cuda_runtime.preload`)."""
+    from prism_plugin.device import snapshot
+    from prism_plugin.device.device import VirtualGpu
+
     num_devices = min(cuda_runtime.MAX_DEVICES, config.world.gpus_per_node)
     device = int(os.environ.get("LOCAL_RANK", process_index)) % num_devices
     allocator = AllocatorConfig.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))

@@ -99,6 +99,23 @@ def test_a_profile_without_a_gpu_is_refused_naming_each_entry_points_settings() 
         assert str(info.value) == expected[entry]
 
 
+def test_the_drop_in_launcher_checks_the_gpu_model_without_importing_torch() -> None:
+    """The drop-in's launcher process only checks the GPU model and starts the job's process, which imports torch
+    itself: importing torch there too cost each launch ~2.3 s (a fresh interpreter, so nothing was imported)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from prism_plugin.adapters.megatron.virtual import library_env\n"
+            "from prism_plugin.config.emulation import EmulationConfig, VirtualWorld\n"
+            "from prism_plugin.runtime.device_session import resolve_gpu\n"
+            "world = VirtualWorld(world_size=8, real_ranks=(0,))\n"
+            "assert resolve_gpu(EmulationConfig(world=world, profile='dgx-h100', device='virtual-gpu')).name\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[-2000:]
+
+
 def test_the_deepspeed_section_defaults_a_virtual_gpu_to_dgx_h100_and_spells_its_keys() -> None:
     from prism_plugin.adapters.deepspeed.section import parse_section
 
