@@ -1,11 +1,14 @@
 """``python -m validation.corpus list|run|table``: the validation corpus's one command.
 
     python -m validation.corpus list [--rows GLOB ...]          # rows, roles, sources, results' state
-    python -m validation.corpus run [--rows GLOB ...] [--stale] [--kind throughput|functional] [--write-results]
+    python -m validation.corpus run [--rows GLOB ...] [--stale] [--kind throughput|functional] [--jobs N]
+        [--write-results]
     python -m validation.corpus table [--write-results]         # the table from the results as they are
 
 ``run`` predicts each chosen row in turn (all of them by default; ``--stale``: only those whose result is stale or
-missing), writing ``validation/corpus/results/<row>.json`` after each, so a stopped run keeps what it finished.
+missing), writing ``validation/corpus/results/<row>.json`` after each, so a stopped run keeps what it finished;
+``--jobs N`` runs N of a throughput row's profiling runs at a time (``prism emulate --jobs``: the prediction is the
+same, the wall time shorter on a machine with the cores).
 ``--write-results`` writes ``validation/results/corpus.json`` and regenerates the results document
 (``recipes/RESULTS.md``). Exit status 0, or 2 for bad input (a row file, an unknown row).
 """
@@ -36,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "run":
             p.add_argument("--stale", action="store_true", help="only rows whose result is stale or missing")
             p.add_argument("--timeout", type=float, default=3600.0, help="seconds per functional row's run")
+            p.add_argument("--jobs", type=int, default=1,
+                           help="a throughput row's profiling runs at a time (prism emulate --jobs; default 1)")
     return parser
 
 
@@ -63,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                   or stale_because(r, results[r.name] or {}, fingerprint) is not None]
         for i, row in enumerate(chosen, 1):
             print(f"[{i}/{len(chosen)}] {row.name}: {row.command}", file=sys.stderr, flush=True)
-            result = run_row(row, timeout_s=args.timeout, progress=lambda text: print(text, file=sys.stderr))
+            result = run_row(row, timeout_s=args.timeout, jobs=args.jobs,
+                             progress=lambda text: print(text, file=sys.stderr))
             path = write_result(result)
             print(f"[{i}/{len(chosen)}] {row.name}: {result['outcome']} in {result['wall_s']} s -> {path}",
                   file=sys.stderr, flush=True)

@@ -64,7 +64,7 @@ def _out_of_memory(out: Path) -> dict[str, Any] | None:
             **{key: device[key] for key in ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes")}}
 
 
-def _run_throughput(row: Row, work: Path, progress: Callable[[str], None]) -> dict[str, Any]:
+def _run_throughput(row: Row, work: Path, progress: Callable[[str], None], jobs: int = 1) -> dict[str, Any]:
     from prism_plugin.cli.emulate import emulate
     from prism_plugin.config.errors import ConfigError
 
@@ -72,7 +72,8 @@ def _run_throughput(row: Row, work: Path, progress: Callable[[str], None]) -> di
     env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", **row.env}
     try:
         report = emulate(list(row.argv), world_size=row.gpus, profile=row.data["hardware"]["profile"], out=out,
-                         overwrite=True, warmup=1, env=env, progress=lambda text: progress(f"[{row.name}] {text}"))
+                         overwrite=True, warmup=1, env=env, jobs=jobs,
+                         progress=lambda text: progress(f"[{row.name}] {text}"))
     except ConfigError as exc:
         return {"outcome": "failed", "reason": f"refused: {str(exc).splitlines()[0]}"}
     except RuntimeError as exc:
@@ -101,12 +102,16 @@ def _run_functional(row: Row, work: Path, timeout_s: float) -> dict[str, Any]:
         "cublas_workspace_bytes": result.predicted_cublas_workspace_bytes}}
 
 
-def run_row(row: Row, *, work: Path = WORK_DIR, timeout_s: float = 3600.0,
+def run_row(row: Row, *, work: Path = WORK_DIR, timeout_s: float = 3600.0, jobs: int = 1,
             progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run one row's prediction and return its result (`write_result` keeps it)."""
+    """Run one row's prediction and return its result (`write_result` keeps it). `jobs`: a throughput row's
+    profiling runs at a time (the prediction does not depend on it)."""
     before = stamp()
     start = time.monotonic()
     work.mkdir(parents=True, exist_ok=True)
-    body = _run_throughput(row, work, progress) if row.kind == "throughput" else _run_functional(row, work, timeout_s)
+    if row.kind == "throughput":
+        body = _run_throughput(row, work, progress, jobs)
+    else:
+        body = _run_functional(row, work, timeout_s)
     return {"row": row.name, "kind": row.kind, "command": row.command, **before,
             "wall_s": round(time.monotonic() - start, 1), **body}
