@@ -17,9 +17,12 @@ program builds its model. Every seam is explicit, listed here, and undone by `un
    the CPU; a virtual rank's LOCAL_RANK never selects a device. Megatron's own
    ``torch.cuda.set_device(args.local_rank)`` is skipped because torch.distributed is already
    initialised when Megatron's initialisation runs.
-3. **Iteration marks**: each call of a Megatron forward-backward schedule
+3. **Iteration marks**: each training call of a Megatron forward-backward schedule
    (``forward_backward_{no_pipelining, pipelining_without_interleaving,
-   pipelining_with_interleaving}``) anchors the emulation clock (`prism_plugin.mark_iteration`).
+   pipelining_with_interleaving}``) anchors the emulation clock (`prism_plugin.mark_iteration`). A
+   forward-only call (evaluation: ``--eval-iters`` of them every ``--eval-interval`` and at the end of
+   training) is not an iteration: it is counted (``evaluation_calls``) and its time falls into the iteration
+   under way, the one the next training call closes (Megatron's own iteration timer stops around evaluation).
 4. **Rank N-1 logs**: when rank N-1 is virtual, what Megatron keeps on the last rank (the
    training log line, `print_rank_last`, ``is_last_rank()`` writers, timers, TensorBoard,
    W&B, one-logger) is produced by the lowest real rank; `print_rank_0` output likewise when rank
@@ -137,6 +140,8 @@ class MegatronAdapter:
         self._requests: Any = None
         self._stop_reached = False
         """The mark that starts K has passed (the stop acts once: the run ended there, or iteration K runs)."""
+        self.evaluation_calls = 0
+        """Forward-only schedule calls (evaluation): not iteration marks."""
 
     # -- install / uninstall -------------------------------------------------------------------------
     def install(self) -> MegatronAdapter:
@@ -254,8 +259,11 @@ class MegatronAdapter:
                 inner = self.fast_forward.wrap(original, pipelined=name != "forward_backward_no_pipelining")
 
             def marked(*args: Any, _original: Any = inner, **kwargs: Any) -> Any:
-                prism_plugin.mark_iteration()
-                self._stop_if_due()
+                if kwargs.get("forward_only"):
+                    self.evaluation_calls += 1
+                else:
+                    prism_plugin.mark_iteration()
+                    self._stop_if_due()
                 return _original(*args, **kwargs)
 
             functools.update_wrapper(marked, original)
@@ -368,6 +376,7 @@ class MegatronAdapter:
             "p2p_virtual_receives_filled": self._p2p_fills[0],
             "tp_batches_filled": self._tp_fills[0],
             "switched_off": list(self.switched_off),
+            **({"evaluation_calls": self.evaluation_calls} if self.evaluation_calls else {}),
             **({"attention": self.attention.summary()} if getattr(self, "attention", None) is not None else {}),
             **({"moe_routing": self.moe_routing.summary()} if self.moe_routing is not None else {}),
             **({"host_calls_skipped": self.host_calls.summary()} if self.host_calls is not None else {}),
