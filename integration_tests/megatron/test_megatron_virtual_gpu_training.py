@@ -93,7 +93,8 @@ def test_pretrain_gpt_trains_llama3_8b_width_tp8_on_a_virtual_h100(tmp_path: Pat
     megatron = summary["megatron"]
     assert megatron["virtual_gpu"] and not megatron["cpu_mode"] and megatron["cpu_patches"] == []
     # only RoPE fusion (TransformerEngine's kernel, with the local spec); the other fusion defaults are fake kernels
-    assert megatron["switched_off"] == ["--no-rope-fusion"]
+    # and the data-loader workers (host processes the emulation never times: the batches load in the main process)
+    assert megatron["switched_off"] == ["--no-rope-fusion", "--num-workers 0"]
     # rank 7: TP rank 7 whose TP rank 0 (rank 0) is virtual gets a valid batch per micro-batch; rank 63 likewise
     assert megatron["tp_batches_filled"] == 2
     assert megatron["last_rank_logs_by"] == (None if rank == 63 else rank)

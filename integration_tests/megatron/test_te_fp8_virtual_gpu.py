@@ -78,7 +78,8 @@ def test_the_job_trains_with_te_modules_and_fp8_gemms_through_the_dropin(dropin)
     assert gemm["flops"] == 2 * LAYERS * 3 * 2 * SEQ * _layer_gemm_columns() * H
     assert top["prism_te.fused_attn_fwd.default"]["count"] == top["prism_te.fused_attn_bwd.default"]["count"] == 64
     assert top["prism_te.cast_transpose_fp8.default"]["count"] > 0
-    assert summary["megatron"]["switched_off"] == []  # TE's fusions and gradient-accumulation fusion stay on
+    # TE's fusions and gradient-accumulation fusion stay on; the data-loader workers are off (host processes)
+    assert summary["megatron"]["switched_off"] == ["--num-workers 0"]
     device = next(d for d in summary["virtual_gpu"]["devices"] if d["peak_allocated_bytes"])
     assert device["fits"]
     logged = re.findall(r"max allocated: ([0-9.]+)", proc.stdout)

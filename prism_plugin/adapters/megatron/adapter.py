@@ -66,6 +66,11 @@ _SCHEDULES = (
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving",
 )
+_NO_WORKERS = ("prism: virtual GPU: --num-workers {workers} -> 0: the batches load in the main process. Data-loader "
+               "workers are host processes the emulation never times (the batch's values and its copy to the device "
+               "are the same either way), and each forked worker grows towards a copy of the job's host memory: a "
+               "virtual-pipeline job forks 2 per model chunk and split (72 for Nemotron-4 340B's 12 chunks)")
+"""Virtual GPUs: the job's data-loader workers are switched off (`MegatronAdapter.switch_off_cpu_fusions`)."""
 _FAST_FORWARDED = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving")
 """The schedules whose steady state is fast-forwarded (`fast_forward.ScheduleFastForward`)."""
 
@@ -358,13 +363,19 @@ class MegatronAdapter:
         from prism_plugin.adapters.megatron.refusals import cpu_switch_offs
 
         offs = cpu_switch_offs(args, virtual_gpu=self.virtual_gpu)
+        lines = [(off.flag, off.line("virtual GPU" if self.virtual_gpu else "CPU mode")) for off in offs]
         for off in offs:
             setattr(args, off.dest, off.value)
-            if off.flag not in self.switched_off:
-                self.switched_off.append(off.flag)
+        workers = getattr(args, "num_workers", 0) or 0
+        if self.virtual_gpu and workers > 0:
+            args.num_workers = 0
+            lines.append(("--num-workers 0", _NO_WORKERS.format(workers=workers)))
+        for flag, line in lines:
+            if flag not in self.switched_off:
+                self.switched_off.append(flag)
                 if self.session.process_index == 0:
-                    print(off.line("virtual GPU" if self.virtual_gpu else "CPU mode"), flush=True)
-        return [off.flag for off in offs]
+                    print(line, flush=True)
+        return [flag for flag, _ in lines]
 
     def summary(self) -> dict[str, Any]:
         return {
