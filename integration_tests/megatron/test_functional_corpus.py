@@ -32,8 +32,14 @@ LIMITS = {
     # (Megatron-FSDP's uneven shards run since 2026-12-04: the peers' shapes come from the buffer layout; and
     # NCCL's PREMUL_SUM, FSDP2's gradient reduce-scatter)
     "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading":
-        # not diagnosed: with multi-token prediction, Megatron's fine-grained offload handler finds another chunk
-        # current at a layer group's backward (its activations are offloaded since 2026-12-04, as without MTP)
+        # not diagnosed to a cause in prism: with multi-token prediction, Megatron's fine-grained offload handler
+        # finds another chunk current at a layer group's backward (its activations are offloaded since 2026-12-04,
+        # as without MTP). Traced with the module's DEBUG on (2026-12-05): in iteration 2 the MTP chunk ("mL") of
+        # micro-batch 0 offloads none of its groups (each is the last of its name before that chunk's backward,
+        # should_bulk_offload), so after its attention groups commit finish_all_groups says it is done and its
+        # MoE groups (expert_fc1, moe_act, mlp_norm) go to micro-batch 1's MTP chunk, which recorded no forward
+        # groups in iteration 1 (its forward ran interleaved with a backward, --overlap-moe-expert-parallel-comm);
+        # their backward then pops micro-batch 0's chunk. Which step differs from a GPU's run is not found.
         "Chunk mismatch",
 }
 """Cases that do not run on virtual GPUs, each with a fragment of the reason it stops for."""
