@@ -22,25 +22,29 @@ pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 GOAL_SHARE = 0.90
 NOT_RUNNABLE_HERE = {
     "gpt3_weekly_mcore_tp2_pp2_current_scaling_native_fp8_tp_pp_sp_tp_overlap": "--deterministic-mode requires",
+    "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading": "Chunk mismatch",
 }
-"""Cases the installed software cannot run on any device, GPUs included: megatron-core 0.19.2's own argument
-check refuses the weekly case's --deterministic-mode with --tp-comm-overlap (the golden values came from the
-core_r0.19.0 branch, which allowed it). Not a limit of fake execution: left out of the share's denominator, and
-printed. (Megatron's Muon runs since 2026-12-04: emerging-optimizers from the virtual GPUs' package folder.)"""
-LIMITS = {
+"""Cases the installed software cannot run on any device, GPUs included, each with a fragment of the reason it
+stops for:
+
+- megatron-core 0.19.2's own argument check refuses the weekly case's --deterministic-mode with --tp-comm-overlap
+  (the golden values came from the core_r0.19.0 branch, which allowed it);
+- multi-token prediction with fine-grained activation offloading stops in Megatron's offload handler at iteration 2
+  (its assertion "Chunk mismatch"). NVIDIA's own H100 recipe at core_r0.19.0 lists this case only in the
+  ``mr-broken`` scope (the row's ``source.ci_scope``), and its golden values (2026-04-14) predate three changes to
+  ``fine_grained_activation_offload.py`` on the branch (2026-05-22, 06-17, 07-02). Traced with the module's DEBUG
+  on: in iteration 2 the MTP chunk of micro-batch 0 offloads none of its groups (each is the last of its name
+  before that chunk's backward, ``should_bulk_offload``), so after its attention groups commit
+  ``finish_all_groups`` says it is done (the "TODO: check if this is correct" there) and its MoE groups go to the
+  next micro-batch's chunk, whose backward then pops micro-batch 0's chunk: the handler's own bookkeeping, with no
+  device value or timing in it.
+
+Not limits of fake execution: left out of the share's denominator, and printed. (Megatron's Muon runs since
+2026-12-04: emerging-optimizers from the virtual GPUs' package folder.)"""
+LIMITS: dict[str, str] = {
     # (CUDA graphs run since 2026-12-04: --cuda-graph-impl transformer_engine, prism_plugin/device/graphs.py)
     # (Megatron-FSDP's uneven shards run since 2026-12-04: the peers' shapes come from the buffer layout; and
     # NCCL's PREMUL_SUM, FSDP2's gradient reduce-scatter)
-    "gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading":
-        # not diagnosed to a cause in prism: with multi-token prediction, Megatron's fine-grained offload handler
-        # finds another chunk current at a layer group's backward (its activations are offloaded since 2026-12-04,
-        # as without MTP). Traced with the module's DEBUG on (2026-12-05): in iteration 2 the MTP chunk ("mL") of
-        # micro-batch 0 offloads none of its groups (each is the last of its name before that chunk's backward,
-        # should_bulk_offload), so after its attention groups commit finish_all_groups says it is done and its
-        # MoE groups (expert_fc1, moe_act, mlp_norm) go to micro-batch 1's MTP chunk, which recorded no forward
-        # groups in iteration 1 (its forward ran interleaved with a backward, --overlap-moe-expert-parallel-comm);
-        # their backward then pops micro-batch 0's chunk. Which step differs from a GPU's run is not found.
-        "Chunk mismatch",
 }
 """Cases that do not run on virtual GPUs, each with a fragment of the reason it stops for."""
 

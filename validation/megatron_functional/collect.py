@@ -9,7 +9,8 @@ PATH is a git directory of https://github.com/NVIDIA/Megatron-LM (a bare mirror 
   (those directories are filtered out by name before any file is read: they are kept aside for an independent
   check);
 - is listed in the H100 launch recipe of its model (``tests/test_utils/recipes/h100/{gpt,moe}.yaml``: one node
-  of 8 GPUs, launched with ``pretrain_gpt.py``), so its world size is known;
+  of 8 GPUs, launched with ``pretrain_gpt.py``), so its world size is known (``source.ci_scope``: the CI scopes
+  the recipe lists it in; ``mr-broken`` is NVIDIA's own mark of a case that does not pass on the branch);
 - has ``golden_values_dev_dgx_h100.json`` holding both ``mem-max-allocated-bytes`` and ``iteration-time``.
 
 What each figure is (also written at the top of every row file):
@@ -82,8 +83,6 @@ _REMOVED = {
                   "data); the model, its tensors and its kernels are the same",
     "--fim-rate": "data only (see --fim-data)",
     "--fim-spm-rate": "data only (see --fim-data)",
-    "--log-num-zeros-in-grad": "logging only; its .item() of an integer count has no answer under the virtual GPU's "
-                               "value policy (NoValueError in count_zeros_fp32)",
 }
 
 
@@ -97,14 +96,18 @@ def case_names(repo: Path, branch: str, model: str) -> list[str]:
     return sorted(n for n in names if not n.endswith(HOLDOUT_SUFFIX))
 
 
-def _recipe(repo: Path, branch: str, model: str) -> tuple[int, set[str]]:
-    """World size (nodes x gpus of the recipe's spec) and the non-held-out cases the recipe launches."""
+def _recipe(repo: Path, branch: str, model: str) -> tuple[int, dict[str, list[str]]]:
+    """World size (nodes x gpus of the recipe's spec) and the non-held-out cases the recipe launches, each with the
+    CI scopes its products list (``mr``, ``nightly``, ... ; ``mr-broken``: NVIDIA's CI lists it as broken)."""
     recipe = yaml.safe_load(_git(repo, "show", f"{branch}:{RECIPE.format(model=model)}"))
     spec = recipe["spec"]
-    listed: set[str] = set()
+    listed: dict[str, set[str]] = {}
     for product in recipe["products"]:
-        listed.update(n for n in product["test_case"] if not n.endswith(HOLDOUT_SUFFIX))
-    return int(spec["nodes"]) * int(spec["gpus"]), listed
+        scopes = {str(s) for entry in product.get("products") or [] for s in entry.get("scope") or []}
+        for name in product["test_case"]:
+            if not name.endswith(HOLDOUT_SUFFIX):
+                listed.setdefault(name, set()).update(scopes)
+    return int(spec["nodes"]) * int(spec["gpus"]), {name: sorted(s) for name, s in listed.items()}
 
 
 def convert_args(model_args: dict[str, str], *, train_iters: int = TRAIN_ITERS,
@@ -181,7 +184,8 @@ _HEADER = """\
 """
 
 
-def _row(repo: Path, branch: str, commit: str, model: str, case: str, world_size: int) -> dict[str, Any] | None:
+def _row(repo: Path, branch: str, commit: str, model: str, case: str, world_size: int,
+         scopes: list[str]) -> dict[str, Any] | None:
     base = f"{TEST_CASES}/{model}/{case}"
     try:
         golden = json.loads(_git(repo, "show", f"{branch}:{base}/{GOLDEN}"))
@@ -197,7 +201,8 @@ def _row(repo: Path, branch: str, commit: str, model: str, case: str, world_size
         "role": "validate",
         "hardware": "DGX H100 (8x H100 80GB SXM)",
         "source": {"repo": SOURCE_REPO, "branch": branch, "commit": commit, "golden_values": f"{base}/{GOLDEN}",
-                   "model_config": f"{base}/model_config.yaml", "launch": RECIPE.format(model=model)},
+                   "model_config": f"{base}/model_config.yaml", "launch": RECIPE.format(model=model),
+                   "ci_scope": scopes},
         "test_type": config.get("TEST_TYPE", "regular"),
         "world_size": world_size,
         "rank": world_size - 1,
@@ -219,7 +224,7 @@ def collect(repo: Path, branch: str = DEFAULT_BRANCH, out_dir: Path = CASES_DIR)
         for case in case_names(repo, branch, model):
             if case not in launched:
                 continue
-            row = _row(repo, branch, commit, model, case, world_size)
+            row = _row(repo, branch, commit, model, case, world_size, launched[case])
             if row is None:
                 continue
             header = _HEADER.format(case=case, repo=SOURCE_REPO, branch=branch, commit=commit,

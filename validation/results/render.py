@@ -298,7 +298,8 @@ def _corpus_cells(e: Mapping[str, Any]) -> list[str]:
     if e["outcome"] != "not run":
         computed = f"{e.get('fingerprint') or 'no fingerprint'} @ {e.get('prism_commit')}"
         computed += f" **stale** ({e['stale_because']})" if e["stale"] else ""
-    return [e["row"], e["role"], e["model"], str(e["gpus"]), e["precision"], e["layout"], measured, predicted, error,
+    name = e["row"] + (" (NVIDIA CI: broken)" if e.get("ci_broken") else "")
+    return [name, e["role"], e["model"], str(e["gpus"]), e["precision"], e["layout"], measured, predicted, error,
             memory, computed]
 
 
@@ -334,7 +335,9 @@ def corpus_markdown(data: Mapping[str, Any]) -> list[str]:
              *(f"- {_corpus_summary_line(s, data['goal'])}" for s in data["summaries"]), "",
              "Step: the measured step time (a throughput row that prints only tokens/s/GPU: seq x GBS / (tokens/s/GPU "
              "x GPUs)) against the predicted; error = predicted / measured - 1. Memory: measured / predicted peak "
-             "allocated GiB where a measured figure exists.", ""]
+             "allocated GiB where a measured figure exists. (NVIDIA CI: broken): Megatron-LM's H100 recipe lists the "
+             "case only in broken scopes (`mr-broken`, the row's `source.ci_scope`), so its golden values may "
+             "predate the branch's code.", ""]
     for series in data.get("weak_scaling", []):
         worst = max(s["miss_points"] for s in series["scales"])
         lines += [f"Weak scaling, {series['model']} {series['precision']} ({series['layout']}, validate rows): per-GPU "
