@@ -35,6 +35,11 @@ tokenizer, checkpoint and TensorBoard paths removed; ``--mock-data --tokenizer-t
 --vocab-size`` the case's own vocabulary size, else 50257 (the GPT-2 BPE vocabulary of the cases'
 ``bpe/vocab.json``, the size the one NullTokenizer case states); ``--train-iters`` `TRAIN_ITERS`;
 ``--eval-iters 0`` (the figures are training iterations').
+
+The split (`role`), declared before anything was fitted on these rows: the cases sorted by name, every third
+one from the first is a ``fit`` row, the rest ``validate``. The host time per launch of the hardware profile
+is fitted on the fit rows' iteration times only (`validation.megatron_functional.fit`); the validate rows are
+never read for it.
 """
 
 from __future__ import annotations
@@ -48,8 +53,8 @@ from typing import Any
 
 import yaml
 
-__all__ = ["CASES_DIR", "TRAIN_ITERS", "DEFAULT_VOCAB_SIZE", "HOLDOUT_SUFFIX", "case_names", "convert_args",
-           "measured_figures", "collect"]
+__all__ = ["CASES_DIR", "TRAIN_ITERS", "DEFAULT_VOCAB_SIZE", "HOLDOUT_SUFFIX", "FIT_EVERY", "case_names",
+           "convert_args", "measured_figures", "role", "collect"]
 
 CASES_DIR = Path(__file__).resolve().parent / "cases"
 SOURCE_REPO = "https://github.com/NVIDIA/Megatron-LM"
@@ -58,6 +63,8 @@ TEST_CASES = "tests/functional_tests/test_cases"
 RECIPE = "tests/test_utils/recipes/h100/{model}.yaml"
 GOLDEN = "golden_values_dev_dgx_h100.json"
 MODELS = ("gpt", "moe")
+FIT_EVERY = 3
+"""Every third case by name, from the first, is a fit row (`role`)."""
 HOLDOUT_SUFFIX = "_memory_speed"
 TRAIN_ITERS = 3
 DEFAULT_VOCAB_SIZE = 50257  # GPT-2 BPE vocab.json: 50257 entries
@@ -174,7 +181,7 @@ def measured_figures(golden: dict[str, Any], *, train_iters: int = TRAIN_ITERS,
 
 _FP16_NOTE = " (fp16: the first applied optimizer step)"
 _HEADER = """\
-# Megatron-LM functional test {case} on DGX H100: a validation row (role validate: nothing is fitted on it).
+# Megatron-LM functional test {case} on DGX H100: a {role} row ({role_note}).
 # Written by `python -m validation.megatron_functional.collect` from {repo} branch {branch} ({commit}).
 # measured.peak_allocated_bytes: the golden values' mem-max-allocated-bytes at step {step}{why}, logged by the last rank
 #   (torch.cuda.memory_stats()["allocated_bytes.all.peak"], a running peak: the value at step k covers steps 1..k).
@@ -182,6 +189,19 @@ _HEADER = """\
 # args: the case's MODEL_ARGS with the changes in `replaced`; env: its ENV_VARS; world_size: its H100 recipe's
 #   nodes x gpus; rank: the last rank, which logged both figures.
 """
+
+
+_ROLE_NOTES = {"fit": "the host time per launch is fitted on its iteration time",
+               "validate": "nothing is fitted on it"}
+
+
+def role(case: str, cases: list[str]) -> str:
+    """``fit`` for every `FIT_EVERY`-th of `cases` sorted by name, from the first; ``validate`` for the rest.
+
+    >>> [role(c, ["a", "b", "c", "d"]) for c in "abcd"]
+    ['fit', 'validate', 'validate', 'fit']
+    """
+    return "fit" if sorted(cases).index(case) % FIT_EVERY == 0 else "validate"
 
 
 def _row(repo: Path, branch: str, commit: str, model: str, case: str, world_size: int,
@@ -198,7 +218,7 @@ def _row(repo: Path, branch: str, commit: str, model: str, case: str, world_size
     return {
         "case": case,
         "model": model,
-        "role": "validate",
+        "role": "validate",  # `collect` sets the split once every case is known
         "hardware": "DGX H100 (8x H100 80GB SXM)",
         "source": {"repo": SOURCE_REPO, "branch": branch, "commit": commit, "golden_values": f"{base}/{GOLDEN}",
                    "model_config": f"{base}/model_config.yaml", "launch": RECIPE.format(model=model),
@@ -218,22 +238,28 @@ def collect(repo: Path, branch: str = DEFAULT_BRANCH, out_dir: Path = CASES_DIR)
     """Write one row file per selected case; returns the cases written."""
     commit = _git(repo, "rev-parse", branch).strip()
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    rows = []
     for model in MODELS:
         world_size, launched = _recipe(repo, branch, model)
         for case in case_names(repo, branch, model):
             if case not in launched:
                 continue
             row = _row(repo, branch, commit, model, case, world_size, launched[case])
-            if row is None:
-                continue
-            header = _HEADER.format(case=case, repo=SOURCE_REPO, branch=branch, commit=commit,
-                                    step=row["measured"]["peak_allocated_bytes_step"],
-                                    why=_FP16_NOTE if row["args"].get("--fp16") else "",
-                                    statistic=row["measured"]["iteration_time_statistic"])
-            body = yaml.safe_dump(row, sort_keys=False, width=120, default_flow_style=False)
-            (out_dir / f"{case}.yaml").write_text(header + body)
-            written.append(case)
+            if row is not None:
+                rows.append(row)
+    names = [row["case"] for row in rows]
+    written = []
+    for row in rows:
+        case = row["case"]
+        row["role"] = role(case, names)
+        header = _HEADER.format(case=case, role=row["role"], role_note=_ROLE_NOTES[row["role"]],
+                                repo=SOURCE_REPO, branch=branch, commit=commit,
+                                step=row["measured"]["peak_allocated_bytes_step"],
+                                why=_FP16_NOTE if row["args"].get("--fp16") else "",
+                                statistic=row["measured"]["iteration_time_statistic"])
+        body = yaml.safe_dump(row, sort_keys=False, width=120, default_flow_style=False)
+        (out_dir / f"{case}.yaml").write_text(header + body)
+        written.append(case)
     return written
 
 

@@ -26,7 +26,8 @@ then one line of JSON) is built from every result in ``<out>`` (measured figures
 printed on stdout, and written to ``<out>/table.md`` and ``<out>/results.json``; ``--write-results`` also writes
 them as ``validation/results/megatron_functional.json`` (`results_data`) and regenerates the results document
 ``recipes/RESULTS.md`` from it (`validation.results`; with ``--cases``, of those cases only: write it after a full run
-or with ``--table-only``). Nothing here is fitted on the golden values.
+or with ``--table-only``). Each row keeps its role (``fit`` or ``validate``, `collect.role`): the host time per
+launch is fitted on the fit rows (`validation.megatron_functional.fit`), and errors are reported by role.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = "prism_plugin/programs/pretrain_gpt.py"
 PROFILE = "dgx-h100"
 DEFAULT_OUT = Path("/tmp/prism_megatron_functional")
+FITTING = ("The fit rows (every third case by name) fit one figure, the dgx-h100 profile's host time per launch "
+           "(`python -m validation.megatron_functional.fit`); nothing else is fitted on these rows, and peak "
+           "allocated is fitted on none.")
 _ERROR_LINE = re.compile(r"^(prism: (invalid input|prism cannot emulate).*|[\w.]*(Error|Exception|Refusal)\b.*)$")
 
 
@@ -268,12 +272,14 @@ def _mean_max(name: str, errors: list[float | None]) -> str:
 
 def results_data(results: list[CaseResult], prism_commit: str) -> dict[str, Any]:
     """The data file of the results document (``validation/results/megatron_functional.json``): the run, then one
-    row per case, every one a validate row (the golden values are measured by NVIDIA; nothing is fitted on them)."""
+    row per case with its role (the golden values are measured by NVIDIA; only the fit rows' iteration times are
+    fitted on)."""
+    roles = {row["case"]: row["role"] for row in load_cases()}
     rows: list[dict[str, Any]] = []
     for r in sorted(results, key=lambda r: r.case):
         if r.status is CaseStatus.OK and r.predicted_peak_allocated_bytes is not None \
                 and r.predicted_iteration_time_s is not None:
-            rows.append({"case": r.case, "role": "validate", "ran": True,
+            rows.append({"case": r.case, "role": roles[r.case], "ran": True,
                          "measured_peak_allocated_mib": round(r.measured_peak_allocated_bytes / 2**20, 3),
                          "predicted_peak_allocated_mib": round(r.predicted_peak_allocated_bytes / 2**20, 3),
                          "predicted_cublas_workspace_mib": round((r.predicted_cublas_workspace_bytes or 0) / 2**20, 3),
@@ -282,14 +288,14 @@ def results_data(results: list[CaseResult], prism_commit: str) -> dict[str, Any]
                          "predicted_iteration_time_s": r.predicted_iteration_time_s,
                          "iteration_time_error_pct": round(r.time_error_pct or 0.0, 4)})
         else:
-            rows.append({"case": r.case, "role": "validate", "ran": False, "reason": r.reason or "no result"})
+            rows.append({"case": r.case, "role": roles[r.case], "ran": False, "reason": r.reason or "no result"})
     return {"source": "megatron_functional", "date": datetime.now(UTC).date().isoformat(),
             "command": "python -m validation.megatron_functional.run --write-results", "prism_commit": prism_commit,
             "conditions": "each case `--train-iters 3` as its last rank (the rank that logged the golden values) on a "
                           f"virtual H100, on a host of {os.cpu_count()} CPU cores (both predicted figures are "
                           "modelled: the host's load does not move them); golden values measured by NVIDIA on a DGX "
                           "H100 (8 GPUs)",
-            "fitting": "Nothing fitted: every row is a validate row (dgx-h100 profile, roofline kernel model).",
+            "fitting": FITTING,
             "rows": rows}
 
 

@@ -244,20 +244,22 @@ def _megatron(data: Data) -> list[str]:
              "32 MiB each under `CUBLAS_WORKSPACE_CONFIG=:4096:8`, also torch's Hopper default);",
              "- iteration time: measured, the median over Megatron's steady window (steps 30-45, or 5-20 for runs of "
              "25 steps or fewer); predicted, the emulated time of the last complete iteration.", ""]
-    lines += _table(["case", "peak allocated, measured (MiB)", "predicted (MiB)", "of which cuBLAS workspaces (MiB)",
-                     "error", "iteration time, measured (s)", "predicted (s)", "error"], "lrrrrrrr", (
-        [r["case"], f"{r['measured_peak_allocated_mib']:,.1f}", f"{r['predicted_peak_allocated_mib']:,.1f}",
-         f"{r['predicted_cublas_workspace_mib']:,.1f}", f"{r['peak_allocated_error_pct']:+.2f}%",
-         f"{r['measured_iteration_time_s']:.4f}", f"{r['predicted_iteration_time_s']:.4f}",
-         f"{r['iteration_time_error_pct']:+.2f}%"] for r in ran))
+    by_role = sorted(ran, key=lambda r: (r["role"] != "validate", r["case"]))
+    lines += _table(["case", "role", "peak allocated, measured (MiB)", "predicted (MiB)",
+                     "of which cuBLAS workspaces (MiB)", "error", "iteration time, measured (s)", "predicted (s)",
+                     "error"], "llrrrrrrr", (
+        [r["case"], r["role"], f"{r['measured_peak_allocated_mib']:,.1f}",
+         f"{r['predicted_peak_allocated_mib']:,.1f}", f"{r['predicted_cublas_workspace_mib']:,.1f}",
+         f"{r['peak_allocated_error_pct']:+.2f}%", f"{r['measured_iteration_time_s']:.4f}",
+         f"{r['predicted_iteration_time_s']:.4f}", f"{r['iteration_time_error_pct']:+.2f}%"] for r in by_role))
     if ran:
-        time_errors = [r["iteration_time_error_pct"] for r in ran]
-        lines += ["", f"**{len(ran)} of {len(data['rows'])} cases ran.** "
-                  + _stats("Peak allocated", [r["peak_allocated_error_pct"] for r in ran]) + " "
-                  + _stats("Iteration time", time_errors)]
-        if max(time_errors) < 0:
-            lines[-1] += (f" Iteration time is {-max(time_errors):.0f}-{-min(time_errors):.0f}% short on every case: "
-                          "these small models are host-bound, and prism has no host-time model yet.")
+        lines += ["", f"**{len(ran)} of {len(data['rows'])} cases ran.**"]
+        for role in ("validate", "fit"):
+            mine = [r for r in ran if r["role"] == role]
+            if mine:
+                lines += ["", f"- **{role}** rows ({len(mine)}): "
+                          + _stats("peak allocated", [r["peak_allocated_error_pct"] for r in mine]) + " "
+                          + _stats("iteration time", [r["iteration_time_error_pct"] for r in mine])]
     if failed:
         reasons: dict[str, list[str]] = {}
         for r in failed:
