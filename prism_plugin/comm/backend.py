@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from prism_plugin.comm import collectives as C
+from prism_plugin.comm.context import data_steps
 from prism_plugin.comm.fill import premul_factor
 from prism_plugin.comm.group import VirtualGroup
 from prism_plugin.comm.work import TimedWork
@@ -38,7 +39,8 @@ __all__ = ["PrismProcessGroup", "BACKEND_NAME"]
 
 
 def _no_grad(fn: Any) -> Any:
-    """In-place writes into autograd leaves, as a C++ backend does through raw storage.
+    """In-place writes into autograd leaves, as a C++ backend does through raw storage; the op's data steps
+    untimed (`prism_plugin.comm.context.data_steps`).
 
     (`torch.no_grad()` as a decorator costs several microseconds per call; this costs one.)
     """
@@ -49,7 +51,8 @@ def _no_grad(fn: Any) -> Any:
         prev = is_enabled()
         set_grad(False)
         try:
-            work = fn(*args, **kwargs)
+            with data_steps(args[0].vg.ctx.op_clock):  # the op's data rules: the collective's kernel writes them
+                work = fn(*args, **kwargs)
         finally:
             set_grad(prev)
         coalescing = args[0]._coalescing  # the group: ops inside an NCCL-style coalescing block are remembered

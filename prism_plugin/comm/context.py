@@ -43,6 +43,7 @@ issuing thread and must not block.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
@@ -86,6 +87,15 @@ class OpClock(Protocol):
         """Block until ``now_s() >= deadline_s``; `record`: the deadline is an op's emulated completion,
         so the clock may note how late it delivered it (False: a fault's raise time)."""
         ...
+
+
+def data_steps(clock: OpClock) -> AbstractContextManager[None]:
+    """The block comm's own data steps run in (the virtual members' share written into a result, a recorded
+    payload copied in): what a real backend's collective kernel writes as part of the op, so a clock that times
+    the program's device ops times none of theirs (`prism_plugin.device.clock.VirtualTime.untimed`); a clock that
+    times none (the wall clock) gives an empty block."""
+    untimed: Callable[[], AbstractContextManager[None]] | None = getattr(clock, "untimed", None)
+    return nullcontext() if untimed is None else untimed()
 
 
 class OpFailure(Protocol):

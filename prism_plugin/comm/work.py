@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from prism_plugin.comm.context import Finish, OpClock, OpFailure, WaitTrace
+from prism_plugin.comm.context import Finish, OpClock, OpFailure, WaitTrace, data_steps
 
 __all__ = ["TimedWork", "completed_work"]
 
@@ -86,7 +86,8 @@ class TimedWork(dist.Work):
             grad_enabled = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)  # finishes write in place into autograd leaves
             try:
-                finish()
+                with data_steps(self._clock):
+                    finish()
             finally:
                 torch._C._set_grad_enabled(grad_enabled)
 

@@ -7,7 +7,10 @@ host:
 
 - a kernel (an ATen op on a device tensor, `kernel`) starts at max(its launch on the host, the end of its
   stream's previous kernel) and lasts its modelled duration (`prism_plugin.device.kernels`); each
-  launch advances the host by the profile's per-launch overhead;
+  launch advances the host by the profile's host time per launch (``kernels.launch_overhead_us``: everything
+  the host spends per launch in the framework's Python, PyTorch's dispatcher and the driver);
+- comm's own data steps (`untimed`: the virtual members' contributions written into a result, which a real
+  backend's collective kernel writes as part of the op) launch nothing;
 - a stream's position is max(host, the end of its last kernel): an event recorded there completes then;
   ``wait_event`` / ``wait_stream`` hold the stream until that time; ``query`` compares with the host;
 - host work (`host_work`: DeepSpeed's CPU Adam step under ZeRO-Offload) advances the host by its modelled time;
@@ -42,14 +45,15 @@ emulated time.
 
 Limitations: with several real ranks, two real ranks that issue ops of two groups they share in opposite
 orders deadlock at the exchange (after the job's timeout it raises naming the group and this rule), where GPUs
-would run both; ops of a stream
-other than the current one are issued on the current one; CUDA graphs are not
-modelled; the host's own Python time is not modelled (only launches): a host-bound program is predicted too fast.
+would run both; ops of a stream other than the current one are issued on the current one; the host's time is one
+figure per launch (a CUDA graph's replay is one launch, `prism_plugin.device.graphs`), not per op or per line of
+Python.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from prism_plugin.comm.context import OpEvent, OpWork
@@ -94,6 +98,8 @@ class VirtualTime:
         """Host seconds spent computing (`host_work`), not launching."""
         self.marks: list[tuple[int, float]] = []
         self.record: KernelRecord | None = None
+        self.untimed_depth = 0
+        """How many `untimed` blocks are open: the device times no op while it is above 0."""
 
     # -- streams ---------------------------------------------------------------------------------------------
     def position(self, stream: Any) -> float:
@@ -113,6 +119,11 @@ class VirtualTime:
         if self.record is not None:
             self.record(_row(stream), name, start, end)
         return end
+
+    def captured_launch(self) -> None:
+        """A launch recorded into a CUDA graph under capture: the host pays it, no stream runs anything."""
+        self.host_s += self.launch_overhead_s
+        self.launches += 1
 
     def host_work(self, duration_s: float, name: str = "") -> float:
         """The host computes for `duration_s` (a CPU optimizer step): it launches nothing meanwhile; returns its end.
@@ -144,6 +155,17 @@ class VirtualTime:
         self.sync_host(max(ends, default=0.0))
 
     # -- comm's op clock ---------------------------------------------------------------------------------------
+    @contextmanager
+    def untimed(self) -> Iterator[None]:
+        """A block of comm's own data steps: its ops are no kernels (they write what the collective's kernel
+        writes). One process's threads take turns here (a backward hook's collective runs while the thread
+        that called ``backward()`` waits), so one count serves them."""
+        self.untimed_depth += 1
+        try:
+            yield
+        finally:
+            self.untimed_depth -= 1
+
     def now_s(self) -> float:
         return self.position(self.current_stream())
 

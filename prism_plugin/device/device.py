@@ -340,6 +340,8 @@ class VirtualGpu:
         """Place the op just run on the current stream of its device, as a kernel of its modelled duration.
         `index`: its device if the caller found it already (`_cuda_index`; None: no cuda tensor; -1: find it)."""
         assert self.clock is not None and self.kernel_time is not None
+        if self.clock.untimed_depth:  # comm writing the virtual members' share: the collective's kernel did
+            return
         if self.fusion.folds():  # inside a fusion region: part of its one kernel
             device = _cuda_index(args, out) if index == -1 else index
             op_s = self.kernel_time(func, args, kwargs, out) if self.fusion.region_time is None else None

@@ -124,7 +124,7 @@ class CudaGraphs:
         capture.kernels.append((name, duration_s))
         clock = self.gpu.clock
         if clock is not None:  # the CPU records the launch into the graph
-            clock.host_s += clock.launch_overhead_s
+            clock.captured_launch()
         return True
 
     def replay(self, graph: VirtualCudaGraph) -> None:

@@ -93,6 +93,26 @@ def test_streams_events_and_host_syncs_follow_cuda_semantics(library: None) -> N
     assert (s["kernels"], s["launches"], s["kernel_s"], s["streams"], s["host_syncs"]) == (7, 7, round(7 * MS, 9), 3, 2)
 
 
+def test_the_virtual_members_share_of_a_result_launches_nothing(library: None) -> None:
+    """The mirror rule writes the 63 virtual members' contributions into an all-reduce's result in place (SUM: x
+    times 64). On a GPU the collective's own kernel writes its result, so those writes are no kernels: under a
+    kernel model that times every op, each all-reduce is one launch and nothing else."""
+    out = run("""
+        P.activate(EmulationConfig(world=VirtualWorld(world_size=64, real_ranks=(0,), gpus_per_node=8),
+                                   profile="dgx-h100", device="virtual-gpu"), backend="nccl")
+        vg.kernel_time = lambda func, args, kwargs, out: MS     # every op on a device tensor is a kernel
+        g = torch.ones(4 << 20, device="cuda")
+        before = (clock.kernels, clock.launches, clock.host_s)
+        dist.all_reduce(g)                                      # its data rule runs at the call
+        dist.all_reduce(g, async_op=True).wait()                # ... or at the wait
+        out["added"] = [clock.kernels - before[0], clock.launches - before[1], clock.host_s - before[2]]
+        out["untimed_depth"] = clock.untimed_depth
+        P.deactivate()
+    """)
+    assert out["added"] == [0, 2, 2 * LAUNCH]
+    assert out["untimed_depth"] == 0
+
+
 def test_bucketed_dp_reduce_is_hidden_behind_backward_until_the_last_bucket(library: None) -> None:
     out = run("""
         P.activate(EmulationConfig(world=VirtualWorld(world_size=64, real_ranks=(0,), gpus_per_node=8),

@@ -1,8 +1,9 @@
 """Which model computed a row: prism's version and commit, and a fingerprint of the kernel and cost models.
 
 The fingerprint is a hash of the files that turn a program into predicted time and memory (`MODEL_FILES`): the
-cost layer (kernel, collective, allocator and storage models, GPU specs, hardware profiles) and the virtual GPU's
-kernel accounting (what each op costs, fusion, the emulated clocks and TransformerEngine's fake kernels). Any edit
+cost layer (kernel, collective, allocator and storage models, GPU specs, hardware profiles), the virtual GPU's
+kernel accounting (what each op costs, fusion, CUDA graphs, the emulated clocks and TransformerEngine's fake
+kernels) and comm (what each collective costs and writes). Any edit
 to one of them changes it, and every row computed before is stale until it runs again. Files outside it
 (adapters, the graph, the CLI) can move a prediction too; the commit names them.
 """
@@ -19,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL_FILES = ("prism_plugin/cost/*.py", "prism_plugin/cost/profiles/*.yaml", "prism_plugin/device/kernels.py",
                "prism_plugin/device/fusion.py", "prism_plugin/device/clock.py", "prism_plugin/device/op_clock.py",
                "prism_plugin/device/kernel_timer.py", "prism_plugin/device/step_kernels.py",
-               "prism_plugin/device/te/*.py")
+               "prism_plugin/device/calls.py", "prism_plugin/device/graphs.py", "prism_plugin/device/te/*.py",
+               "prism_plugin/comm/*.py")
 """Globs, relative to the repository root, of the files the fingerprint covers."""
 
 
