@@ -10,7 +10,7 @@ import argparse
 
 import pytest
 
-from prism_plugin.adapters.megatron.refusals import Refusal, check_args, cpu_switch_offs, refusals_for
+from prism_plugin.adapters.megatron.refusals import Refusal, check_args, refusals_for, switch_offs
 
 # Megatron 0.19's defaults for the fusion dests (megatron.training.arguments)
 DEFAULTS = {"transformer_impl": "local", "gradient_accumulation_fusion": True, "masked_softmax_fusion": True,
@@ -20,7 +20,7 @@ DEFAULTS = {"transformer_impl": "local", "gradient_accumulation_fusion": True, "
 
 
 def _flags(options: dict) -> list[str]:
-    return [off.flag for off in cpu_switch_offs({**DEFAULTS, **options})]
+    return [off.flag for off in switch_offs({**DEFAULTS, **options})]
 
 
 def test_fp32_job_switches_off_gradient_accumulation_fusion_only() -> None:
@@ -40,7 +40,7 @@ def test_cuda_kernel_defaults_are_switched_off(options: dict, expected: list[str
 
 
 def test_switch_off_line_names_the_flag_and_the_memory_caveat() -> None:
-    (off,) = cpu_switch_offs(argparse.Namespace(**DEFAULTS))
+    (off,) = switch_offs(argparse.Namespace(**DEFAULTS))
     assert off.dest == "gradient_accumulation_fusion"
     line = off.line()
     assert "\n" not in line and "fused_weight_gradient_mlp_cuda" in line and "--no-gradient-accumulation-fusion" in line
@@ -68,5 +68,14 @@ def test_virtual_gpus_keep_the_fusions_whose_kernels_they_fake() -> None:
     # gradient-accumulation fusion, masked softmax and the persistent layer norm stay on (apex's extensions are fake
     # kernels there: adapters/megatron/fused_kernels.py); RoPE fusion with the local spec is still switched off
     job = {**DEFAULTS, "bf16": True, "position_embedding_type": "rope", "persist_layer_norm": True}
-    assert [off.flag for off in cpu_switch_offs(job, virtual_gpu=True)] == ["--no-rope-fusion"]
-    assert [off.flag for off in cpu_switch_offs({**DEFAULTS, "bf16": True}, virtual_gpu=True)] == []
+    assert [off.flag for off in switch_offs(job, virtual_gpu=True)] == ["--no-rope-fusion"]
+    assert [off.flag for off in switch_offs({**DEFAULTS, "bf16": True}, virtual_gpu=True)] == []
+
+
+def test_virtual_gpus_switch_off_the_data_loader_workers_with_their_own_line() -> None:
+    (off,) = switch_offs({**DEFAULTS, "num_workers": 6}, virtual_gpu=True)
+    assert (off.dest, off.flag, off.value) == ("num_workers", "--num-workers 0", 0)
+    assert off.line("virtual GPU").startswith("prism: virtual GPU: --num-workers 6 -> 0: the batches load in the main")
+    assert "unfused" not in off.line("virtual GPU")  # not a fused kernel's line
+    assert switch_offs({**DEFAULTS, "num_workers": 0}, virtual_gpu=True) == []
+    assert "--num-workers 0" not in _flags({"num_workers": 6})  # CPU mode: the workers load real batches

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from prism_plugin.adapters.megatron.refusals import cpu_switch_offs, virtual_gpu_refusals
+from prism_plugin.adapters.megatron.refusals import switch_offs, virtual_gpu_refusals
 from prism_plugin.device import te
 
 TE_JOB = {"transformer_impl": "transformer_engine", "position_embedding_type": "rope"}
@@ -23,8 +23,8 @@ def test_a_te_job_with_its_fused_kernels_and_userbuffers_runs_on_virtual_gpus() 
            "attention_backend": SimpleNamespace(name="flash")}
     assert te.flash_available()  # flash-attn's Python layer, installed by the set-up beside TE's
     assert virtual_gpu_refusals(job) == []  # TE's permutation: Triton kernels as launchers (triton_kernels)
-    assert [s.flag for s in cpu_switch_offs(job, virtual_gpu=True)] == []  # TE's fused RoPE is a fake kernel
-    assert [s.flag for s in cpu_switch_offs({**job, "transformer_impl": "local"}, virtual_gpu=True)] == \
+    assert [s.flag for s in switch_offs(job, virtual_gpu=True)] == []  # TE's fused RoPE is a fake kernel
+    assert [s.flag for s in switch_offs({**job, "transformer_impl": "local"}, virtual_gpu=True)] == \
         ["--no-rope-fusion"]
 
 

@@ -5,12 +5,13 @@ program builds its model. Every seam is explicit, listed here, and undone by `un
 
 1. **CPU mode** (torch without CUDA): the numbered `cpu_shim` patches, and Megatron's GPU-only
    fusion defaults switched off on every namespace megatron.training's ``parse_args`` returns
-   (`refusals.cpu_switch_offs`: one printed line each, ``switched_off`` in the summary; the native
-   patch, already inside ``parse_args``, calls `MegatronAdapter.switch_off_cpu_fusions` itself).
+   (`refusals.switch_offs`: one printed line each, ``switched_off`` in the summary; the native
+   patch, already inside ``parse_args``, calls `MegatronAdapter.apply_switch_offs` itself).
    **Virtual-GPU mode** (``virtual_gpu=True``, device mode virtual-gpu: the runtime's virtual GPU is
    started): no CPU shim (Megatron takes its GPU paths on fake ``cuda`` tensors); its fused kernels
    (``@jit_fuser`` functions, apex's gradient-accumulation GEMM, the masked-softmax extensions) are one
-   kernel each (`fused_kernels`), so only the virtual-GPU switch-offs of `refusals.cpu_switch_offs` apply;
+   kernel each (`fused_kernels`), so only the virtual-GPU switch-offs of `refusals.switch_offs` apply (the
+   data loader's worker processes among them);
    the device is the virtual GPU's current one; the other seams below are the same, but for 5 (a fake
    tensor has no values to be degenerate, and the all-zero test would be a data-dependent read).
 2. **Device mapping**: physical process i uses physical device ``world.device_of(i)`` (CUDA) or
@@ -66,11 +67,6 @@ _SCHEDULES = (
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving",
 )
-_NO_WORKERS = ("prism: virtual GPU: --num-workers {workers} -> 0: the batches load in the main process. Data-loader "
-               "workers are host processes the emulation never times (the batch's values and its copy to the device "
-               "are the same either way), and each forked worker grows towards a copy of the job's host memory: a "
-               "virtual-pipeline job forks 2 per model chunk and split (72 for Nemotron-4 340B's 12 chunks)")
-"""Virtual GPUs: the job's data-loader workers are switched off (`MegatronAdapter.switch_off_cpu_fusions`)."""
 _FAST_FORWARDED = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving")
 """The schedules whose steady state is fast-forwarded (`fast_forward.ScheduleFastForward`)."""
 
@@ -127,7 +123,7 @@ class MegatronAdapter:
         self.moe_routing: Any = None
         """Virtual GPUs: the MoE routing policy (`moe.RoutingPolicy`) answering the dispatcher's token counts."""
         self.switched_off: list[str] = []
-        """The flags of the CPU-mode switch-offs applied (`refusals.cpu_switch_offs`), in order."""
+        """The flags of the switch-offs applied (`refusals.switch_offs`), in order."""
         self.host_calls: Any = None
         """Host-hardware calls skipped on virtual GPUs (`host_calls`), for the summary."""
         self.policy_defaults = policy_defaults
@@ -348,34 +344,26 @@ class MegatronAdapter:
         @functools.wraps(original)
         def parse_args(*args: Any, **kwargs: Any) -> Any:
             namespace = original(*args, **kwargs)
-            self.switch_off_cpu_fusions(namespace)
+            self.apply_switch_offs(namespace)
             return namespace
 
         rebind_everywhere(original, parse_args, self._patches)
 
-    def switch_off_cpu_fusions(self, args: Any) -> list[str]:
-        """Set the CPU-mode switch-offs on Megatron's parsed `args` (nothing on a CUDA host; the same ones on a
-        virtual GPU); returns their flags. Each is printed once, by the first real process, and recorded for the
-        summary.
-        """
+    def apply_switch_offs(self, args: Any) -> list[str]:
+        """Set the switch-offs of CPU mode or virtual GPUs on Megatron's parsed `args` (nothing on a CUDA host);
+        returns their flags. Each is printed once, by the first real process, and recorded for the summary."""
         if not (self.cpu_mode or self.virtual_gpu):
             return []
-        from prism_plugin.adapters.megatron.refusals import cpu_switch_offs
+        from prism_plugin.adapters.megatron.refusals import switch_offs
 
-        offs = cpu_switch_offs(args, virtual_gpu=self.virtual_gpu)
-        lines = [(off.flag, off.line("virtual GPU" if self.virtual_gpu else "CPU mode")) for off in offs]
+        offs = switch_offs(args, virtual_gpu=self.virtual_gpu)
         for off in offs:
             setattr(args, off.dest, off.value)
-        workers = getattr(args, "num_workers", 0) or 0
-        if self.virtual_gpu and workers > 0:
-            args.num_workers = 0
-            lines.append(("--num-workers 0", _NO_WORKERS.format(workers=workers)))
-        for flag, line in lines:
-            if flag not in self.switched_off:
-                self.switched_off.append(flag)
+            if off.flag not in self.switched_off:
+                self.switched_off.append(off.flag)
                 if self.session.process_index == 0:
-                    print(line, flush=True)
-        return [flag for flag, _ in lines]
+                    print(off.line("virtual GPU" if self.virtual_gpu else "CPU mode"), flush=True)
+        return [off.flag for off in offs]
 
     def summary(self) -> dict[str, Any]:
         return {

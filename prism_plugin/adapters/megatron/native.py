@@ -69,5 +69,5 @@ def activate_from_args(args: argparse.Namespace) -> Any:
 
     adapter = current_adapter()
     if adapter is not None:  # this parse_args call is already under way: the adapter's hook misses it
-        adapter.switch_off_cpu_fusions(args)
+        adapter.apply_switch_offs(args)
     return run.session

@@ -24,7 +24,7 @@ Refused in CPU mode only (no CUDA device; see `cpu_shim`):
   (TransformerEngine kernels), ``--moe-grouped-gemm`` (grouped-GEMM CUDA kernels). The user chose
   them, so they are refused (the flag to drop named) rather than silently replaced.
 
-Switched off in CPU mode (`cpu_switch_offs`; Megatron's *defaults*, which select a CUDA kernel on a
+Switched off in CPU mode (`switch_offs`; Megatron's *defaults*, which select a CUDA kernel on a
 CPU host and fail deep in Megatron, one at a time): the adapter sets them off on the parsed
 arguments before Megatron builds anything, prints one line each and lists them in the summary
 (``megatron.switched_off``: the memory figures are those of the unfused path):
@@ -48,7 +48,8 @@ once, each replay one launch, the captures' private memory pool); refused are Me
 (``--save`` / ``--load`` run: nothing is written and no tensor value read, `checkpoint`; refused are the
 checkpoint kinds that path does not model, `checkpoint_refusals`).
 Of the defaults CPU mode switches off, only RoPE fusion with the local spec is switched off there
-(`cpu_switch_offs`; with TE, TE's fused RoPE is a fake kernel);
+(`switch_offs`; with TE, TE's fused RoPE is a fake kernel), and the data loader's worker processes are
+(``--num-workers`` 0: host processes the emulation never times);
 gradient-accumulation fusion and masked-softmax fusion stay on (apex's ``fused_weight_gradient_mlp_cuda``
 and the softmax extensions are fake kernels there, one kernel each: `fused_kernels`), and so does the
 persistent layer norm (the local spec's torch norm accepts ``persist_layer_norm``: cpu_shim patch 10).
@@ -72,7 +73,7 @@ from prism_plugin.device.te import FLASH_ATTN_VERSION, flash_available, te_path
 from prism_plugin.device.te import available as te_available
 from prism_plugin.device.te import missing_message as te_missing_message
 
-__all__ = ["Refusal", "SwitchOff", "refusals_for", "virtual_gpu_refusals", "checkpoint_refusals", "cpu_switch_offs",
+__all__ = ["Refusal", "SwitchOff", "refusals_for", "virtual_gpu_refusals", "checkpoint_refusals", "switch_offs",
            "check_args",
            "parse_megatron_argv"]
 
@@ -200,27 +201,37 @@ _GPU_ONLY_OPT_INS = (
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SwitchOff:
-    """A Megatron default that selects a CUDA kernel, switched off in CPU mode (see the module docstring)."""
+    """A Megatron setting switched off on a host without the GPU it selects (see the module docstring)."""
 
     dest: str
     """The argument's dest in Megatron's namespace (set to `value`)."""
     flag: str
     """The flag that switches it off on Megatron's command line (what the summary lists)."""
     reason: str
-    """Which kernel the default selects."""
-    value: bool = False
-    """What `dest` is set to (True for a ``--no-...`` flag's own dest)."""
+    """Which kernel the default selects, or (`said`) the whole reason."""
+    value: Any = False
+    """What `dest` is set to (True for a ``--no-...`` flag's own dest, 0 for a count)."""
+    said: bool = False
+    """`reason` is the whole line after the mode (not a fused kernel's, whose memory figures it names)."""
 
     def line(self, mode: str = "CPU mode") -> str:
         """The one line printed when it is switched off (`mode`: "CPU mode" or "virtual GPU")."""
+        if self.said:
+            return f"prism: {mode}: {self.reason}"
         return (f"prism: {mode}: {self.reason}; switched off (as {self.flag}), so the memory figures are "
                 "those of the unfused path")
 
 
-def cpu_switch_offs(options: Mapping[str, Any] | argparse.Namespace, *, virtual_gpu: bool = False) -> list[SwitchOff]:
-    """The CPU-mode (or, `virtual_gpu`, virtual-GPU) switch-offs that apply to `options` (Megatron arg dests ->
-    values); empty when none. Virtual GPUs keep gradient-accumulation and masked-softmax fusion (fake kernels of
-    apex's extensions, `fused_kernels`)."""
+_NO_WORKERS = ("--num-workers {workers} -> 0: the batches load in the main process. Data-loader workers are host "
+               "processes the emulation never times (the batch's values and its copy to the device are the same "
+               "either way), and each forked worker grows towards a copy of the job's host memory: a "
+               "virtual-pipeline job forks 2 per model chunk and split (72 for Nemotron-4 340B's 12 chunks)")
+
+
+def switch_offs(options: Mapping[str, Any] | argparse.Namespace, *, virtual_gpu: bool = False) -> list[SwitchOff]:
+    """The switch-offs of CPU mode (or, `virtual_gpu`, of virtual GPUs) that apply to `options` (Megatron arg
+    dests -> values); empty when none. Virtual GPUs keep gradient-accumulation and masked-softmax fusion (fake
+    kernels of apex's extensions, `fused_kernels`) and switch off the data loader's worker processes."""
     out: list[SwitchOff] = []
     if not virtual_gpu and _get(options, "gradient_accumulation_fusion", True):
         out.append(SwitchOff(dest="gradient_accumulation_fusion", flag="--no-gradient-accumulation-fusion",
@@ -236,6 +247,10 @@ def cpu_switch_offs(options: Mapping[str, Any] | argparse.Namespace, *, virtual_
     if rope and _get(options, "apply_rope_fusion", True) and not te_runs:  # TE's fused RoPE is a fake kernel there
         out.append(SwitchOff(dest="apply_rope_fusion", flag="--no-rope-fusion",
                              reason="RoPE fusion needs TransformerEngine's fused rotary kernel"))
+    workers = _get(options, "num_workers", 0) or 0
+    if virtual_gpu and workers > 0:
+        out.append(SwitchOff(dest="num_workers", flag="--num-workers 0", value=0, said=True,
+                             reason=_NO_WORKERS.format(workers=workers)))
     return out
 
 
