@@ -191,9 +191,10 @@ _CLASS_DEFAULTS: dict[KernelClass, tuple[float, float]] = {
 }
 _DEFAULTS: dict[str, Any] = {
     "min_kernel_us": 2.5,  # the smallest kernels of an H100 training step's trace last ~2-3 us; estimate
-    # host time per kernel launch (PyTorch eager op dispatch + cudaLaunchKernel): ~4-10 us per ATen op in
-    # published eager-mode profiles; 5 us here, an estimate. The host clock advances by it per launch.
-    "launch_overhead_us": 5.0,
+    # host time per launch (the framework's Python, PyTorch's dispatcher, cudaLaunchKernel): dgx-h100's figure, fitted
+    # on Megatron-LM's H100 functional tests (prism_plugin/cost/profiles/dgx-h100.yaml). The host clock advances by it
+    # per launch.
+    "launch_overhead_us": 85.0,
     "gemm_tile": (128, 128),  # a common cuBLAS/CUTLASS CTA tile; estimate (Hopper kernels also use 128x256)
     "gemm_split_k_min_depth": 256,  # k per split-K part; estimate
     **{f"{cls.value}.compute_efficiency": c for cls, (c, _) in _CLASS_DEFAULTS.items()},
@@ -271,7 +272,7 @@ class KernelEfficiency:
 
         kernels:
           min_kernel_us: 2.5
-          launch_overhead_us: 5.0
+          launch_overhead_us: 85.0
           gemm_tile: [128, 128]
           gemm_split_k_min_depth: 256
           gemm: {compute_efficiency: 0.75, memory_efficiency: 0.8}

@@ -139,10 +139,12 @@ def corpus_data(rows: Sequence[Row], *, results: Path = RESULTS_DIR, date: str) 
     entries = [row_entry(r, load_result(r.name, results), fingerprint) for r in rows]
     return {"source": "corpus", "date": date, "command": COMMAND, "prism_version": prism_version(),
             "fingerprint": fingerprint, "goal": GOAL,
-            "fitting": "No row is fitted on: the kernel model is the hardware profile's (its H100 attention figures "
-                       "fitted to published kernel measurements and its GEMM figures to this project's H200 kernel "
-                       "sweep, validation/kernels/, never to a row). Rows marked fit may be used by a fit; their "
-                       "errors are reported apart and never called validation.",
+            "fitting": "One figure is fitted on rows: the host time per launch (kernels.launch_overhead_us), on the "
+                       "functional fit rows' iteration times (python -m validation.megatron_functional.fit). The "
+                       "kernel model is the hardware profile's (its H100 attention figures fitted to published "
+                       "kernel measurements and its GEMM figures to this project's H200 kernel sweep, "
+                       "validation/kernels/, never to a row). Fit rows' errors are reported apart and never called "
+                       "validation.",
             "summaries": [summary(entries, role) for role in ROLES], "weak_scaling": weak_scaling(entries),
             "rows": entries}
 
