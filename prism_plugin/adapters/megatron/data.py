@@ -6,7 +6,8 @@ buffers. When TP rank 0 is virtual, the backend's mirror rule for a broadcast fr
 (keep the receiver's own values: right for parameters, which a structurally identical root holds
 too) would hand back uninitialised memory: token ids out of range, NaN masks. So, after the
 original function returns on such a rank, this module writes a deterministic, valid batch into
-those same buffers, in place (no allocation, so memory figures are unchanged):
+those same buffers, in place (no allocation, so memory figures are unchanged; on a virtual GPU no launch either:
+the broadcasts' own kernels write a batch, `prism_plugin.comm.context.data_steps`):
 
 - ``tokens[b, s] = (b * seq + s) mod vocab`` and ``labels`` the next token id,
 - ``position_ids[b, s] = s``, ``loss_mask`` ones, ``attention_mask`` causal (True above the
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+from prism_plugin.comm.context import data_steps
 from prism_plugin.config.kinds import DataPolicy
 from prism_plugin.device.undo import Patches
 
@@ -100,7 +102,8 @@ def install(session: Any, patches: Patches) -> list[int]:
         bound = signature.bind_partial(*args, **kwargs).arguments
         tp_rank, src = bound.get("tp_rank"), bound.get("broadcast_src_rank")
         if tp_rank not in (None, 0) and src is not None and not world.is_real(src) and isinstance(result, dict):
-            fill_valid_batch(result, _vocab_size(int(bound.get("seq_length") or 1)))
+            with data_steps(session.op_clock):  # the broadcasts' data: their kernels wrote it, no launch of its own
+                fill_valid_batch(result, _vocab_size(int(bound.get("seq_length") or 1)))
             filled[0] += 1
         return result
 
