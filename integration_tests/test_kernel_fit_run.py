@@ -2,10 +2,11 @@
 ``prism run --kernel-model fit --kernel-fit F`` of the same job and of another one.
 
 The job: the ci toy (``prism_plugin.programs.toy_train``, TP2, hidden 512, batch 64) as rank 0 of 2 on a virtual
-H100, profile local-cpu-gloo-train. Fitting GEMMs to a measured step of 2.5 ms (a stated figure, not a
-measurement: this checks the mechanism) must give, on the re-run, an emulated steady step of exactly 2.5 ms (the
-linear model is exact here: every GEMM is above the kernel floor and on the step's critical path), a summary that
-names the model and the run it was fitted on and marks itself ``fitting_row: true``; a run of another job (other
+H100, profile local-cpu-gloo-train with a host time per launch of 5 us (`launch_light_profile`). Fitting GEMMs to
+a measured step of 2.5 ms (a stated figure, not a measurement: this checks the mechanism) must give, on the re-run,
+an emulated steady step of exactly 2.5 ms (the linear model is exact here: every GEMM is above the kernel floor and
+on the step's critical path; at the policy default's 85 us a launch the host would be), a summary that names the
+model and the run it was fitted on and marks itself ``fitting_row: true``; a run of another job (other
 ``--steps``) under the same overlay is not a fitting row.
 """
 
@@ -21,10 +22,13 @@ from typing import Any
 import pytest
 import yaml
 
+from integration_tests.profiles import launch_light_profile
+
 pytestmark = pytest.mark.slow
 
-RUN = ["run", "--world-size", "2", "--real-ranks", "0", "--profile", "local-cpu-gloo-train", "--gpu", "h100-sxm",
-       "--device", "virtual-gpu"]
+RUN = ["run", "--world-size", "2", "--real-ranks", "0", "--profile", "local-cpu-gloo-train-launch-light.yaml",
+       "--gpu", "h100-sxm", "--device", "virtual-gpu"]
+"""local-cpu-gloo-train at 5 us a launch (`launch_light_profile`, in the test's folder): the GPU bounds the step."""
 
 
 def _program(steps: int) -> list[str]:
@@ -45,6 +49,7 @@ def _kernels(out: Path) -> tuple[dict[str, Any], list[float]]:
 
 
 def test_a_fit_reproduces_its_measured_step_and_marks_its_fitting_row(tmp_path: Path) -> None:
+    launch_light_profile(tmp_path, base="local-cpu-gloo-train")
     _prism([*RUN, "--output", "base", *_program(6)], tmp_path)
     kernels, steps = _kernels(tmp_path / "base")
     assert kernels["model"] == "roofline" and len(kernels["step_by_class_s"]) == len(steps) == 5

@@ -70,4 +70,6 @@ def test_muon_holds_one_moment_per_weight_matrix_where_adam_holds_two(runs: dict
 
 def test_the_newton_schulz_gemms_lengthen_the_step(runs: dict[str, dict[str, Any]]) -> None:
     steps = {o: runs[o]["virtual_gpu"]["virtual_time"]["step_times_s"] for o in ("adam", "muon")}
-    assert steps == {"adam": [0.001174492], "muon": [0.002769492]}  # virtual time: modelled, exact
+    # virtual time: modelled, exact; host-bound at 85 us a launch (228 and 547 launches: Newton-Schulz's GEMMs and
+    # their elementwise steps are launches too)
+    assert steps == {"adam": [0.01938], "muon": [0.046495]}

@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 
 from integration_tests.at_once import at_once
+from integration_tests.profiles import launch_light_profile
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
+
 SCRIPT = ROOT / "prism_plugin" / "programs" / "pretrain_gpt.py"
 TP, LAYERS, ITERATIONS, SEQ, H = 2, 2, 2, 4096, 4096
 JOB = ["--tensor-model-parallel-size", str(TP), "--sequence-parallel", "--num-layers", str(LAYERS), "--hidden-size",
@@ -78,8 +80,11 @@ SMALL = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-laye
 def test_a_te_fp8_job_runs_in_hybrid_mode_against_its_graph(tmp_path: Path) -> None:
     """``prism emulate --hybrid``: rank 1 runs as a real process against the graph built from rank 0's profiling
     run; TE's kernels replay in step with the graph (the same step to the microsecond)."""
+    # a launch-light host (5 us a launch): the replay's compute spans are the GPU's, so it reproduces a live step
+    # where the GPU bounds it (integration_tests/profiles.py)
+    profile = str(launch_light_profile(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "prism_plugin.cli.main", "emulate", "--world-size", "8", "--profile",
-                           "dgx-h100", "--warmup", "0", "--hybrid", "1", "--out", str(tmp_path / "emulate"), "--json",
+                           profile, "--warmup", "0", "--hybrid", "1", "--out", str(tmp_path / "emulate"), "--json",
                            "--", str(SCRIPT), *SMALL], capture_output=True, text=True, timeout=900, cwd=ROOT,
                           env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
