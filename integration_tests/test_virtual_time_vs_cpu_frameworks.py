@@ -196,7 +196,7 @@ def megatron_attempt(tmp_path: Path) -> Attempt:
         predicted = steady_step_s(free, warmup) + meta["comm_time_per_step_mean_s"]
         measured = [r[rank] for r in real]
         real_median = statistics.median(measured)
-        error, bound = (predicted - real_median) / real_median, error_bound(measured)
+        error, bound = (predicted - real_median) / real_median, error_bound(measured, meta["step_time_mean_s"])
         line = (f"rank {rank}: real means {[round(1e3 * m, 3) for m in measured]} ms (median "
                 f"{1e3 * real_median:.3f}); predicted {1e3 * predicted:.3f} ms with the recorded comm, error "
                 f"{100 * error:+.1f}% against bound {100 * bound:.1f}%")
@@ -296,7 +296,7 @@ def deepspeed_attempt(tmp_path: Path) -> Attempt:
         predicted = steady_step_s(free, warmup) + meta["comm_time_per_step_mean_s"]
         measured = [r[rank] for r in real]
         real_median = statistics.median(measured)
-        error, bound = (predicted - real_median) / real_median, error_bound(measured)
+        error, bound = (predicted - real_median) / real_median, error_bound(measured, meta["step_time_mean_s"])
         line = (f"rank {rank}: real means {[round(1e3 * m, 3) for m in measured]} ms (median "
                 f"{1e3 * real_median:.3f}); predicted {1e3 * predicted:.3f} ms with the recorded comm, error "
                 f"{100 * error:+.1f}% against bound {100 * bound:.1f}%")
