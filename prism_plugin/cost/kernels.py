@@ -195,6 +195,9 @@ _DEFAULTS: dict[str, Any] = {
     # on Megatron-LM's H100 functional tests (prism_plugin/cost/profiles/dgx-h100.yaml). The host clock advances by it
     # per launch.
     "launch_overhead_us": 85.0,
+    # host time of a launch after the first inside one call into a compiled extension (TE's C++ launch loops): the
+    # driver's cudaLaunchKernel alone, a few us on a modern host; estimate
+    "native_launch_us": 5.0,
     "gemm_tile": (128, 128),  # a common cuBLAS/CUTLASS CTA tile; estimate (Hopper kernels also use 128x256)
     "gemm_split_k_min_depth": 256,  # k per split-K part; estimate
     **{f"{cls.value}.compute_efficiency": c for cls, (c, _) in _CLASS_DEFAULTS.items()},
@@ -212,7 +215,7 @@ _ATTENTION_FIELDS = ("seq_half", "backward_factor", "full_factor")
 """The attention class's own fields besides `_CLASS_FIELDS`."""
 _GEMM_FIELDS = ("k_half", "float8_factor")
 """The GEMM class's own fields besides `_CLASS_FIELDS`."""
-_TOP_FIELDS = ("min_kernel_us", "launch_overhead_us", "gemm_tile", "gemm_split_k_min_depth",
+_TOP_FIELDS = ("min_kernel_us", "launch_overhead_us", "native_launch_us", "gemm_tile", "gemm_split_k_min_depth",
                *(c.value for c in KernelClass))
 
 
@@ -251,7 +254,7 @@ def _checked(key: str, value: Any, where: str, error: type[ConfigError]) -> Any:
         if value <= 0:
             raise error(f"{field} must be > 0 (a ratio of efficiencies), got {value!r}; e.g. 0.65")
         return float(value)
-    if key == "launch_overhead_us":
+    if key in ("launch_overhead_us", "native_launch_us"):
         if value < 0:
             raise error(f"{field} must be >= 0 microseconds of host time per kernel launch, got {value!r}; e.g. 5")
     elif key == "min_kernel_us":
@@ -273,6 +276,7 @@ class KernelEfficiency:
         kernels:
           min_kernel_us: 2.5
           launch_overhead_us: 85.0
+          native_launch_us: 5.0
           gemm_tile: [128, 128]
           gemm_split_k_min_depth: 256
           gemm: {compute_efficiency: 0.75, memory_efficiency: 0.8}
@@ -353,6 +357,11 @@ class KernelEfficiency:
     def launch_overhead_s(self) -> float:
         """Host seconds per kernel launch (the virtual-time host clock's step per launch)."""
         return 1e-6 * float(self.value("launch_overhead_us"))
+
+    @property
+    def native_launch_s(self) -> float:
+        """Host seconds of each launch after the first in one compiled-extension call (`VirtualTime.native_call`)."""
+        return 1e-6 * float(self.value("native_launch_us"))
 
     def compute_efficiency(self, kernel_class: KernelClass) -> float:
         """Achieved fraction of the dtype's peak FLOP/s (for GEMMs: before wave quantization)."""

@@ -9,6 +9,10 @@ host:
   stream's previous kernel) and lasts its modelled duration (`prism_plugin.device.kernels`); each
   launch advances the host by the profile's host time per launch (``kernels.launch_overhead_us``: everything
   the host spends per launch in the framework's Python, PyTorch's dispatcher and the driver);
+- one call into a compiled extension (`native_call`: a TransformerEngine function) is one step of the program's
+  Python however many kernels its C++ launches: its first launch pays the host time per launch, each further
+  one only the driver's (``kernels.native_launch_us``), as TE's userbuffers loop of chunk GEMMs and transfers
+  does;
 - comm's own data steps (`untimed`: the virtual members' contributions written into a result, which a real
   backend's collective kernel writes as part of the op) launch nothing;
 - a stream's position is max(host, the end of its last kernel): an event recorded there completes then;
@@ -47,7 +51,7 @@ Limitations: with several real ranks, two real ranks that issue ops of two group
 orders deadlock at the exchange (after the job's timeout it raises naming the group and this rule), where GPUs
 would run both; ops of a stream other than the current one are issued on the current one; the host's time is one
 figure per launch (a CUDA graph's replay is one launch, `prism_plugin.device.graphs`), not per op or per line of
-Python.
+Python, and the launches after the first of one compiled-extension call at the driver's figure.
 """
 
 from __future__ import annotations
@@ -58,9 +62,10 @@ from typing import Any
 
 from prism_plugin.comm.context import OpEvent, OpWork
 from prism_plugin.config.kinds import OpKind
+from prism_plugin.device.active import Slot, slot
 from prism_plugin.device.op_clock import WakeupStats
 
-__all__ = ["KernelRecord", "VirtualTime"]
+__all__ = ["CLOCKS", "KernelRecord", "VirtualTime", "native_call"]
 
 StreamKey = tuple[int, int] | tuple[str, str]
 """``(device, stream id)`` for a program stream, ``("comm", group name)`` for a communication stream."""
@@ -74,10 +79,20 @@ class VirtualTime:
 
     name = "emulated"
 
-    def __init__(self, *, launch_overhead_s: float, current_stream: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, *, launch_overhead_s: float, current_stream: Callable[[], tuple[int, int]],
+                 native_launch_s: float | None = None) -> None:
         if launch_overhead_s < 0:
             raise ValueError(f"launch_overhead_s={launch_overhead_s!r} must be >= 0")
+        if native_launch_s is not None and native_launch_s < 0:
+            raise ValueError(f"native_launch_s={native_launch_s!r} must be >= 0")
         self.launch_overhead_s = launch_overhead_s
+        self.native_launch_s = launch_overhead_s if native_launch_s is None else native_launch_s
+        """Host seconds of a launch after the first inside one `native_call` (the driver's part alone)."""
+        self.last_launch_s = launch_overhead_s
+        """What the latest launch cost the host (a trace places its launch there)."""
+        self._native: list[bool] = []
+        """One entry while a `native_call` is open: whether it launched yet."""
+        self.native_launches = 0
         self.current_stream = current_stream
         """The key of the current stream of the current device (the shim answers)."""
         self.host_s = 0.0
@@ -112,7 +127,7 @@ class VirtualTime:
         start = self.position(stream)
         end = start + duration_s
         self.ends[stream] = end
-        self.host_s += self.launch_overhead_s
+        self._launch()
         self.kernels += 1
         self.launches += 1
         self.kernel_s += duration_s
@@ -120,9 +135,35 @@ class VirtualTime:
             self.record(_row(stream), name, start, end)
         return end
 
+    def _launch(self) -> None:
+        """The host pays one launch (module docstring: the first of a `native_call` in full, later ones the
+        driver's part)."""
+        cost = self.launch_overhead_s
+        if self._native:
+            if self._native[-1]:
+                cost = self.native_launch_s
+                self.native_launches += 1
+            else:
+                self._native[-1] = True
+        self.last_launch_s = cost
+        self.host_s += cost
+
+    @contextmanager
+    def native_call(self) -> Iterator[None]:
+        """One call into a compiled extension: its launches after the first pay `native_launch_s` (a call made
+        inside one is part of it)."""
+        if self._native:
+            yield
+            return
+        self._native.append(False)
+        try:
+            yield
+        finally:
+            self._native.pop()
+
     def captured_launch(self) -> None:
         """A launch recorded into a CUDA graph under capture: the host pays it, no stream runs anything."""
-        self.host_s += self.launch_overhead_s
+        self._launch()
         self.launches += 1
 
     def host_work(self, duration_s: float, name: str = "") -> float:
@@ -199,7 +240,7 @@ class VirtualTime:
             self._exchange(event)
         completion = event.arrival_s + event.cost_s
         self.ends[stream] = completion
-        self.host_s += self.launch_overhead_s
+        self._launch()
         self.launches += 1
         self.comm_ops += 1
         if self.record is not None:
@@ -245,9 +286,26 @@ class VirtualTime:
                 "host_syncs": self.host_syncs, "exchanges": self.exchanges,
                 "peer_wait_s": round(self.peer_wait_s, 9),
                 **({"host_work_s": round(self.host_work_s, 9)} if self.host_work_s else {}),
+                **({"native_launches": self.native_launches,
+                    "native_launch_us": round(1e6 * self.native_launch_s, 6)} if self.native_launches else {}),
                 "streams": len([k for k in self.ends if k[0] != "comm"]),
                 "comm_streams": len([k for k in self.ends if k[0] == "comm"]),
                 "step_times_s": [round(s, 9) for s in steps]}
+
+
+CLOCKS: Slot[VirtualTime] = slot("virtual_time", stack=True)
+"""The virtual GPU's running clock (its shim enters it at `start_clock`, leaves it at teardown)."""
+
+
+@contextmanager
+def native_call() -> Iterator[None]:
+    """One call into a compiled extension on the running clock (`VirtualTime.native_call`); nothing without one."""
+    clock = CLOCKS.current()
+    if clock is None:
+        yield
+        return
+    with clock.native_call():
+        yield
 
 
 def _row(stream: Any) -> str:

@@ -310,6 +310,7 @@ class VirtualGpu:
         """The fusion regions of these GPUs (`fusion`): one kernel each, intermediates never allocated."""
 
     def start_time(self, kernel_time: KernelTime, launch_overhead_s: float, *, program_time: bool = False,
+                   native_launch_s: float | None = None,
                    region_time: Callable[[KernelCost, tuple[KernelCost, ...]], float] | None = None) -> VirtualTime:
         """Give these GPUs virtual time: `kernel_time(func, args, kwargs, out)` is an op's modelled seconds (None:
         not a kernel, e.g. a view), each launch costs the host `launch_overhead_s`; `region_time(cost, parts)` a fusion
@@ -321,7 +322,7 @@ class VirtualGpu:
         them by name before (``from time import perf_counter``) keeps the wall clock."""
         self.kernel_time = kernel_time
         self.fusion.region_time = region_time
-        clock = self.clock = self.shim.start_clock(launch_overhead_s)
+        clock = self.clock = self.shim.start_clock(launch_overhead_s, native_launch_s)
         for model in self.allocators:  # memory history in emulated microseconds
             if model.history is not None:
                 model.history.clock_us = lambda: int(round(1e6 * clock.host_s))

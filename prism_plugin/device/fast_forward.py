@@ -70,8 +70,8 @@ TOLERANCE_S = 1e-10
 """How far two recorded times (relative to their period's start) may differ and still be the same: rounding of
 the executed sums, five orders of magnitude below the nanosecond the summary reports."""
 
-_CLOCK_TOTALS = ("kernels", "kernel_s", "launches", "comm_ops", "host_syncs", "exchanges", "peer_wait_s",
-                 "host_work_s")
+_CLOCK_TOTALS = ("kernels", "kernel_s", "launches", "native_launches", "comm_ops", "host_syncs", "exchanges",
+                 "peer_wait_s", "host_work_s")
 _LAYOUT_PARTS = ("the fake host bytes", "the live storages", "the cuBLAS workspaces", "the running backward passes",
                  "the futures waited on in backward", "the open fusion regions", "the iteration marks",
                  "the groups used")

@@ -28,7 +28,7 @@ from prism_plugin.cost.allocator import CachingAllocatorModel
 from prism_plugin.cost.gpu import GpuSpec
 from prism_plugin.device import active, cuda_runtime, snapshot
 from prism_plugin.device.active import Slot
-from prism_plugin.device.clock import VirtualTime
+from prism_plugin.device.clock import CLOCKS, VirtualTime
 from prism_plugin.device.undo import Patches
 
 __all__ = ["CudaShim", "VirtualEvent", "VirtualStream", "device_index"]
@@ -247,10 +247,12 @@ class CudaShim:
         finally:
             self.current = previous
 
-    def start_clock(self, launch_overhead_s: float) -> VirtualTime:
+    def start_clock(self, launch_overhead_s: float, native_launch_s: float | None = None) -> VirtualTime:
         """Give this GPU virtual time: streams, events and synchronize follow `VirtualTime`'s clocks."""
-        self.clock = VirtualTime(launch_overhead_s=launch_overhead_s,
+        self.clock = VirtualTime(launch_overhead_s=launch_overhead_s, native_launch_s=native_launch_s,
                                  current_stream=lambda: self._streams[self.current].key)
+        CLOCKS.enter(self.clock)
+        self._patches.callback(CLOCKS.leave, self.clock)
         return self.clock
 
     def synchronize(self, device: Any = None) -> None:

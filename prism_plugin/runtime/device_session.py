@@ -82,7 +82,7 @@ def start_virtual_time(vgpu: VirtualGpu, profile: HardwareProfile, options: Virt
     timer = KernelTimer(model)
     vgpu.kernel_timer = timer
     clock = vgpu.start_time(timer.duration_s, profile.kernels.launch_overhead_s, program_time=options.program_time,
-                            region_time=timer.region_duration_s)
+                            native_launch_s=profile.kernels.native_launch_s, region_time=timer.region_duration_s)
     attach_step_figures(vgpu, timer, clock)  # per-step class times, efficiencies, job key (and fit) for the summary
     if options.launch_blocking:
         _block_each_launch(clock)

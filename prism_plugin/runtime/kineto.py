@@ -82,9 +82,9 @@ class KinetoTrace:
         self.max_events = max_events
         self.host_pid = os.getpid()
         self.host_tid = self.host_pid
-        self.kernels: list[tuple[str, int, int, float, float, float]] = []
+        self.kernels: list[tuple[str, int, int, float, float, float, float]] = []
         """(op name, device, stream, launch_s, start_s, end_s) per compute kernel."""
-        self.ops: list[tuple[OpEvent, dict[str, Any], int, float, float, float]] = []
+        self.ops: list[tuple[OpEvent, dict[str, Any], int, float, float, float, float]] = []
         """(event, metadata, comm stream, launch_s, start_s, end_s) per communication op."""
         self.marks: list[tuple[int, float]] = []
         """(iteration, host_s) at each mark."""
@@ -115,8 +115,9 @@ class KinetoTrace:
         if len(self.kernels) + len(self.ops) >= self.max_events:
             self.dropped += 1
             return
-        launch_s = self.clock.host_s - self.clock.launch_overhead_s  # the clock has just advanced the host
-        self.kernels.append((_op_name(name), int(m[1]), int(m[2]) + DEFAULT_STREAM, launch_s, start_s, end_s))
+        cost_s = self.clock.last_launch_s  # the clock has just advanced the host by it
+        self.kernels.append((_op_name(name), int(m[1]), int(m[2]) + DEFAULT_STREAM, self.clock.host_s - cost_s, cost_s,
+                             start_s, end_s))
 
     def on_op(self, event: OpEvent) -> None:
         """Nothing: the clock (the last observer) places the op after this; `on_issued` reads it."""
@@ -126,10 +127,10 @@ class KinetoTrace:
             self.dropped += 1
             return
         stream = self.comm_streams.setdefault(event.group.name, COMM_STREAM_BASE + len(self.comm_streams))
-        launch_s = self.clock.host_s - self.clock.launch_overhead_s
+        cost_s = self.clock.last_launch_s
         end_s = event.completion_s if event.failure is None else event.failure.raise_at_s
-        self.ops.append((event, comm_args(event, self.rank), stream, launch_s, event.arrival_s,
-                         max(end_s, event.arrival_s)))
+        self.ops.append((event, comm_args(event, self.rank), stream, self.clock.host_s - cost_s, cost_s,
+                         event.arrival_s, max(end_s, event.arrival_s)))
 
     def on_mark(self, iteration: int) -> None:
         """An iteration starts now on the host."""
@@ -139,16 +140,15 @@ class KinetoTrace:
     def to_dict(self) -> dict[str, Any]:
         """The trace as Kineto's JSON object (module docstring)."""
         pid, tid = self.host_pid, self.host_tid
-        launch_us = 1e6 * self.clock.launch_overhead_s
         events: list[dict[str, Any]] = []
         host_end_us = 0.0
 
         def us(t: float) -> float:
             return round(t * 1e6, 3)
 
-        def launch(name: str, launch_s: float, ext: int, args: dict[str, Any] | None = None,
+        def launch(name: str, launch_s: float, cost_s: float, ext: int, args: dict[str, Any] | None = None,
                    outer: str | None = None) -> float:
-            t = us(launch_s)
+            t, launch_us = us(launch_s), 1e6 * cost_s
             if outer is not None:
                 events.append({"ph": "X", "cat": "cpu_op", "name": outer, "pid": pid, "tid": tid, "ts": t,
                                "dur": round(launch_us, 3), "args": {"External id": ext}})
@@ -173,14 +173,14 @@ class KinetoTrace:
 
         ext = _CORRELATION_BASE
         streams: set[tuple[int, int]] = set()
-        for name, device, stream, launch_s, start_s, end_s in self.kernels:
+        for name, device, stream, launch_s, cost_s, start_s, end_s in self.kernels:
             ext += 1
-            host_end_us = max(host_end_us, launch(name, launch_s, ext))
+            host_end_us = max(host_end_us, launch(name, launch_s, cost_s, ext))
             kernel(name, device, stream, start_s, end_s, ext)
             streams.add((device, stream))
-        for event, args, stream, launch_s, start_s, end_s in self.ops:
+        for event, args, stream, launch_s, cost_s, start_s, end_s in self.ops:
             ext += 1
-            host_end_us = max(host_end_us, launch("record_param_comms", launch_s, ext, args,
+            host_end_us = max(host_end_us, launch("record_param_comms", launch_s, cost_s, ext, args,
                                                   outer=C10D_OPS[event.kind]))
             dtype = args["dtype"]
             kernel(nccl_kernel_name(event.kind, dtype), 0, stream, start_s, end_s, ext, args)

@@ -18,6 +18,7 @@ DECLARED = {
     "session": ("prism_plugin.runtime.session", False),
     "cuda_graphs": ("prism_plugin.device.graphs", False),
     "cuda_shim": ("prism_plugin.device.shim", False),
+    "virtual_time": ("prism_plugin.device.clock", False),
     "storage_tracker": ("prism_plugin.device.memory", False),
     "fusion_regions": ("prism_plugin.device.fusion", False),
     "virtual_gpu": ("prism_plugin.device.device", False),

@@ -4,7 +4,9 @@ TE's PyTorch layer (the pure-Python ``transformer_engine`` package, the release 
 extension for every kernel. This module answers those calls on fake tensors: each function allocates the outputs
 TE's C++ allocates (same shapes, dtypes, order; ``torch.empty`` on the input's device, so the caching-allocator
 model holds them) and launches its kernels as ``prism_te`` operators (`ops`), one per kernel TE launches, so the
-kernel model times them. The enums and classes keep TE's names; their values need only be consistent here.
+kernel model times them. The enums and classes keep TE's names; their values need only be consistent here. Each function
+is one call into TE's C++ for virtual time (`VirtualTime.native_call`): its launches after the first pay the
+driver's host time alone, as TE's C++ loops (the userbuffers chunks) do.
 
 What is answered: GEMMs (``generic_gemm``: BF16/FP16/FP32 and FP8 operands, with bias, GeLU epilogue, accumulation
 into an existing output: Megatron's gradient-accumulation fusion, and FP8 output), layer and RMS norms (zero-centred
@@ -19,6 +21,8 @@ answered raises `NotImplementedError` naming the function when it is called (nev
 from __future__ import annotations
 
 import enum
+import functools
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 
 from prism_plugin.cost.kernels import KernelClass
+from prism_plugin.device.clock import native_call
 from prism_plugin.device.te import ops, quantize, router, userbuffers
 from prism_plugin.device.te.dtypes import TORCH_DTYPE, DType
 
@@ -527,6 +532,17 @@ _REFUSED = {
 }
 
 
+def _one_call(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` as one call into the compiled extension: virtual time charges its launches after the first at
+    the driver's figure (`prism_plugin.device.clock.VirtualTime.native_call`)."""
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with native_call():
+            return function(*args, **kwargs)
+
+    return call
+
+
 def build_module(module: Any) -> None:
     """Fill `module` (a new ``transformer_engine_torch`` module object) with the fake extension's names."""
     names: dict[str, Any] = {
@@ -588,4 +604,4 @@ def build_module(module: Any) -> None:
     names.update(CommOverlap=userbuffers.CommOverlap, CommOverlapP2P=userbuffers.CommOverlapP2P,
                  CommOverlapHelper=userbuffers.CommOverlapHelper)
     for name, value in names.items():
-        setattr(module, name, value)
+        setattr(module, name, _one_call(value) if inspect.isfunction(value) else value)
