@@ -194,7 +194,7 @@ _DEFAULTS: dict[str, Any] = {
     # host time per launch (the framework's Python, PyTorch's dispatcher, cudaLaunchKernel): dgx-h100's figure, fitted
     # on Megatron-LM's H100 functional tests (prism_plugin/cost/profiles/dgx-h100.yaml). The host clock advances by it
     # per launch.
-    "launch_overhead_us": 85.0,
+    "launch_overhead_us": 86.2,
     # host time of a launch after the first inside one call into a compiled extension (TE's C++ launch loops): the
     # driver's cudaLaunchKernel alone, a few us on a modern host; estimate
     "native_launch_us": 5.0,
@@ -275,7 +275,7 @@ class KernelEfficiency:
 
         kernels:
           min_kernel_us: 2.5
-          launch_overhead_us: 85.0
+          launch_overhead_us: 86.2
           native_launch_us: 5.0
           gemm_tile: [128, 128]
           gemm_split_k_min_depth: 256

@@ -11,7 +11,8 @@ validate rows are not read.
 Mechanism. These cases are small models (hidden 512-1024, a few thousand kernels of microseconds each per
 iteration): on an H100 the GPU waits for the host, so an iteration lasts as long as the host takes to issue it.
 The virtual clock charges the host ``kernels.launch_overhead_us`` per launch (a kernel, a collective or a copy:
-``virtual_gpu.virtual_time.launches``); the rest of a host-bound iteration is the host's waits at its
+``virtual_gpu.virtual_time.launches``, less the ``native_launches`` after the first of one TransformerEngine
+extension call, which pay the driver's ``kernels.native_launch_us``); the rest of a host-bound iteration is the host's waits at its
 synchronisations. Raising the figure from ``c`` to ``c'`` lengthens a host-bound iteration by ``(c' - c)`` times its
 launches, so the figure that makes row ``i``'s prediction its measured time is ``c_i = c + (measured_i -
 predicted_i) / launches_i``. The fit is the median of ``c_i`` over the fit rows: robust to the rows whose
@@ -52,7 +53,8 @@ def fit_row(case: str, out: Path) -> dict[str, Any] | None:
         return None
     summary = json.loads(summaries[0].read_text())
     clock = summary["virtual_gpu"]["virtual_time"]
-    launches = clock["launches"] / summary["iterations_marked"]
+    # the launches that pay the figure: not those after the first of one TE extension call (the driver's figure)
+    launches = (clock["launches"] - clock.get("native_launches", 0)) / summary["iterations_marked"]
     measured, predicted = result["measured_iteration_time_s"], result["predicted_iteration_time_s"]
     used_us = float(clock["launch_overhead_us"])
     return {"case": case, "measured_s": measured, "predicted_s": predicted, "launches_per_iteration": round(launches),
