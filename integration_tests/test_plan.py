@@ -86,7 +86,7 @@ def test_a_plan_stopped_midway_keeps_its_finished_candidate_and_resumes(tmp_path
     assert os.path.isdir(out / "candidates" / "tp2_pp1_vp1_cp1_ep1_mbs1_norc_dopt_bf16" / "memory")
 
 
-PINNED_STEP_MS = {"tp1 pp1 vp1 cp1 ep1 mbs1 norc dopt bf16": 46.706, "tp2 pp1 vp1 cp1 ep1 mbs1 norc dopt bf16": 103.56}
+PINNED_STEP_MS = {"tp1 pp1 vp1 cp1 ep1 mbs1 norc dopt bf16": 47.336, "tp2 pp1 vp1 cp1 ep1 mbs1 norc dopt bf16": 105.004}
 """Each candidate's modelled step (prism emulate's report, rounded to the microsecond)."""
 
 

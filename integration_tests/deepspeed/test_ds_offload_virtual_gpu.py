@@ -96,7 +96,7 @@ def test_zero2_with_the_optimizer_offloaded_to_the_cpu(runs: dict) -> None:
     assert copies[0]["total_s"] == pytest.approx(STEPS * (4 * part + 2 * part) / (64e9 * 0.8), rel=1e-9)
     # emulated time, exact: CPU Adam and ZeRO's host-side partition work on the host clock
     assert vgpu["virtual_time"]["host_work_s"] == 0.000471265
-    assert vgpu["virtual_time"]["step_times_s"] == [0.005817732]
+    assert vgpu["virtual_time"]["step_times_s"] == [0.005894532]
 
 
 def test_zero3_with_the_optimizer_offloaded_steps_every_time(runs: dict) -> None:
@@ -113,7 +113,7 @@ def test_zero3_with_the_optimizer_offloaded_steps_every_time(runs: dict) -> None
     assert vgpu["host_memory"]["peak_bytes"] == 16 * part + 2 * part + 133
     # modelled, exact (0.001679264 before the H2D moves of host tensors were timed: ZeRO-3 moves each step's gradient
     # partition back to the GPU from its host buffer with .to(), `prism_plugin.device.calls`)
-    assert vgpu["virtual_time"]["step_times_s"] == [0.012957957]
+    assert vgpu["virtual_time"]["step_times_s"] == [0.013139157]
 
 
 def test_zero3_with_the_parameters_offloaded_keeps_their_partition_on_the_host(runs: dict) -> None:
@@ -138,4 +138,4 @@ def test_zero3_with_the_parameters_offloaded_keeps_their_partition_on_the_host(r
     h2d = STEPS * 2 * part + 3 * 2 * part + 320
     assert copies == [(84, d2h + h2d)] and d2h + h2d == 6_295_616
     assert vgpu["cpu_adam"]["steps"] == STEPS
-    assert vgpu["virtual_time"]["step_times_s"] == [0.01357345]  # modelled, exact
+    assert vgpu["virtual_time"]["step_times_s"] == [0.01376305]  # modelled, exact

@@ -93,7 +93,7 @@ def test_pipeline_stage_1_as_rank_5_of_8_on_a_virtual_h100(runs: dict) -> None:
     assert summary["op_bytes"]["recv"] == STEPS * GAS * 2 * SEQ * HIDDEN + 1024 + 4
     # the emulated step (modelled), every step after the first
     assert vgpu["virtual_time"]["clock"] == "emulated"
-    assert vgpu["virtual_time"]["step_times_s"] == [0.036163592] * (STEPS - 1)
+    assert vgpu["virtual_time"]["step_times_s"] == [0.036235592] * (STEPS - 1)
     reads = {(s["site"].rsplit("/", 1)[-1], s["value"]): s["count"] for s in vgpu["values"]["by_site"]}
     total = BLOCKS * block
     assert reads[("engine.py:154 (__init__)",
@@ -122,7 +122,7 @@ def test_pipeline_stage_0_as_rank_2_of_8_on_a_virtual_h100(runs: dict) -> None:
     assert summary["op_counts"]["send"] == STEPS * GAS + 2 and summary["op_counts"]["recv"] == STEPS * GAS
     assert summary["op_bytes"]["send"] == STEPS * GAS * 2 * SEQ * HIDDEN + 1024 + 4  # + its tensor meta, handshake
     assert summary["op_bytes"]["recv"] == STEPS * GAS * 2 * SEQ * HIDDEN
-    assert summary["virtual_gpu"]["virtual_time"]["step_times_s"] == [0.034126935] * (STEPS - 1)
+    assert summary["virtual_gpu"]["virtual_time"]["step_times_s"] == [0.034195335] * (STEPS - 1)
 
 
 def test_pipeline_stage_without_pipe_activations_is_refused_naming_the_key(runs: dict) -> None:

@@ -38,7 +38,7 @@ ARGS = ["--transformer-impl", "local", "--tensor-model-parallel-size", str(TP), 
         "0", "--eval-interval", "1000", "--disable-gloo-process-groups"]
 WRITE_BYTES_PER_S = 2e12 / 16384  # cost/storage.py's policy default: Llama 3's 2 TB/s over 16,384 GPUs
 READ_BYTES_PER_S = 7e12 / 16384  # and its 7 TB/s peak
-ITERATION_S = 0.02618  # Megatron's interval timer over iteration 2 on the emulated clock (modelled)
+ITERATION_S = 0.0265496  # Megatron's interval timer over iteration 2 on the emulated clock (modelled)
 
 PADDED_VOCAB = -(-VOCAB // (128 * TP)) * 128 * TP  # 1024: Megatron pads to --make-vocab-size-divisible-by 128 x TP
 SHARDED = {  # this TP rank's tensors split over TP (bf16 elements): written by one member of the DP group each
