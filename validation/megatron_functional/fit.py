@@ -1,6 +1,6 @@
 """Fit a hardware profile's host time per launch on the functional-test fit rows' iteration times.
 
-    python -m validation.megatron_functional.fit [--out DIR]
+    python -m validation.megatron_functional.fit [--out DIR]   # DIR: /tmp/prism_corpus/functional by default
 
 The fit rows are the cases whose row file says ``role: fit`` (`collect.role`: every third case by name, a split
 declared before anything was fitted). ``DIR`` holds their runs, as `run` writes them (``<case>.result.json`` and
@@ -9,15 +9,15 @@ its launches per iteration and the host time per launch that would make them equ
 validate rows are not read.
 
 Mechanism. These cases are small models (hidden 512-1024, a few thousand kernels of microseconds each per
-iteration): on an H100 the GPU waits for the host, so an iteration lasts as long as the host takes to issue it.
-The virtual clock charges the host ``kernels.launch_overhead_us`` per launch (a kernel, a collective or a copy:
+iteration): on an H100 the GPU waits for the host, so an iteration lasts as long as the host takes to issue it. The
+virtual clock charges the host ``kernels.launch_overhead_us`` per launch (a kernel, a collective or a copy:
 ``virtual_gpu.virtual_time.launches``, less the ``native_launches`` after the first of one TransformerEngine
-extension call, which pay the driver's ``kernels.native_launch_us``); the rest of a host-bound iteration is the host's waits at its
-synchronisations. Raising the figure from ``c`` to ``c'`` lengthens a host-bound iteration by ``(c' - c)`` times its
-launches, so the figure that makes row ``i``'s prediction its measured time is ``c_i = c + (measured_i -
-predicted_i) / launches_i``. The fit is the median of ``c_i`` over the fit rows: robust to the rows whose
-measured time holds more than host time (NVIDIA's runs of identical programs differ by up to 60% between cases).
-A row still GPU-bound under ``c`` absorbs part of a rise, so its ``c_i`` overstates the figure: run the fit rows
+extension call, which pay the driver's ``kernels.native_launch_us``); the rest of a host-bound iteration is the
+host's waits at its synchronisations. Raising the figure from ``c`` to ``c'`` lengthens a host-bound iteration by
+``(c' - c)`` times its launches, so the figure that makes row ``i``'s prediction its measured time is ``c_i = c +
+(measured_i - predicted_i) / launches_i``. The fit is the median of ``c_i`` over the fit rows: robust to the rows
+whose measured time holds more than host time (NVIDIA's runs of identical programs differ by up to 60% between
+cases). A row still GPU-bound under ``c`` absorbs part of a rise, so its ``c_i`` overstates the figure: run the fit rows
 again under the new figure and fit again, until it moves by less than `TOLERANCE_US` (``converged``).
 
 What the figure stands for: everything the host spends per launch in Megatron-LM and TransformerEngine's Python,
@@ -34,10 +34,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from validation.corpus.runner import WORK_DIR
 from validation.megatron_functional.run import DEFAULT_OUT, load_cases
 
 __all__ = ["TOLERANCE_US", "fit_row", "fit", "main"]
 
+CORPUS_RUNS = WORK_DIR / "functional"
+"""Where the corpus's one command runs the functional cases (the fit's default input)."""
 TOLERANCE_US = 1.0
 """The fit has converged when the fitted figure is within this of the one the rows ran under."""
 
@@ -84,7 +87,9 @@ def fit(out: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the runs' folder (default {DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, default=CORPUS_RUNS,
+                        help=f"the runs' folder (default {CORPUS_RUNS}, where `python -m validation.corpus run --kind "
+                        f"functional` puts them; `run.py`'s own default is {DEFAULT_OUT})")
     ns = parser.parse_args(argv)
     json.dump(fit(ns.out), sys.stdout, indent=1)
     print()
