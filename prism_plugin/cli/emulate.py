@@ -140,8 +140,7 @@ def check_megatron_job(argv: list[str], capability: tuple[int, int], environ: Ma
     """What a Megatron job's arguments and environment make it fail on in every profiling run, refused before the
     first (a `ConfigError` naming the argument and the fix): Megatron's own asserts on TP/CP without
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (GPUs before Blackwell, `capability`), heads not divisible by TP, expert
-    parallelism without experts, context parallelism on the local spec without the flash stand-in, and tied
-    embeddings over more than two pipeline stages (their gradients' group is not one of the graph's)."""
+    parallelism without experts and context parallelism on the local spec without the flash stand-in."""
     env = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for name, flag in _LAYOUT_FLAGS.items():
@@ -149,18 +148,9 @@ def check_megatron_job(argv: list[str], capability: tuple[int, int], environ: Ma
     parser.add_argument("--num-attention-heads", dest="heads", type=int, default=None)
     parser.add_argument("--num-experts", dest="experts", type=int, default=None)
     parser.add_argument("--transformer-impl", dest="impl", default="transformer_engine")
-    for flag in ("--use-torch-fsdp2", "--use-megatron-fsdp", "--overlap-moe-expert-parallel-comm",
-                 "--untie-embeddings-and-output-weights"):
+    for flag in ("--use-torch-fsdp2", "--use-megatron-fsdp", "--overlap-moe-expert-parallel-comm"):
         parser.add_argument(flag, action="store_true")
     known, _ = parser.parse_known_args(argv)
-    if (known.pp or 1) > 2 and not known.untie_embeddings_and_output_weights:
-        raise ConfigError(f"the job ties its input embedding and output weights (no "
-                          f"--untie-embeddings-and-output-weights) over --pipeline-model-parallel-size {known.pp}: "
-                          "Megatron all-reduces their gradients over the first and last stages only, a group the "
-                          "execution graph does not model yet (its groups run along whole layout axes); add "
-                          "--untie-embeddings-and-output-weights to emulate the untied job (the same compute and "
-                          "memory but for that all-reduce, one per step), or run the ranks you care about through the "
-                          "drop-in (python -m prism_plugin.megatron ... --prism-device virtual-gpu)")
     tp, cp, ep = known.tp or 1, known.cp or 1, known.ep or 1
     fsdp_or_overlap = known.use_torch_fsdp2 or known.use_megatron_fsdp or known.overlap_moe_expert_parallel_comm
     if (tp > 1 or cp > 1) and capability[0] < 10 and not fsdp_or_overlap \

@@ -21,8 +21,8 @@ Iterations: the first `warmup` are dropped, and of the rest only those with the 
 are used (an iteration with an extra logging collective, say, is left out and counted). Each compute span
 is the mean over those iterations.
 
-Limitations: groups must be groups of the dense layout (Megatron's embedding group over first and last
-stages with pp > 2, or any ad-hoc subgroup, raises GraphError naming it); two live groups over the same
+Limitations: groups must be groups of the dense layout or Megatron's embedding group over the first and last
+stages (`EMBEDDING_ROLE`); any other subgroup raises GraphError naming it; two live groups over the same
 ranks (e.g. "dp" and "dp-cp" with cp=1) share one role and one sequence.
 
 Pure: no torch.
@@ -39,6 +39,7 @@ from typing import Any
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.graph.build import TraceBuilder
 from prism_plugin.graph.errors import GraphError
+from prism_plugin.graph.layout import EMBEDDING_ROLE
 from prism_plugin.graph.rank_trace import RankTrace, TracedIteration
 from prism_plugin.graph.schema import ClassTrace, ExecutionGraph, WorldLayout, rule_class_name
 
@@ -72,12 +73,16 @@ def group_role(layout: WorldLayout, rank: int, ranks: Sequence[int] | None) -> s
             if c != own[i]:
                 varying[i] = True
     role = "-".join(a.name for a, v in zip(layout.axes, varying, strict=True) if v)
+    pp_ends = (0, layout.axis("pp").size - 1)
+    if role == "pp" and len(members) == 2 and pp_ends[1] > 1 \
+            and tuple(layout.coords(m)[layout.axis_index("pp")] for m in members) == pp_ends:
+        return EMBEDDING_ROLE
     if layout.group_of(rank, role) != members:
         raise GraphError(
             f"group {list(members)[:16]}{' ...' if len(members) > 16 else ''} of rank {rank} is not a group of "
-            f"the layout {_layout_text(layout)}: execution graphs only know groups along layout axes (e.g. "
-            "Megatron's embedding group over the first and last stages with pp > 2 is not one; untie the "
-            "embeddings, or check that --layout matches the program's own parallel sizes)"
+            f"the layout {_layout_text(layout)}: execution graphs only know groups along layout axes "
+            "and Megatron's embedding group over the first and last stages (check that --layout matches the "
+            "program's own parallel sizes)"
         )
     return role
 

@@ -15,7 +15,6 @@ Pure: no torch.
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +67,6 @@ class _Pending:
 def compile_program(space: ActorSpace, actor: Actor, cost: CostModel, cache: dict[Any, float],
              faults: FaultSet | None = None) -> Program:
     layout = space.layout
-    radix = [len(p) for p in space.parts]
     nodes = space.graph.classes[actor.class_name].nodes
     prog = Program([], [], [], [], [], [], nodes)
     roles: dict[str, tuple[tuple[int, ...], int, Any]] = {}  # role -> (instance, expected, placement)
@@ -87,10 +85,11 @@ def compile_program(space: ActorSpace, actor: Actor, cost: CostModel, cache: dic
             code = COMM
             info = roles.get(node.group)
             if info is None:
-                role_axes = {layout.axis_index(a) for a in layout.role_axes(node.group)}
+                role_axes = [layout.axis_index(a) for a in layout.role_axes(node.group)]
                 info = roles[node.group] = (
                     tuple(-1 if a in role_axes else p for a, p in enumerate(actor.parts)),
-                    math.prod(radix[a] for a in role_axes),
+                    len({tuple(space.part_of[a][c] for a, c in zip(role_axes, coords, strict=True))
+                         for coords in layout.role_coords(node.group)}),
                     cost.placement(layout.group_of(actor.rep_rank, node.group)),
                 )
             instance, expected, placement = info

@@ -212,7 +212,7 @@ def _costs_uniform(space: ActorSpace, gpus_per_node: int) -> bool:
 
     @cache
     def placement(role: str, residue: int) -> GroupPlacement:
-        members = [layout.rank_at(_coords_zero(layout, role, c)) for c in _role_offsets(layout, role)]
+        members = [layout.rank_at(_coords_zero(layout, role, c)) for c in layout.role_coords(role)]
         return GroupPlacement.from_ranks([residue + m for m in members], g)
 
     @cache
@@ -241,12 +241,6 @@ def _costs_uniform(space: ActorSpace, gpus_per_node: int) -> bool:
             if len({(s + delta) // g != 0 for s in every}) > 1:
                 return False
     return True
-
-
-def _role_offsets(layout: WorldLayout, role: str) -> list[tuple[int, ...]]:
-    """Coordinates (on the role's axes) of every member of a `role` group."""
-    names = layout.role_axes(role)
-    return list(itertools.product(*(range(layout.axis(n).size) for n in names)))
 
 
 def _coords_zero(layout: WorldLayout, role: str, member: tuple[int, ...]) -> list[int]:

@@ -11,6 +11,7 @@ Pure: stdlib and prism_plugin.topology only.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -20,7 +21,12 @@ from prism_plugin.config.errors import rank_in_range
 from prism_plugin.graph.errors import GraphError
 from prism_plugin.topology import MegatronLayout
 
-__all__ = ["AxisSpec", "WorldLayout"]
+__all__ = ["EMBEDDING_ROLE", "AxisSpec", "WorldLayout"]
+
+EMBEDDING_ROLE = "embedding"
+"""The group role of Megatron's embedding group: a rank of the first pipeline stage and the rank of the last stage
+at its other coordinates (the tied input and output embeddings' gradients are all-reduced over it). With pp <= 2 it
+is the whole ``pp`` group and has that role; with pp > 2 it is this one, the only role not along whole axes."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,13 +88,30 @@ class WorldLayout:
         return self._index[name]
 
     def role_axes(self, role: str) -> tuple[str, ...]:
-        """The axes a group role spans: "tp-dp" -> ("tp", "dp"); each checked to be a dense axis."""
+        """The axes a group role spans: "tp-dp" -> ("tp", "dp"); each checked to be a dense axis
+        (`EMBEDDING_ROLE` spans ``pp``, at its two ends)."""
+        if role == EMBEDDING_ROLE:
+            if self.axis("pp").size < 3:
+                raise GraphError(f"group role {role!r} needs pp > 2 (with pp <= 2 the embedding group is 'pp')")
+            return ("pp",)
         names = tuple(role.split("-"))
         for name in names:
             self.axis(name)
         if len(set(names)) != len(names):
             raise GraphError(f"group role {role!r} repeats an axis: name each axis once, e.g. 'tp-dp'")
         return names
+
+    def role_coords(self, role: str) -> list[tuple[int, ...]]:
+        """Coordinates, on the role's axes, of every member of a `role` group, in rank order.
+
+        >>> w = WorldLayout(MegatronLayout(world_size=16, tp=2, pp=4))
+        >>> w.role_coords("tp-dp"), w.role_coords("embedding")
+        ([(0, 0), (1, 0), (0, 1), (1, 1)], [(0,), (3,)])
+        """
+        names = self.role_axes(role)
+        if role == EMBEDDING_ROLE:
+            return [(0,), (self.axis("pp").size - 1,)]
+        return [tuple(reversed(c)) for c in itertools.product(*(range(self.axis(n).size) for n in reversed(names)))]
 
     def coords(self, rank: int) -> tuple[int, ...]:
         """Coordinates of `rank` on `axes`, in order."""
@@ -101,7 +124,14 @@ class WorldLayout:
     def group_of(self, rank: int, role: str) -> tuple[int, ...]:
         """Global ranks of the `role` group holding `rank`, ascending (Megatron's own order)."""
         self.role_axes(role)
-        return self.megatron.group_of(rank, role)
+        if role != EMBEDDING_ROLE:
+            return self.megatron.group_of(rank, role)
+        coords, pp = list(self.coords(rank)), self.axis_index("pp")
+        last = self.axes[pp].size - 1
+        if coords[pp] not in (0, last):
+            raise GraphError(f"rank {rank} is on pipeline stage {coords[pp]}, not in an embedding group (stages 0 "
+                             f"and {last})")
+        return tuple(self.rank_at([*coords[:pp], c, *coords[pp + 1:]]) for c in (0, last))
 
     def peer_of(self, rank: int, axis: str, offset: int) -> int:
         """The rank whose coordinate on `axis` is this rank's plus `offset` (modulo the axis size)."""

@@ -202,10 +202,6 @@ TP_NODE = Rule("tp within a node", "tp's all-reduces stay on NVLink", "planner",
 PP_LAYERS = Rule("pp divides layers", "pp divides the layer count (even pipeline stages)", "core/transformer/"
                  "transformer_block.py:get_num_layers_to_build; training/arguments.py:validate_args",
                  "allow a pp that divides the layer count")
-TIED_PP = Rule("tied embeddings need pp <= 2", "a model whose output layer reuses the input embedding all-reduces "
-               "their gradients over the first and last pipeline stages, a group prism's execution graph does not "
-               "model over more than 2 stages", "planner (prism_plugin.graph.convert.group_role)",
-               "allow a pp <= 2, or plan the untied model (--untie-embeddings-and-output-weights)")
 VP_PP = Rule("vp needs pp > 1", "the interleaved schedule needs pp > 1 (pp > 2 with "
              "--no-overlap-p2p-communication)", "core/parallel_state.py:initialize_model_parallel; "
              "training/arguments.py:validate_args", "allow vp None or a pp > 1")
@@ -241,7 +237,7 @@ VP_MICRO = Rule("pp divides micro-batches", "interleaving needs the micro-batche
                 "give a --global-batch whose micro-batches per data rank are a multiple of pp, or allow vp None")
 FP8 = Rule("fp8 needs GPU support", "FP8 needs FP8 tensor cores (H100 and later)", "planner", "leave fp8 out")
 
-RULES: tuple[Rule, ...] = (TP_HEADS, TP_FFN, TP_NODE, PP_LAYERS, TIED_PP, VP_PP, VP_LAYERS, CP_SEQ, SP_SEQ, GPUS,
+RULES: tuple[Rule, ...] = (TP_HEADS, TP_FFN, TP_NODE, PP_LAYERS, VP_PP, VP_LAYERS, CP_SEQ, SP_SEQ, GPUS,
                            EP_DENSE, EP_EXPERTS, ETP_REPEAT, ETP_FFN, EXPERT_GPUS, BATCH, VP_MICRO, FP8)
 """Every rule, in the order a combination is tested: the axes are bound tp, pp, vp, cp, ep, etp, micro-batch,
 then recompute, distributed optimizer and fp8, and each rule is tested as soon as its axes are bound."""
@@ -321,8 +317,7 @@ class _Walk:
                 continue
             for pp in self.pp:
                 vps = self.vps(pp)
-                if self.excluded(PP_LAYERS if m.num_layers % pp else
-                                 TIED_PP if pp > 2 and not m.untied_embeddings else None, len(vps) * below["vp"]):
+                if self.excluded(PP_LAYERS if m.num_layers % pp else None, len(vps) * below["vp"]):
                     continue
                 for vp in vps:
                     if self.excluded(None if vp is None else VP_PP if pp == 1 else

@@ -88,8 +88,6 @@ def test_a_used_out_is_refused_unless_overwrite_replaces_a_previous_emulate(tmp_
     (["--tensor-model-parallel-size", "8", "--num-attention-heads", "12"], {"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
      "--num-attention-heads 12 is not divisible by --tensor-model-parallel-size 8"),
     (["--expert-model-parallel-size", "2"], {}, "--expert-model-parallel-size 2 without --num-experts"),
-    (["--pipeline-model-parallel-size", "16"], {}, "ties its input embedding and output weights (no "
-     "--untie-embeddings-and-output-weights) over --pipeline-model-parallel-size 16"),
 ])
 def test_what_every_profiling_run_would_fail_on_is_refused_first(argv: list[str], env: dict[str, str],
                                                                  message: str) -> None:
@@ -109,7 +107,7 @@ def test_jobs_megatron_accepts_pass_the_checks() -> None:
     check_megatron_job(["--context-parallel-size", "2", "--transformer-impl", "local"], (9, 0),
                        {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PRISM_ATTENTION": "flash"})
     check_megatron_job(["--expert-model-parallel-size", "4", "--num-experts", "8"], (9, 0), {})
-    check_megatron_job(["--pipeline-model-parallel-size", "2"], (9, 0), {})  # first and last: the whole pp axis
+    check_megatron_job(["--pipeline-model-parallel-size", "16"], (9, 0), {})  # tied: the embedding group's role
     check_megatron_job(["--pipeline-model-parallel-size", "16", "--untie-embeddings-and-output-weights"], (9, 0), {})
 
 

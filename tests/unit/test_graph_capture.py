@@ -150,8 +150,12 @@ def test_roles_and_peers_resolve_through_the_layout() -> None:
     assert group_role(w, 9, w.group_of(9, "tp-dp")) == "tp-dp"
     assert group_role(w, 9, list(reversed(w.group_of(9, "dp")))) == "dp"
     assert peer_step(w, 9, w.peer_of(9, "pp", -1)) == ("pp", -1)
+    assert group_role(w, 24, [0, 24]) == "embedding"  # Megatron's embedding group with pp=4
+    assert w.group_of(2, "embedding") == (2, 26) and w.role_coords("embedding") == [(0,), (3,)]
     with pytest.raises(ValueError, match="not a group of the layout"):
-        group_role(w, 0, [0, 24])  # Megatron's embedding group with pp=4
+        group_role(w, 8, [8, 24])  # stages 1 and 3
+    with pytest.raises(ValueError, match="not in an embedding group"):
+        w.group_of(8, "embedding")
     with pytest.raises(ValueError, match="not along one axis"):
         peer_step(w, 0, 9)
     with pytest.raises(ValueError, match="not a member"):

@@ -65,14 +65,12 @@ def test_dense_toy_on_8_gpus_exact() -> None:
     assert found.combinations == 4 * 2 * 2 * 2 == 14 + 18
 
 
-def test_tied_embeddings_over_more_than_two_stages_are_excluded() -> None:
-    # pp 4 of a tied model: the embedding's gradient group (first and last stage) is no group of the graph
+def test_tied_embeddings_plan_over_any_pipeline() -> None:
+    # pp 4 of a tied model: the embedding's gradient group (first and last stage) is the graph's "embedding" role
     space = Space(tp=(1,), pp=(1, 2, 4), vp=(None,), cp=(1,), **ONE_EACH)
-    tied = enumerate_layouts(toy(untied=False), gpus=4, global_batch=4, seq=16, space=space)
-    assert [c.pp for c in tied.candidates] == [1, 2]
-    assert tied.rejected == Counter({"tied embeddings need pp <= 2": 1})
-    untied = enumerate_layouts(toy(), gpus=4, global_batch=4, seq=16, space=space)
-    assert [c.pp for c in untied.candidates] == [1, 2, 4] and not untied.rejected
+    for untied in (False, True):
+        found = enumerate_layouts(toy(untied=untied), gpus=4, global_batch=4, seq=16, space=space)
+        assert [c.pp for c in found.candidates] == [1, 2, 4] and not found.rejected
 
 
 def test_moe_toy_expert_rules_exact() -> None:
@@ -117,7 +115,6 @@ def _first_failure(model: ModelPreset, gpus: int, gbs: int, seq: int, space: Spa
         "tp divides ffn": lambda: experts is not None or ffn % tp == 0,
         "tp within a node": lambda: tp <= node,
         "pp divides layers": lambda: layers % pp == 0,
-        "tied embeddings need pp <= 2": lambda: pp <= 2 or model.untied_embeddings,
         "vp needs pp > 1": lambda: vp is None or pp > 1,
         "vp divides layers/pp": lambda: vp is None or layers // pp % vp == 0,
         "2*cp divides seq": lambda: cp == 1 or seq % (2 * cp) == 0,

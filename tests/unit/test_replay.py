@@ -88,6 +88,28 @@ def test_two_ranks_one_all_reduce_exact_times() -> None:
     assert (b1.compute_us, b1.bubble_us, b1.exposed_comm_us) == (250.0, 0.0, cost_us)
 
 
+def test_embedding_group_joins_the_first_and_last_stages_only() -> None:
+    # Tied embeddings over pp 4: stages 0 and 3 all-reduce the embedding's gradient over Megatron's embedding group
+    # (the role "embedding"); stages 1 and 2 are not in it and go on. Folded (tp, dp) replay == full replay.
+    size = 2**26
+    traces = {}
+    for stage, compute_us in enumerate((100.0, 50.0, 60.0, 300.0)):
+        b = TraceBuilder()
+        b.compute(compute_us)
+        if stage in (0, 3):
+            b.collective(OpKind.ALL_REDUCE, "embedding", size)
+        traces[f"pp={stage}"] = b
+    g = _graph(16, ("pp",), traces, tp=2, pp=4)
+    assert g.layout.group_of(1, "embedding") == (1, 13)  # tp 1, dp 0: stages 0 and 3
+    cost_us = H100.collective_us(OpKind.ALL_REDUCE, size, [1, 13])
+    r, full = replay(g, H100), replay(g, H100, mode=ReplayMode.FULL)
+    _assert_same(r, full, 16)
+    for rank in (1, 13):
+        assert r.op_spans(rank)[1].start_us == 300.0 and r.iteration_time_us(rank) == 300.0 + cost_us
+    assert (r.iteration_time_us(5), r.iteration_time_us(9)) == (50.0, 60.0)
+    assert r.arrival_offset_us(1, [1, 13], 0) == 100.0
+
+
 @pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (3, 1)])
 def test_1f1b_closed_form_with_free_communication(pp: int, m: int) -> None:
     f, b = 7.0, 13.0

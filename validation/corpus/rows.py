@@ -6,7 +6,8 @@ Two kinds, one `Row` each:
   predicted by ``prism emulate`` (`THROUGHPUT_FIELDS` lists the file's fields);
 - ``functional``: a Megatron-LM functional-test case with NVIDIA's golden values
   (``validation/megatron_functional/cases/*.yaml``, written by `validation.megatron_functional.collect`),
-  predicted by the drop-in as the case's last rank.
+  predicted by the drop-in as the case's last rank, or with a pipeline by ``prism emulate`` (every stage: the
+  last one waits for the others).
 
 A file is checked when it loads: every field present and of its type, the role ``fit`` or ``validate``, the layout
 dividing the GPUs and the batch, and the command's parallelism, batch and sequence flags equal to the layout the
@@ -82,10 +83,20 @@ class Row:
         if self.kind == "throughput":
             head = [f"prism emulate --world-size {self.gpus} --profile {self.data['hardware']['profile']} "
                     f"--output /tmp/prism_corpus/{self.name} --overwrite --", *self.argv]
+        elif _pipelined(self.data):  # a pipeline's case: its stages through prism emulate (the bubble)
+            from validation.megatron_functional.run import command
+
+            head = ["prism", *command(dict(self.data), Path("/tmp/prism_corpus/functional") / self.name)[3:]]
         else:
             head = ["python -m prism_plugin.megatron", *self.argv, f"--prism-world-size {self.gpus} --prism-real-ranks "
                     f"{self.data['rank']} --prism-profile dgx-h100 --prism-device virtual-gpu"]
         return " ".join([*(f"{k}={v}" for k, v in self.env.items()), *head])
+
+def _pipelined(data: Mapping[str, Any]) -> bool:
+    from validation.megatron_functional.run import pipelined
+
+    return pipelined(dict(data))
+
 
 def _error(path: Path, key: str, problem: str, fix: str) -> RowError:
     return RowError(f"{path}: field `{key}` {problem}; {fix}")

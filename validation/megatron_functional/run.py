@@ -7,7 +7,9 @@ Each case (``cases/<case>.yaml``, written by `collect`) runs its own arguments t
 (``python -m prism_plugin.megatron prism_plugin/programs/pretrain_gpt.py <args> --prism-world-size W
 --prism-real-ranks W-1 --prism-profile dgx-h100 --prism-device virtual-gpu``), one real process playing the
 last rank (the rank that logged the golden figures), with the case's ``ENV_VARS`` and ``--train-iters 3``
-(`collect.TRAIN_ITERS`: iteration 1 allocates the optimizer state; the later ones are steady). The drop-in is
+(`collect.TRAIN_ITERS`: iteration 1 allocates the optimizer state; the later ones are steady). A case with a
+pipeline runs through ``prism emulate`` instead (`command`: one profiling run per stage, the execution graph's
+replay for the iteration, whose last stage waits for the others). The drop-in is
 the one of ``--prism-root`` (default: this repository; an exported tree of a commit keeps a long run away from
 edits in progress).
 
@@ -18,7 +20,8 @@ Predicted figures, both modelled, read from ``<out>/<case>/rank<R>.summary.json`
   workspaces among them, as on a GPU: `CaseResult.predicted_cublas_workspace_bytes`);
 - iteration time: the last entry of ``virtual_gpu.virtual_time.step_times_s`` (the emulated time between the
   last two iteration marks; emulated time is deterministic, so one steady iteration is the figure; the golden
-  value is a median over steady steps).
+  value is a median over steady steps); with a pipeline, the replay's step (``<out>/<case>/emulate.json``) and
+  the memory of the last stage's profiling run.
 
 A case that does not run records why: the first error line of its log (a refused feature, a TransformerEngine
 kernel the fake extension lacks, ...). Results accumulate in ``<out>/<case>.result.json``; the table (markdown,
@@ -40,7 +43,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
@@ -48,10 +51,10 @@ from typing import Any
 
 import yaml
 
-from validation.megatron_functional.collect import CASES_DIR
+from validation.megatron_functional.collect import CASES_DIR, TRAIN_ITERS
 from validation.results import DOC_PATH, write_source
 
-__all__ = ["CaseResult", "CaseStatus", "load_cases", "command", "program_argv", "run_case", "results_data",
+__all__ = ["CaseResult", "CaseStatus", "load_cases", "command", "pipelined", "program_argv", "run_case", "results_data",
            "table_markdown", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,8 +135,25 @@ def program_argv(row: dict[str, Any]) -> list[str]:
     return argv
 
 
+def pipelined(row: dict[str, Any]) -> bool:
+    """Whether the case runs a pipeline (its iteration holds the other stages' bubble: `command`)."""
+    return int(row["args"].get("--pipeline-model-parallel-size", 1)) > 1
+
+
 def command(row: dict[str, Any], out_dir: Path) -> list[str]:
-    """The drop-in command line of one row, run as its last rank."""
+    """The command line of one row: the drop-in as its last rank, or `prism emulate` for a pipeline.
+
+    Without a pipeline every rank of a case runs the same timeline (TP, CP, DP and EP peers are symmetric), so the
+    last rank alone, its peers arriving with it, is the iteration. A pipeline's stages differ, and the last waits
+    for the others (the bubble, and the first stage's embedding against the last's loss): its iteration is the
+    execution graph's replay over one profiling run per stage, as `prism emulate` gives it; ``--warmup 2`` runs the
+    case's 3 iterations in full, as the drop-in does (``--train-iters 4``: the run stops where the fourth starts),
+    and builds the graph from the third."""
+    if pipelined(row):
+        four = {**row, "args": {**row["args"], "--train-iters": str(TRAIN_ITERS + 1)}}
+        return [sys.executable, "-m", "prism_plugin.cli.main", "emulate", "--world-size", str(row["world_size"]),
+                "--profile", PROFILE, "--output", str(out_dir), "--overwrite", "--warmup", str(TRAIN_ITERS - 1),
+                "--", *program_argv(four)]
     return [sys.executable, "-m", "prism_plugin.megatron", *program_argv(row),
             "--prism-world-size", str(row["world_size"]), "--prism-real-ranks", str(row["rank"]),
             "--prism-profile", PROFILE, "--prism-device", "virtual-gpu", "--prism-output", str(out_dir)]
@@ -164,7 +184,7 @@ def run_case(row: dict[str, Any], out: Path, *, timeout_s: float, prism_root: Pa
     ``<out>/<case>.result.json``."""
     case_dir = out / row["case"]
     case_dir.mkdir(parents=True, exist_ok=True)
-    summary_path = case_dir / f"rank{row['rank']}.summary.json"
+    summary_path = case_dir / ("emulate.json" if pipelined(row) else f"rank{row['rank']}.summary.json")
     summary_path.unlink(missing_ok=True)
     env = {**os.environ, **{k: str(v) for k, v in (row.get("env") or {}).items()},
            "PYTHONPATH": os.pathsep.join([str(prism_root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
@@ -185,6 +205,8 @@ def run_case(row: dict[str, Any], out: Path, *, timeout_s: float, prism_root: Pa
         result = CaseResult(**base, status=CaseStatus.FAILED, reason=f"timed out after {timeout_s:.0f} s", wall_s=wall)
     elif code != 0 or not summary_path.is_file():
         result = CaseResult(**base, status=CaseStatus.FAILED, reason=first_error_line(log), wall_s=wall)
+    elif pipelined(row):
+        result = _from_emulate(base, json.loads(summary_path.read_text()), case_dir, wall)
     else:
         result = _from_summary(base, json.loads(summary_path.read_text()), log, wall)
     (out / f"{row['case']}.result.json").write_text(json.dumps(result.to_json(), indent=1))
@@ -204,6 +226,23 @@ def _from_summary(base: dict[str, Any], summary: dict[str, Any], log: str, wall:
     return CaseResult(**base, status=CaseStatus.OK, predicted_peak_allocated_bytes=peak,
                       predicted_cublas_workspace_bytes=workspaces, predicted_iteration_time_s=float(steps[-1]),
                       megatron_max_allocated_mb=_megatron_max_allocated_mb(log), wall_s=wall)
+
+
+def _from_emulate(base: dict[str, Any], report: dict[str, Any], case_dir: Path, wall: float) -> CaseResult:
+    """A pipelined case's figures from its `prism emulate` report: the job's step (the replay), and the memory of the
+    last stage's class from its profiling run (every rank of a class has the last rank's memory: DP, TP, CP and EP
+    peers are symmetric)."""
+    stages = {int(m.group(1)): c for c in report["classes"] if (m := re.fullmatch(r"pp=(\d+)", c["class"]))}
+    if len(stages) != len(report["classes"]):
+        raise ValueError(f"classes {[c['class'] for c in report['classes']]} are not one per pipeline stage")
+    last = stages[max(stages)]
+    (summary_path,) = case_dir.glob(f"run*/rank{last['rank']}.summary.json")
+    result = _from_summary(base, json.loads(summary_path.read_text()), (summary_path.parent / "log.txt").read_text(),
+                           wall)
+    if result.status is not CaseStatus.OK:
+        return result
+    assert result.predicted_peak_allocated_bytes == last["peak_allocated_bytes"]
+    return replace(result, predicted_iteration_time_s=round(report["replay"]["step_us"] / 1e6, 9))
 
 
 def _commit(prism_root: Path) -> str:
