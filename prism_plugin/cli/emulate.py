@@ -94,7 +94,8 @@ def add_emulate_parser(subparsers: Any) -> None:
 
 
 def layout_of_megatron_args(argv: list[str], world_size: int) -> str:
-    """The ``prism slice`` layout of a Megatron command line (its parallel sizes; dp from N).
+    """The ``prism slice`` layout of a Megatron command line (its parallel sizes; dp from N; the rank order when
+    ``--use-tp-pp-dp-mapping`` puts dp last).
 
     >>> layout_of_megatron_args(["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2"], 64)
     'tp=8,pp=2,cp=1,ep=1,dp=4'
@@ -102,6 +103,7 @@ def layout_of_megatron_args(argv: list[str], world_size: int) -> str:
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for name, flag in _LAYOUT_FLAGS.items():
         parser.add_argument(flag, dest=name, type=int, default=None)
+    parser.add_argument("--use-tp-pp-dp-mapping", dest="dp_last", action="store_true")
     known, _ = parser.parse_known_args(argv)
     sizes = {name: getattr(known, name) or 1 for name in ("tp", "pp", "cp", "ep")}
     model = sizes["tp"] * sizes["pp"] * sizes["cp"]
@@ -111,6 +113,8 @@ def layout_of_megatron_args(argv: list[str], world_size: int) -> str:
     text = ",".join(f"{k}={v}" for k, v in sizes.items()) + f",dp={world_size // model}"
     if known.vpp:
         text += f",vpp={known.vpp}"
+    if known.dp_last:  # Megatron's rank order with --use-tp-pp-dp-mapping (parallel_state.initialize_model_parallel)
+        text += ",order=tp-cp-ep-pp-dp"
     return text
 
 

@@ -87,7 +87,8 @@ class JobLayout:
 
 def parse_layout(text: str, framework: Framework | str = Framework.MEGATRON,
                  world_size: int | None = None) -> JobLayout:
-    """``"tp=8,pp=16,dp=64"`` (also cp, ep, vpp; DeepSpeed: pipe, data, model) -> `JobLayout`.
+    """``"tp=8,pp=16,dp=64"`` (also cp, ep, vpp, and Megatron's rank ``order``, e.g. ``order=tp-cp-ep-pp-dp``;
+    DeepSpeed: pipe, data, model) -> `JobLayout`.
 
     dp may be left out when `world_size` is given (dp = N / (tp*cp*pp)).
 
@@ -96,17 +97,23 @@ def parse_layout(text: str, framework: Framework | str = Framework.MEGATRON,
     (8192, 16)
     >>> parse_layout("pipe=4,data=2", "deepspeed").world.group_of(1, "dp")
     (0, 1)
+    >>> parse_layout("tp=2,pp=2,dp=2,order=tp-cp-ep-pp-dp").world.group_of(1, "pp")
+    (1, 3)
     """
     fw = _sliceable(framework)
     sizes: dict[str, int] = {}
+    order = None
     for part in (p.strip() for p in str(text).split(",")):
         if not part:
             continue
         name, sep, value = part.partition("=")
         name = _ALIASES.get(name.strip(), name.strip())
+        if name == "order" and sep and fw is Framework.MEGATRON:
+            order = value.strip()
+            continue
         if not sep or name not in ("tp", "pp", "dp", "cp", "ep", "vpp"):
             raise GraphError(
-                f"--layout entry {part!r} is not NAME=SIZE with NAME in tp, pp, dp, cp, ep, vpp "
+                f"--layout entry {part!r} is not NAME=SIZE with NAME in tp, pp, dp, cp, ep, vpp (or order=AXES) "
                 "(DeepSpeed: pipe, data, model), e.g. --layout tp=8,pp=16,dp=64"
             )
         try:
@@ -135,7 +142,7 @@ def parse_layout(text: str, framework: Framework | str = Framework.MEGATRON,
         raise GraphError(f"vpp={vpp} needs pp >= 2 (virtual chunks interleave pipeline stages)")
     try:
         layout = MegatronLayout(world_size=n, tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), cp=sizes.get("cp", 1),
-                                ep=sizes.get("ep", 1))
+                                ep=sizes.get("ep", 1), **({"order": order} if order else {}))
     except ValueError as exc:  # prism_plugin.topology's own checks (e.g. ep must divide dp x cp)
         raise GraphError(f"--layout {text!r}: {exc}") from None
     return JobLayout(framework=fw, world=WorldLayout(layout), vpp=vpp)
