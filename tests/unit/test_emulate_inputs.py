@@ -151,3 +151,17 @@ def test_a_hybrid_rank_that_is_a_profiled_one_passes_the_checks(tmp_path: Path,
         emulate_mod.emulate(job, world_size=8, profile="dgx-h100", out=tmp_path / "em", hybrid="0,7")
     assert [c[c.index("--prism-real-ranks") + 1] for c in started] == ["0", "4"]
     assert all(c[-4:] == ["--prism-iterations", "3", "--prism-stop-at-iteration", "3"] for c in started)
+
+
+def test_dp_last_mapping_gives_megatron_rank_order() -> None:
+    # --use-tp-pp-dp-mapping: Megatron orders ranks tp-cp-ep-pp-dp, so a pipeline's peers are 2 ranks apart here
+    from prism_plugin.cli.emulate import layout_of_megatron_args
+    from prism_plugin.graph.slicing import parse_layout
+
+    argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    assert layout_of_megatron_args(argv, 8) == "tp=2,pp=2,cp=1,ep=1,dp=2"
+    text = layout_of_megatron_args([*argv, "--use-tp-pp-dp-mapping"], 8)
+    assert text == "tp=2,pp=2,cp=1,ep=1,dp=2,order=tp-cp-ep-pp-dp"
+    world = parse_layout(text, "megatron", 8).world
+    assert world.group_of(1, "pp") == (1, 3) and world.group_of(1, "dp") == (1, 5)
+    assert parse_layout(text.split(",order")[0], "megatron", 8).world.group_of(1, "pp") == (1, 5)
