@@ -99,7 +99,8 @@ def _run_functional(row: Row, work: Path, timeout_s: float) -> dict[str, Any]:
         return {"outcome": "failed", "reason": result.reason}
     return {"outcome": "ran", "predicted": {
         "step_s": result.predicted_iteration_time_s, "peak_allocated_bytes": result.predicted_peak_allocated_bytes,
-        "cublas_workspace_bytes": result.predicted_cublas_workspace_bytes}}
+        "cublas_workspace_bytes": result.predicted_cublas_workspace_bytes}, "path": result.path,
+        **({"graph_refusal": result.graph_refusal} if result.graph_refusal else {})}
 
 
 def run_row(row: Row, *, work: Path = WORK_DIR, timeout_s: float = 3600.0, jobs: int = 1,

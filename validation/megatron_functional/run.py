@@ -93,6 +93,11 @@ class CaseResult:
     """Megatron's own ``max allocated`` log line of the last iteration (MB), from the allocator model."""
     reason: str | None = None
     wall_s: float = 0.0
+    path: str = "drop-in"
+    """What predicted the figures: ``emulate`` (a pipeline's stages and the graph's replay) or ``drop-in`` (the
+    last rank alone; a pipelined case whose groups the execution graph cannot express: `graph_refusal`)."""
+    graph_refusal: str | None = None
+    """Why ``prism emulate`` refused a pipelined case (its first error line), when the drop-in predicted it."""
 
     @property
     def memory_error_pct(self) -> float | None:
@@ -140,7 +145,7 @@ def pipelined(row: dict[str, Any]) -> bool:
     return int(row["args"].get("--pipeline-model-parallel-size", 1)) > 1
 
 
-def command(row: dict[str, Any], out_dir: Path) -> list[str]:
+def command(row: dict[str, Any], out_dir: Path, *, graph: bool | None = None) -> list[str]:
     """The command line of one row: the drop-in as its last rank, or `prism emulate` for a pipeline.
 
     Without a pipeline every rank of a case runs the same timeline (TP, CP, DP and EP peers are symmetric), so the
@@ -148,8 +153,8 @@ def command(row: dict[str, Any], out_dir: Path) -> list[str]:
     for the others (the bubble, and the first stage's embedding against the last's loss): its iteration is the
     execution graph's replay over one profiling run per stage, as `prism emulate` gives it; ``--warmup 2`` runs the
     case's 3 iterations in full, as the drop-in does (``--train-iters 4``: the run stops where the fourth starts),
-    and builds the graph from the third."""
-    if pipelined(row):
+    and builds the graph from the third. ``graph``: force one form (default: emulate for a pipeline)."""
+    if pipelined(row) if graph is None else graph:
         four = {**row, "args": {**row["args"], "--train-iters": str(TRAIN_ITERS + 1)}}
         return [sys.executable, "-m", "prism_plugin.cli.main", "emulate", "--world-size", str(row["world_size"]),
                 "--profile", PROFILE, "--output", str(out_dir), "--overwrite", "--warmup", str(TRAIN_ITERS - 1),
@@ -179,12 +184,30 @@ def _megatron_max_allocated_mb(log: str) -> float | None:
     return float(found[-1]) if found else None
 
 
+GRAPH_REFUSALS = ("is not a group of the layout",)
+"""The first error lines of ``prism emulate`` that say the execution graph cannot express the job's groups (expert
+groups that are no dense group: the graph has no expert axes). Such a pipelined case is predicted by the drop-in,
+and its row says so (`CaseResult.path`, `CaseResult.graph_refusal`): its iteration lacks the other stages."""
+
+
 def run_case(row: dict[str, Any], out: Path, *, timeout_s: float, prism_root: Path = ROOT) -> CaseResult:
-    """Run one row through the drop-in of the prism checkout at ``prism_root``; the result is also written to
-    ``<out>/<case>.result.json``."""
+    """Run one row (`command`) with the prism checkout at ``prism_root``; the result is also written to
+    ``<out>/<case>.result.json``. A pipelined case the execution graph refuses (`GRAPH_REFUSALS`) runs again
+    through the drop-in."""
+    result = _run(row, out, timeout_s=timeout_s, prism_root=prism_root, graph=pipelined(row))
+    if result.path == "emulate" and result.status is CaseStatus.FAILED \
+            and any(text in (result.reason or "") for text in GRAPH_REFUSALS):
+        refusal = result.reason
+        result = replace(_run(row, out, timeout_s=timeout_s, prism_root=prism_root, graph=False),
+                         graph_refusal=refusal)
+    (out / f"{row['case']}.result.json").write_text(json.dumps(result.to_json(), indent=1))
+    return result
+
+
+def _run(row: dict[str, Any], out: Path, *, timeout_s: float, prism_root: Path, graph: bool) -> CaseResult:
     case_dir = out / row["case"]
     case_dir.mkdir(parents=True, exist_ok=True)
-    summary_path = case_dir / ("emulate.json" if pipelined(row) else f"rank{row['rank']}.summary.json")
+    summary_path = case_dir / ("emulate.json" if graph else f"rank{row['rank']}.summary.json")
     summary_path.unlink(missing_ok=True)
     env = {**os.environ, **{k: str(v) for k, v in (row.get("env") or {}).items()},
            "PYTHONPATH": os.pathsep.join([str(prism_root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
@@ -193,24 +216,23 @@ def run_case(row: dict[str, Any], out: Path, *, timeout_s: float, prism_root: Pa
             "measured_iteration_time_s": float(measured["iteration_time_s"])}
     start = time.monotonic()
     try:
-        proc = subprocess.run(command(row, case_dir), cwd=prism_root, env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
+        proc = subprocess.run(command(row, case_dir, graph=graph), cwd=prism_root, env=env, capture_output=True,
+                              text=True, timeout=timeout_s)
         log, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         log = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
         code = None
     wall = round(time.monotonic() - start, 1)
     (out / f"{row['case']}.log").write_text(log)
+    path = "emulate" if graph else "drop-in"
     if code is None:
-        result = CaseResult(**base, status=CaseStatus.FAILED, reason=f"timed out after {timeout_s:.0f} s", wall_s=wall)
-    elif code != 0 or not summary_path.is_file():
-        result = CaseResult(**base, status=CaseStatus.FAILED, reason=first_error_line(log), wall_s=wall)
-    elif pipelined(row):
-        result = _from_emulate(base, json.loads(summary_path.read_text()), case_dir, wall)
-    else:
-        result = _from_summary(base, json.loads(summary_path.read_text()), log, wall)
-    (out / f"{row['case']}.result.json").write_text(json.dumps(result.to_json(), indent=1))
-    return result
+        return CaseResult(**base, status=CaseStatus.FAILED, reason=f"timed out after {timeout_s:.0f} s", wall_s=wall,
+                          path=path)
+    if code != 0 or not summary_path.is_file():
+        return CaseResult(**base, status=CaseStatus.FAILED, reason=first_error_line(log), wall_s=wall, path=path)
+    if graph:
+        return _from_emulate(base, json.loads(summary_path.read_text()), case_dir, wall)
+    return _from_summary(base, json.loads(summary_path.read_text()), log, wall)
 
 
 def _from_summary(base: dict[str, Any], summary: dict[str, Any], log: str, wall: float) -> CaseResult:
@@ -242,7 +264,7 @@ def _from_emulate(base: dict[str, Any], report: dict[str, Any], case_dir: Path, 
     if result.status is not CaseStatus.OK:
         return result
     assert result.predicted_peak_allocated_bytes == last["peak_allocated_bytes"]
-    return replace(result, predicted_iteration_time_s=round(report["replay"]["step_us"] / 1e6, 9))
+    return replace(result, predicted_iteration_time_s=round(report["replay"]["step_us"] / 1e6, 9), path="emulate")
 
 
 def _commit(prism_root: Path) -> str:
@@ -325,7 +347,8 @@ def results_data(results: list[CaseResult], prism_commit: str) -> dict[str, Any]
                          "peak_allocated_error_pct": round(r.memory_error_pct or 0.0, 4),
                          "measured_iteration_time_s": r.measured_iteration_time_s,
                          "predicted_iteration_time_s": r.predicted_iteration_time_s,
-                         "iteration_time_error_pct": round(r.time_error_pct or 0.0, 4)})
+                         "iteration_time_error_pct": round(r.time_error_pct or 0.0, 4), "path": r.path,
+                         **({"graph_refusal": r.graph_refusal} if r.graph_refusal else {})})
         else:
             rows.append({"case": r.case, "role": roles[r.case], "ran": False, "reason": r.reason or "no result"})
     return {"source": "megatron_functional", "date": datetime.now(UTC).date().isoformat(),

@@ -243,12 +243,16 @@ def _megatron(data: Data) -> list[str]:
              "them as on a GPU (one per cuBLAS handle and stream that ran a torch GEMM, forward and autograd threads, "
              "32 MiB each under `CUBLAS_WORKSPACE_CONFIG=:4096:8`, also torch's Hopper default);",
              "- iteration time: measured, the median over Megatron's steady window (steps 30-45, or 5-20 for runs of "
-             "25 steps or fewer); predicted, the emulated time of the last complete iteration.", ""]
+             "25 steps or fewer); predicted, the emulated time of the last complete iteration: of the last rank "
+             "alone (`drop-in`: without a pipeline every rank runs the same timeline), or with a pipeline the "
+             "execution graph's replay over one profiling run per stage (`emulate`: the last stage waits for the "
+             "others, the bubble); a pipelined case whose groups the graph cannot express (expert groups that are "
+             "no dense group) is predicted by the drop-in, without the other stages, and listed below.", ""]
     by_role = sorted(ran, key=lambda r: (r["role"] != "validate", r["case"]))
-    lines += _table(["case", "role", "peak allocated, measured (MiB)", "predicted (MiB)",
+    lines += _table(["case", "role", "predicted by", "peak allocated, measured (MiB)", "predicted (MiB)",
                      "of which cuBLAS workspaces (MiB)", "error", "iteration time, measured (s)", "predicted (s)",
-                     "error"], "llrrrrrrr", (
-        [r["case"], r["role"], f"{r['measured_peak_allocated_mib']:,.1f}",
+                     "error"], "lllrrrrrrr", (
+        [r["case"], r["role"], r.get("path", "drop-in"), f"{r['measured_peak_allocated_mib']:,.1f}",
          f"{r['predicted_peak_allocated_mib']:,.1f}", f"{r['predicted_cublas_workspace_mib']:,.1f}",
          f"{r['peak_allocated_error_pct']:+.2f}%", f"{r['measured_iteration_time_s']:.4f}",
          f"{r['predicted_iteration_time_s']:.4f}", f"{r['iteration_time_error_pct']:+.2f}%"] for r in by_role))
@@ -260,6 +264,10 @@ def _megatron(data: Data) -> list[str]:
                 lines += ["", f"- **{role}** rows ({len(mine)}): "
                           + _stats("peak allocated", [r["peak_allocated_error_pct"] for r in mine]) + " "
                           + _stats("iteration time", [r["iteration_time_error_pct"] for r in mine])]
+    refused = [r for r in ran if r.get("graph_refusal")]
+    if refused:
+        lines += ["", f"{len(refused)} pipelined cases predicted by the drop-in, their iteration without the other "
+                  f"stages (`prism emulate`: {refused[0]['graph_refusal']}): {', '.join(r['case'] for r in refused)}."]
     if failed:
         reasons: dict[str, list[str]] = {}
         for r in failed:
