@@ -105,13 +105,17 @@ def test_the_functional_tests_producer_writes_a_data_file_the_document_renders(t
                           measured_peak_allocated_bytes=1000 * mib, measured_iteration_time_s=0.1,
                           reason="RuntimeError: no | pipes"),
                CaseResult(case=validate, **ok, predicted_peak_allocated_bytes=1010 * mib,
-                          predicted_iteration_time_s=0.02),
-               CaseResult(case=fit, **ok, predicted_peak_allocated_bytes=1000 * mib, predicted_iteration_time_s=0.11)]
+                          predicted_iteration_time_s=0.02, path="emulate"),
+               CaseResult(case=fit, **ok, predicted_peak_allocated_bytes=1000 * mib, predicted_iteration_time_s=0.11,
+                          graph_refusal="prism: invalid input: group [0, 1] of rank 0 is not a group of the layout")]
     doc = tmp_path / "RESULTS.md"
     write_source("megatron_functional", results_data(results, "abc123"), folder=folder, doc=doc)
     text = doc.read_text()
-    validate_row = f"| {validate} | validate | 1,000.0 | 1,010.0 | 64.0 | +1.00% | 0.1000 | 0.0200 | -80.00% |"
-    fit_row = f"| {fit} | fit | 1,000.0 | 1,000.0 | 64.0 | +0.00% | 0.1000 | 0.1100 | +10.00% |"
+    validate_row = (f"| {validate} | validate | emulate | 1,000.0 | 1,010.0 | 64.0 | +1.00% | 0.1000 | 0.0200 | "
+                    "-80.00% |")
+    fit_row = f"| {fit} | fit | drop-in | 1,000.0 | 1,000.0 | 64.0 | +0.00% | 0.1000 | 0.1100 | +10.00% |"
+    assert (f"1 pipelined cases predicted by the drop-in, their iteration without the other stages (`prism emulate`: "
+            f"prism: invalid input: group [0, 1] of rank 0 is not a group of the layout): {fit}.") in text
     assert text.index(validate_row) < text.index(fit_row)  # validate rows first
     assert "**2 of 3 cases ran.**" in text
     assert ("- **validate** rows (1): peak allocated: mean |error| 1.00%, max 1.00%, within 1%: 1 of 1. iteration "

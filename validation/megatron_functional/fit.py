@@ -14,11 +14,13 @@ virtual clock charges the host ``kernels.launch_overhead_us`` per launch (a kern
 ``virtual_gpu.virtual_time.launches``, less the ``native_launches`` after the first of one TransformerEngine
 extension call, which pay the driver's ``kernels.native_launch_us``); the rest of a host-bound iteration is the
 host's waits at its synchronisations. Raising the figure from ``c`` to ``c'`` lengthens a host-bound iteration by
-``(c' - c)`` times its launches, so the figure that makes row ``i``'s prediction its measured time is ``c_i = c +
-(measured_i - predicted_i) / launches_i``. The fit is the median of ``c_i`` over the fit rows: robust to the rows
-whose measured time holds more than host time (NVIDIA's runs of identical programs differ by up to 60% between
-cases). A row still GPU-bound under ``c`` absorbs part of a rise, so its ``c_i`` overstates the figure: run the fit rows
-again under the new figure and fit again, until it moves by less than `TOLERANCE_US` (``converged``).
+``(c' - c)`` times its launches (a pipelined case, predicted by the replay over every stage: the last stage's
+launches times the replay's step over that stage's own, the critical path's share beyond it), so the figure that
+makes row ``i``'s prediction its measured time is ``c_i = c + (measured_i - predicted_i) / launches_i``. The fit is
+the median of ``c_i`` over the fit rows: robust to the rows whose measured time holds more than host time (NVIDIA's
+runs of identical programs differ by up to 60% between cases). A row still GPU-bound under ``c`` absorbs part of a
+rise, so its ``c_i`` overstates the figure: run the fit rows again under the new figure and fit again, until it
+moves by less than `TOLERANCE_US` (``converged``).
 
 What the figure stands for: everything the host spends per launch in Megatron-LM and TransformerEngine's Python,
 PyTorch's dispatcher and autograd engine, and the CUDA driver, on the host of NVIDIA's CI (a DGX H100's Xeon
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from validation.corpus.runner import WORK_DIR
-from validation.megatron_functional.run import DEFAULT_OUT, load_cases
+from validation.megatron_functional.run import DEFAULT_OUT, last_stage, load_cases
 
 __all__ = ["TOLERANCE_US", "fit_row", "fit", "main"]
 
@@ -48,16 +50,25 @@ TOLERANCE_US = 1.0
 def fit_row(case: str, out: Path) -> dict[str, Any] | None:
     """One fit row's figures from its run in `out`; None when it did not run."""
     result_path = out / f"{case}.result.json"
-    summaries = sorted((out / case).glob("rank*.summary.json"))
-    if not result_path.is_file() or not summaries:
+    if not result_path.is_file():
         return None
     result = json.loads(result_path.read_text())
     if result["status"] != "ok":
         return None
-    summary = json.loads(summaries[0].read_text())
+    scale = 1.0
+    if result.get("path") == "emulate":  # the last stage's profiling run, scaled to the replay's critical path
+        report = json.loads((out / case / "emulate.json").read_text())
+        _, summary_path = last_stage(report, out / case)
+        summary = json.loads(summary_path.read_text())
+        scale = report["replay"]["step_us"] / 1e6 / summary["virtual_gpu"]["virtual_time"]["step_times_s"][-1]
+    else:
+        summaries = sorted((out / case).glob("rank*.summary.json"))
+        if not summaries:
+            return None
+        summary = json.loads(summaries[0].read_text())
     clock = summary["virtual_gpu"]["virtual_time"]
     # the launches that pay the figure: not those after the first of one TE extension call (the driver's figure)
-    launches = (clock["launches"] - clock.get("native_launches", 0)) / summary["iterations_marked"]
+    launches = scale * (clock["launches"] - clock.get("native_launches", 0)) / summary["iterations_marked"]
     measured, predicted = result["measured_iteration_time_s"], result["predicted_iteration_time_s"]
     used_us = float(clock["launch_overhead_us"])
     return {"case": case, "measured_s": measured, "predicted_s": predicted, "launches_per_iteration": round(launches),

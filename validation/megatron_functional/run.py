@@ -54,8 +54,8 @@ import yaml
 from validation.megatron_functional.collect import CASES_DIR, TRAIN_ITERS
 from validation.results import DOC_PATH, write_source
 
-__all__ = ["CaseResult", "CaseStatus", "load_cases", "command", "pipelined", "program_argv", "run_case", "results_data",
-           "table_markdown", "main"]
+__all__ = ["CaseResult", "CaseStatus", "load_cases", "command", "last_stage", "pipelined", "program_argv", "run_case",
+           "results_data", "table_markdown", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = "prism_plugin/programs/pretrain_gpt.py"
@@ -250,15 +250,21 @@ def _from_summary(base: dict[str, Any], summary: dict[str, Any], log: str, wall:
                       megatron_max_allocated_mb=_megatron_max_allocated_mb(log), wall_s=wall)
 
 
-def _from_emulate(base: dict[str, Any], report: dict[str, Any], case_dir: Path, wall: float) -> CaseResult:
-    """A pipelined case's figures from its `prism emulate` report: the job's step (the replay), and the memory of the
-    last stage's class from its profiling run (every rank of a class has the last rank's memory: DP, TP, CP and EP
-    peers are symmetric)."""
+def last_stage(report: dict[str, Any], case_dir: Path) -> tuple[dict[str, Any], Path]:
+    """The last pipeline stage's class in a `prism emulate` report, and its profiling run's summary."""
     stages = {int(m.group(1)): c for c in report["classes"] if (m := re.fullmatch(r"pp=(\d+)", c["class"]))}
     if len(stages) != len(report["classes"]):
         raise ValueError(f"classes {[c['class'] for c in report['classes']]} are not one per pipeline stage")
     last = stages[max(stages)]
     (summary_path,) = case_dir.glob(f"run*/rank{last['rank']}.summary.json")
+    return last, summary_path
+
+
+def _from_emulate(base: dict[str, Any], report: dict[str, Any], case_dir: Path, wall: float) -> CaseResult:
+    """A pipelined case's figures from its `prism emulate` report: the job's step (the replay), and the memory of the
+    last stage's class from its profiling run (every rank of a class has the last rank's memory: DP, TP, CP and EP
+    peers are symmetric)."""
+    last, summary_path = last_stage(report, case_dir)
     result = _from_summary(base, json.loads(summary_path.read_text()), (summary_path.parent / "log.txt").read_text(),
                            wall)
     if result.status is not CaseStatus.OK:
