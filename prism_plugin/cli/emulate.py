@@ -94,8 +94,8 @@ def add_emulate_parser(subparsers: Any) -> None:
 
 
 def layout_of_megatron_args(argv: list[str], world_size: int) -> str:
-    """The ``prism slice`` layout of a Megatron command line (its parallel sizes; dp from N; the rank order when
-    ``--use-tp-pp-dp-mapping`` puts dp last).
+    """The ``prism slice`` layout of a Megatron command line (its parallel sizes, the experts' tp where it is not tp;
+    dp from N; the rank order when ``--use-tp-pp-dp-mapping`` puts dp last).
 
     >>> layout_of_megatron_args(["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2"], 64)
     'tp=8,pp=2,cp=1,ep=1,dp=4'
@@ -104,6 +104,7 @@ def layout_of_megatron_args(argv: list[str], world_size: int) -> str:
     for name, flag in _LAYOUT_FLAGS.items():
         parser.add_argument(flag, dest=name, type=int, default=None)
     parser.add_argument("--use-tp-pp-dp-mapping", dest="dp_last", action="store_true")
+    parser.add_argument("--expert-tensor-parallel-size", dest="etp", type=int, default=None)
     known, _ = parser.parse_known_args(argv)
     sizes = {name: getattr(known, name) or 1 for name in ("tp", "pp", "cp", "ep")}
     model = sizes["tp"] * sizes["pp"] * sizes["cp"]
@@ -113,6 +114,8 @@ def layout_of_megatron_args(argv: list[str], world_size: int) -> str:
     text = ",".join(f"{k}={v}" for k, v in sizes.items()) + f",dp={world_size // model}"
     if known.vpp:
         text += f",vpp={known.vpp}"
+    if known.etp is not None and known.etp != sizes["tp"]:
+        text += f",etp={known.etp}"
     if known.dp_last:  # Megatron's rank order with --use-tp-pp-dp-mapping (parallel_state.initialize_model_parallel)
         text += ",order=tp-cp-ep-pp-dp"
     return text

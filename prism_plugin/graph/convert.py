@@ -21,8 +21,9 @@ Iterations: the first `warmup` are dropped, and of the rest only those with the 
 are used (an iteration with an extra logging collective, say, is left out and counted). Each compute span
 is the mean over those iterations.
 
-Limitations: groups must be groups of the dense layout or Megatron's embedding group over the first and last
-stages (`EMBEDDING_ROLE`); any other subgroup raises GraphError naming it; two live groups over the same
+Limitations: groups must be groups of the dense layout, Megatron's embedding group over the first and last
+stages (`EMBEDDING_ROLE`) or groups of its expert grid (`EXPERT_PREFIX`); any other subgroup raises GraphError
+naming it; two live groups over the same
 ranks (e.g. "dp" and "dp-cp" with cp=1) share one role and one sequence.
 
 Pure: no torch.
@@ -78,11 +79,14 @@ def group_role(layout: WorldLayout, rank: int, ranks: Sequence[int] | None) -> s
             and tuple(layout.coords(m)[layout.axis_index("pp")] for m in members) == pp_ends:
         return EMBEDDING_ROLE
     if layout.group_of(rank, role) != members:
+        for expert in layout.expert_roles():  # a group of the expert grid that is no dense group
+            if layout.group_of(rank, expert) == members:
+                return expert
         raise GraphError(
             f"group {list(members)[:16]}{' ...' if len(members) > 16 else ''} of rank {rank} is not a group of "
-            f"the layout {_layout_text(layout)}: execution graphs only know groups along layout axes "
-            "and Megatron's embedding group over the first and last stages (check that --layout matches the "
-            "program's own parallel sizes)"
+            f"the layout {_layout_text(layout)}: execution graphs only know groups along layout axes, "
+            "Megatron's embedding group over the first and last stages and the expert grid's groups (check that "
+            "--layout matches the program's own parallel sizes, --expert-tensor-parallel-size included)"
         )
     return role
 

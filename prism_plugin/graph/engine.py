@@ -23,6 +23,7 @@ from prism_plugin.cost.faults import FaultSet
 from prism_plugin.cost.model import CostModel
 from prism_plugin.graph.errors import GraphError
 from prism_plugin.graph.fold import Actor, ActorSpace
+from prism_plugin.graph.layout import EXPERT_PREFIX
 from prism_plugin.graph.schema import Node, NodeKind
 
 __all__ = ["COMM", "COMPUTE", "WAIT", "Engine", "Program", "ReplayDeadlock", "ReplayMismatch", "compile_program"]
@@ -85,13 +86,16 @@ def compile_program(space: ActorSpace, actor: Actor, cost: CostModel, cache: dic
             code = COMM
             info = roles.get(node.group)
             if info is None:
-                role_axes = [layout.axis_index(a) for a in layout.role_axes(node.group)]
-                info = roles[node.group] = (
-                    tuple(-1 if a in role_axes else p for a, p in enumerate(actor.parts)),
-                    len({tuple(space.part_of[a][c] for a, c in zip(role_axes, coords, strict=True))
-                         for coords in layout.role_coords(node.group)}),
-                    cost.placement(layout.group_of(actor.rep_rank, node.group)),
-                )
+                members = layout.group_of(actor.rep_rank, node.group)
+                if node.group.startswith(EXPERT_PREFIX):  # its actors, whichever axes its members vary (in part)
+                    actors = tuple(sorted({space.actor_of(m).index for m in members}))
+                    instance, expected = actors, len(actors)
+                else:
+                    role_axes = [layout.axis_index(a) for a in layout.role_axes(node.group)]
+                    instance = tuple(-1 if a in role_axes else p for a, p in enumerate(actor.parts))
+                    expected = len({tuple(space.part_of[a][c] for a, c in zip(role_axes, coords, strict=True))
+                                    for coords in layout.role_coords(node.group)})
+                info = roles[node.group] = (instance, expected, cost.placement(members))
             instance, expected, placement = info
             key = (node.group, instance, node.seq)
             ckey = (node.op, node.size_bytes, placement)

@@ -44,6 +44,7 @@ from enum import StrEnum
 from functools import cache
 
 from prism_plugin.cost.model import GroupPlacement
+from prism_plugin.graph.layout import EXPERT_PREFIX
 from prism_plugin.graph.schema import ExecutionGraph, NodeKind, WorldLayout
 
 __all__ = ["Actor", "ActorSpace", "ReplayMode", "fold"]
@@ -180,6 +181,9 @@ def fold(
         expanded[axis.name] = frozenset(layout.coords(r)[i] for r in touched)
     p2p_axes = {n.peer_axis for t in graph.classes.values() for n in t.nodes if n.kind in _P2P}
     explicit = frozenset(graph.class_axes) | p2p_axes
+    if touched:  # an expert group may cover part of an axis: a touched coordinate's part would mix its groups
+        explicit |= {a for t in graph.classes.values() for n in t.nodes if n.kind is NodeKind.COLLECTIVE
+                     and n.group.startswith(EXPERT_PREFIX) for a in layout.role_axes(n.group)}
     space = ActorSpace(graph, explicit, expanded, compute_scale)
     if _costs_uniform(space, gpus_per_node):
         return space
@@ -212,8 +216,7 @@ def _costs_uniform(space: ActorSpace, gpus_per_node: int) -> bool:
 
     @cache
     def placement(role: str, residue: int) -> GroupPlacement:
-        members = [layout.rank_at(_coords_zero(layout, role, c)) for c in layout.role_coords(role)]
-        return GroupPlacement.from_ranks([residue + m for m in members], g)
+        return GroupPlacement.from_ranks([residue + m for m in layout.group_of(0, role)], g)
 
     @cache
     def signature(class_name: str) -> tuple[frozenset[str], frozenset[tuple[int, int]]]:
@@ -241,11 +244,3 @@ def _costs_uniform(space: ActorSpace, gpus_per_node: int) -> bool:
             if len({(s + delta) // g != 0 for s in every}) > 1:
                 return False
     return True
-
-
-def _coords_zero(layout: WorldLayout, role: str, member: tuple[int, ...]) -> list[int]:
-    """Full coordinates: `member` on the role's axes, 0 elsewhere (a member of the group of rank 0)."""
-    coords = [0] * len(layout.axes)
-    for name, c in zip(layout.role_axes(role), member, strict=True):
-        coords[layout.axis_index(name)] = c
-    return coords

@@ -4,7 +4,9 @@
 adds what the execution graph needs: each axis's size and stride, a rank's coordinates, the group of a
 role (an axis token such as "tp-dp") and the peer at an offset along an axis.
 
-Non-goals: expert-parallel axes and DeepSpeed layouts are not represented yet (they raise GraphError).
+Roles: a token of dense axes ("tp-dp"), Megatron's embedding group (`EMBEDDING_ROLE`), or a token of the expert
+grid (`EXPERT_PREFIX`: its groups need not lie along whole dense axes). Non-goals: DeepSpeed layouts are not
+represented (they raise GraphError).
 
 Pure: stdlib and prism_plugin.topology only.
 """
@@ -21,8 +23,12 @@ from prism_plugin.config.errors import rank_in_range
 from prism_plugin.graph.errors import GraphError
 from prism_plugin.topology import MegatronLayout
 
-__all__ = ["EMBEDDING_ROLE", "AxisSpec", "WorldLayout"]
+__all__ = ["EMBEDDING_ROLE", "EXPERT_PREFIX", "AxisSpec", "WorldLayout"]
 
+EXPERT_PREFIX = "expert:"
+"""Roles of Megatron's expert grid: ``expert:`` and its token (``expert:ep``, ``expert:tp-ep``, ``expert:dp``: the
+expert layers' tensor, expert and data parallel axes, `MegatronLayout.group_of` with ``expert=True``). A group of
+the expert grid that is also a dense group keeps the dense role."""
 EMBEDDING_ROLE = "embedding"
 """The group role of Megatron's embedding group: a rank of the first pipeline stage and the rank of the last stage
 at its other coordinates (the tied input and output embeddings' gradients are all-reduced over it). With pp <= 2 it
@@ -94,6 +100,10 @@ class WorldLayout:
             if self.axis("pp").size < 3:
                 raise GraphError(f"group role {role!r} needs pp > 2 (with pp <= 2 the embedding group is 'pp')")
             return ("pp",)
+        if role.startswith(EXPERT_PREFIX):  # the dense axes its members vary along (some perhaps in part)
+            members = self.group_of(0, role)
+            own = self.coords(members[0])
+            return tuple(a.name for i, a in enumerate(self.axes) if any(self.coords(m)[i] != own[i] for m in members))
         names = tuple(role.split("-"))
         for name in names:
             self.axis(name)
@@ -111,7 +121,17 @@ class WorldLayout:
         names = self.role_axes(role)
         if role == EMBEDDING_ROLE:
             return [(0,), (self.axis("pp").size - 1,)]
+        if role.startswith(EXPERT_PREFIX):
+            index = [self.axis_index(n) for n in names]
+            return [tuple(self.coords(m)[i] for i in index) for m in self.group_of(0, role)]
         return [tuple(reversed(c)) for c in itertools.product(*(range(self.axis(n).size) for n in reversed(names)))]
+
+    def expert_roles(self) -> list[str]:
+        """Every role of the expert grid (`EXPERT_PREFIX` and a token of its axes of size > 1, in grid order)."""
+        m = self.megatron
+        sizes = {"tp": m.expert_tp, "ep": m.ep, "dp": m.expert_dp, "pp": m.pp}
+        names = [n for n in m.coords(0, expert=True) if sizes[n] > 1]
+        return [EXPERT_PREFIX + "-".join(c) for k in range(1, len(names) + 1) for c in itertools.combinations(names, k)]
 
     def coords(self, rank: int) -> tuple[int, ...]:
         """Coordinates of `rank` on `axes`, in order."""
@@ -123,6 +143,12 @@ class WorldLayout:
 
     def group_of(self, rank: int, role: str) -> tuple[int, ...]:
         """Global ranks of the `role` group holding `rank`, ascending (Megatron's own order)."""
+        if role.startswith(EXPERT_PREFIX):
+            token = role[len(EXPERT_PREFIX):]
+            try:
+                return self.megatron.group_of(rank, token, expert=True)
+            except ValueError as exc:
+                raise GraphError(f"group role {role!r}: {exc}") from None
         self.role_axes(role)
         if role != EMBEDDING_ROLE:
             return self.megatron.group_of(rank, role)

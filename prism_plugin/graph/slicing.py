@@ -87,7 +87,8 @@ class JobLayout:
 
 def parse_layout(text: str, framework: Framework | str = Framework.MEGATRON,
                  world_size: int | None = None) -> JobLayout:
-    """``"tp=8,pp=16,dp=64"`` (also cp, ep, vpp, and Megatron's rank ``order``, e.g. ``order=tp-cp-ep-pp-dp``;
+    """``"tp=8,pp=16,dp=64"`` (also cp, ep, etp (the experts' tp, default tp), vpp, and Megatron's rank ``order``,
+    e.g. ``order=tp-cp-ep-pp-dp``;
     DeepSpeed: pipe, data, model) -> `JobLayout`.
 
     dp may be left out when `world_size` is given (dp = N / (tp*cp*pp)).
@@ -111,9 +112,9 @@ def parse_layout(text: str, framework: Framework | str = Framework.MEGATRON,
         if name == "order" and sep and fw is Framework.MEGATRON:
             order = value.strip()
             continue
-        if not sep or name not in ("tp", "pp", "dp", "cp", "ep", "vpp"):
+        if not sep or name not in ("tp", "pp", "dp", "cp", "ep", "etp", "vpp"):
             raise GraphError(
-                f"--layout entry {part!r} is not NAME=SIZE with NAME in tp, pp, dp, cp, ep, vpp (or order=AXES) "
+                f"--layout entry {part!r} is not NAME=SIZE with NAME in tp, pp, dp, cp, ep, etp, vpp (or order=AXES) "
                 "(DeepSpeed: pipe, data, model), e.g. --layout tp=8,pp=16,dp=64"
             )
         try:
@@ -125,7 +126,8 @@ def parse_layout(text: str, framework: Framework | str = Framework.MEGATRON,
             raise GraphError(f"--layout names {name} twice")
         sizes[name] = size
     vpp = sizes.pop("vpp", 1)
-    if fw is Framework.DEEPSPEED and (sizes.get("cp", 1) > 1 or sizes.get("ep", 1) > 1 or vpp > 1):
+    etp = sizes.pop("etp", None)
+    if fw is Framework.DEEPSPEED and (sizes.get("cp", 1) > 1 or sizes.get("ep", 1) > 1 or vpp > 1 or etp):
         raise GraphError("--framework deepspeed layouts have pipe, data and model axes only (no cp, ep, vpp)")
     model = sizes.get("tp", 1) * sizes.get("cp", 1) * sizes.get("pp", 1)
     if "dp" in sizes:
@@ -142,7 +144,7 @@ def parse_layout(text: str, framework: Framework | str = Framework.MEGATRON,
         raise GraphError(f"vpp={vpp} needs pp >= 2 (virtual chunks interleave pipeline stages)")
     try:
         layout = MegatronLayout(world_size=n, tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), cp=sizes.get("cp", 1),
-                                ep=sizes.get("ep", 1), **({"order": order} if order else {}))
+                                ep=sizes.get("ep", 1), expert_tp=etp, **({"order": order} if order else {}))
     except ValueError as exc:  # prism_plugin.topology's own checks (e.g. ep must divide dp x cp)
         raise GraphError(f"--layout {text!r}: {exc}") from None
     return JobLayout(framework=fw, world=WorldLayout(layout), vpp=vpp)

@@ -29,6 +29,7 @@ from prism_plugin.graph import (
     fold,
     replay,
 )
+from prism_plugin.graph.convert import group_role as group_role_of
 from prism_plugin.topology import MegatronLayout
 
 H100_PROFILE = load_profile("dgx-h100")
@@ -108,6 +109,33 @@ def test_embedding_group_joins_the_first_and_last_stages_only() -> None:
         assert r.op_spans(rank)[1].start_us == 300.0 and r.iteration_time_us(rank) == 300.0 + cost_us
     assert (r.iteration_time_us(5), r.iteration_time_us(9)) == (50.0, 60.0)
     assert r.arrival_offset_us(1, [1, 13], 0) == 100.0
+
+
+def test_expert_groups_inside_dp_replay_exactly_folded_and_with_a_straggler() -> None:
+    # tp1 pp2 ep2 on 8 GPUs: dp 4, and each expert group ([0, 1], [2, 3], ...) is half a dp group, no dense group.
+    # Each stage computes, all-to-alls over "expert:ep", then all-reduces over dp. Rank 2 is a straggler (x2): its
+    # expert partner 3 waits for it, 0 and 1 do not until the dp all-reduce.
+    size = 2**20
+    traces = {}
+    for stage in (0, 1):
+        b = TraceBuilder()
+        b.compute(100.0)
+        b.collective(OpKind.ALL_TO_ALL, "expert:ep", size)
+        b.compute(10.0)
+        b.collective(OpKind.ALL_REDUCE, "dp", size)
+        traces[f"pp={stage}"] = b
+    g = _graph(8, ("pp",), traces, pp=2, ep=2)
+    assert g.layout.group_of(2, "expert:ep") == (2, 3) and g.layout.role_axes("expert:ep") == ("dp",)
+    assert group_role_of(g.layout, 5, [4, 5]) == "expert:ep"
+    a2a = H100.collective_us(OpKind.ALL_TO_ALL, size, [0, 1])
+    ar = H100.collective_us(OpKind.ALL_REDUCE, size, [0, 1, 2, 3])
+    r, full = replay(g, H100), replay(g, H100, mode=ReplayMode.FULL)
+    _assert_same(r, full, 8)
+    assert r.num_actors == 2 and r.iteration_time_us(0) == pytest.approx(110.0 + a2a + ar)
+    slow, slow_full = (replay(g, H100, stragglers={2: 2.0}, mode=m) for m in (ReplayMode.AUTO, ReplayMode.FULL))
+    _assert_same(slow, slow_full, 8)
+    assert slow.op_spans(3)[1].start_us == 200.0 and slow.op_spans(0)[1].start_us == 100.0
+    assert slow.iteration_time_us(0) == pytest.approx(200.0 + a2a + 20.0 + ar)
 
 
 @pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (3, 1)])
