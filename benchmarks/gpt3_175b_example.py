@@ -6,9 +6,10 @@
 ``--emulate``: the whole job through ``prism emulate --world-size 1024`` instead (all 16 classes of ranks, one
 profiling run each, ``--jobs`` at a time; issue 22's target: under 10 minutes): ``emulate_s`` (median wall
 seconds of the command, measured), each profiling run's wall seconds and fast-forward figures, and the report's
-modelled step and peak memory. The example ties its embedding and output weights over 16 stages, which
-``prism emulate`` refuses (the execution graph has no first-and-last-stage group); ``--untie`` adds
-``--untie-embeddings-and-output-weights`` (the same profiling work but one all-reduce per step).
+modelled step and peak memory. The example ties its embedding and output weights over 16 stages: their
+gradients are all-reduced over Megatron's embedding group (first and last stage), a role of the execution graph;
+``--untie`` adds ``--untie-embeddings-and-output-weights`` for a comparison (the same profiling work but that
+all-reduce, and the last stage's own output layer).
 
 The job is ``examples/gpt3/train_gpt3_175b_distributed.sh`` of NVIDIA/Megatron-LM as kept in
 `validation.megatron_examples` (``gpt3_175b``): its own arguments, unchanged, its five paths absent here,
@@ -60,7 +61,7 @@ def main() -> int:
     parser.add_argument("--emulate", action="store_true", help="time `prism emulate` of the whole job instead")
     parser.add_argument("--jobs", type=int, default=2, help="with --emulate: profiling runs at a time")
     parser.add_argument("--untie", action="store_true",
-                        help="with --emulate: add --untie-embeddings-and-output-weights")
+                        help="with --emulate: add --untie-embeddings-and-output-weights (a comparison)")
     ns = parser.parse_args()
     if ns.emulate:
         load_before = os.getloadavg()[0]

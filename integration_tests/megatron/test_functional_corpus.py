@@ -1,12 +1,12 @@
 """The corpus of Megatron-LM's H100 functional-test cases (core_r0.19.0, the ``_memory_speed`` cases left out).
 
-Every case of ``validation/megatron_functional/cases`` runs one job through the drop-in as its last rank on a
-virtual H100, with its own arguments and environment and only the paths replaced (`run_case`: mock data,
-``--train-iters 3``). The share that runs is printed, of every case and of the cases the installed software can run
-on any device (`NOT_RUNNABLE_HERE`: a package the registries lack, megatron-core 0.19.2's own argument check), and
-the latter is held to issue 20's 90%. Each case that does not run must stop for the reason listed (`LIMITS`: the
-limits of fake execution), and a listed case that starts to run fails here until it is taken off its list. About
-40 minutes on a 2-core host: heavy.
+Every case of ``validation/megatron_functional/cases`` runs on virtual H100s with its own arguments and environment
+and only the paths replaced (`run_case`: mock data, ``--train-iters 3``): through the drop-in as its last rank, or
+with a pipeline through ``prism emulate`` (one profiling run per stage). The share that runs is printed, of every
+case and of the cases the installed software can run on any device (`NOT_RUNNABLE_HERE`: a package the registries
+lack, megatron-core 0.19.2's own argument check), and the latter is held to issue 20's 90%. Each case that does not
+run must stop for the reason listed (`LIMITS`: the limits of fake execution), and a listed case that starts to run
+fails here until it is taken off its list. About 55 minutes on a 2-core host: heavy.
 """
 
 from __future__ import annotations

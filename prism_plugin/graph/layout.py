@@ -129,7 +129,7 @@ class WorldLayout:
     def expert_roles(self) -> list[str]:
         """Every role of the expert grid (`EXPERT_PREFIX` and a token of its axes of size > 1, in grid order)."""
         m = self.megatron
-        sizes = {"tp": m.expert_tp, "ep": m.ep, "dp": m.expert_dp, "pp": m.pp}
+        sizes = {"tp": m.expert_tp or m.tp, "ep": m.ep, "dp": m.expert_dp, "pp": m.pp}
         names = [n for n in m.coords(0, expert=True) if sizes[n] > 1]
         return [EXPERT_PREFIX + "-".join(c) for k in range(1, len(names) + 1) for c in itertools.combinations(names, k)]
 

@@ -63,7 +63,9 @@ PROFILE = "dgx-h100"
 DEFAULT_OUT = Path("/tmp/prism_megatron_functional")
 FITTING = ("The fit rows (every third case by name) fit one figure, the dgx-h100 profile's host time per launch "
            "(`python -m validation.megatron_functional.fit`); nothing else is fitted on these rows, and peak "
-           "allocated is fitted on none.")
+           "allocated is fitted on none. The profile's 86.2 us was fitted when a pipelined case ran as its last rank "
+           "alone (no bubble); on these runs the fit gives 81.7 us, not adopted yet (a model change re-runs every "
+           "corpus row).")
 _ERROR_LINE = re.compile(r"^(prism: (invalid input|prism cannot emulate).*|[\w.]*(Error|Exception|Refusal)\b.*)$")
 
 
@@ -360,7 +362,8 @@ def results_data(results: list[CaseResult], prism_commit: str) -> dict[str, Any]
     return {"source": "megatron_functional", "date": datetime.now(UTC).date().isoformat(),
             "command": "python -m validation.megatron_functional.run --write-results", "prism_commit": prism_commit,
             "conditions": "each case `--train-iters 3` as its last rank (the rank that logged the golden values) on a "
-                          f"virtual H100, on a host of {os.cpu_count()} CPU cores (both predicted figures are "
+                          "virtual H100, a case with a pipeline through `prism emulate` (every stage, the graph's "
+                          f"replay), on a host of {os.cpu_count()} CPU cores (both predicted figures are "
                           "modelled: the host's load does not move them); golden values measured by NVIDIA on a DGX "
                           "H100 (8 GPUs)",
             "fitting": FITTING,
