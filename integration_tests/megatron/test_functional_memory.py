@@ -1,9 +1,10 @@
 """Peak allocated memory of Megatron-LM's H100 functional tests, predicted on a virtual H100.
 
-Three cases of ``validation/megatron_functional/cases`` (NVIDIA's golden values, branch core_r0.19.0, measured
-on a DGX H100) run through the drop-in as their last rank (rank 7 of 8), with their own arguments, mock data
-and ``--train-iters 3`` (`validation.megatron_functional.run.run_case`): TransformerEngine's layers (TE spec),
-TP1/PP1 with the distributed optimizer, TP1/PP4, and TP2/PP2, and the two cases with CUDA graphs (TE's
+Three cases of ``validation/megatron_functional/cases`` (NVIDIA's golden values, branch core_r0.19.0, measured on a
+DGX H100) run with their own arguments, mock data and ``--train-iters 3``
+(`validation.megatron_functional.run.run_case`: through the drop-in as their last rank, rank 7 of 8, or with a
+pipeline through ``prism emulate``, the last stage's profiling run giving the memory): TransformerEngine's layers
+(TE spec), TP1/PP1 with the distributed optimizer, TP1/PP4, and TP2/PP2, and the two cases with CUDA graphs (TE's
 ``make_graphed_callables``: `prism_plugin.device.graphs`). Each runs in one to two minutes on a 2-core host.
 
 What is asserted, per case:
@@ -20,8 +21,8 @@ What is asserted, per case:
 `test_every_case_that_runs_is_within_the_goal` (heavy: about 16 minutes) holds every other case that runs to
 issue 18's goal, 1%; the cases that miss it today are strict expected failures with their measured errors.
 
-The iteration time is not asserted here: the modelled step is 66-89% short of these small, launch-bound runs
-(see recipes/RESULTS.md).
+The iteration time is not asserted here: these small runs are launch-bound, and the host time per launch is one
+fitted figure (recipes/RESULTS.md has the errors, fit and validate rows apart).
 """
 
 from __future__ import annotations
