@@ -39,9 +39,9 @@ if mode == "ignore-term" and rank == 1:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
 out = Path(os.environ["PIDS_DIR"])
+print(f"rank {rank} ready", flush=True)  # before the pid file: a test that signals once it sees the file finds the line
 (out / f"pids-{rank}.json.tmp").write_text(json.dumps({"rank": os.getpid(), "child": child.pid}))
 os.replace(out / f"pids-{rank}.json.tmp", out / f"pids-{rank}.json")
-print(f"rank {rank} ready", flush=True)
 if mode == "ignore-term" and rank == 0:
     while not (out / "pids-1.json").exists():
         time.sleep(0.02)
