@@ -187,9 +187,10 @@ def _megatron_max_allocated_mb(log: str) -> float | None:
 
 
 GRAPH_REFUSALS = ("is not a group of the layout",)
-"""The first error lines of ``prism emulate`` that say the execution graph cannot express the job's groups (expert
-groups that are no dense group: the graph has no expert axes). Such a pipelined case is predicted by the drop-in,
-and its row says so (`CaseResult.path`, `CaseResult.graph_refusal`): its iteration lacks the other stages."""
+"""The first error lines of ``prism emulate`` that say the execution graph cannot express the job's groups (an
+ad-hoc subgroup: dense, embedding and expert groups are roles of the graph). Such a pipelined case is predicted
+by the drop-in, and its row says so (`CaseResult.path`, `CaseResult.graph_refusal`): its iteration lacks the other
+stages."""
 
 
 def run_case(row: dict[str, Any], out: Path, *, timeout_s: float, prism_root: Path = ROOT) -> CaseResult:

@@ -246,8 +246,9 @@ def _megatron(data: Data) -> list[str]:
              "25 steps or fewer); predicted, the emulated time of the last complete iteration: of the last rank "
              "alone (`drop-in`: without a pipeline every rank runs the same timeline), or with a pipeline the "
              "execution graph's replay over one profiling run per stage (`emulate`: the last stage waits for the "
-             "others, the bubble); a pipelined case whose groups the graph cannot express (expert groups that are "
-             "no dense group) is predicted by the drop-in, without the other stages, and listed below.", ""]
+             "others, the bubble); a pipelined case whose groups the graph cannot express (an ad-hoc subgroup; "
+             "none of these cases since expert groups became roles) is predicted by the drop-in, without the other "
+             "stages, and listed below.", ""]
     by_role = sorted(ran, key=lambda r: (r["role"] != "validate", r["case"]))
     lines += _table(["case", "role", "predicted by", "peak allocated, measured (MiB)", "predicted (MiB)",
                      "of which cuBLAS workspaces (MiB)", "error", "iteration time, measured (s)", "predicted (s)",
