@@ -22,6 +22,7 @@ megatron-core ship the dataset helpers prebuilt without their Makefile, so the r
 from __future__ import annotations
 
 import typing
+from functools import partial
 
 if not hasattr(typing, "override"):  # megatron.training 0.19 on Python 3.11
     import typing_extensions
@@ -42,6 +43,7 @@ from megatron.training.argument_utils import (  # noqa: E402
     pretrain_cfg_container_from_args,
 )
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
+from megatron.training.utils import is_first_or_last_pipeline_stage  # noqa: E402
 
 try:  # megatron-core wheel: helpers prebuilt, no Makefile for compile_helpers() to run
     import megatron.core.datasets.helpers_cpp  # noqa: E402, F401
@@ -63,10 +65,13 @@ def _mtp_on_this_rank(vp_stage):
 
 
 def get_batch(data_iterator, vp_stage=None):
-    """This rank's micro-batch: read on TP rank 0, broadcast to the other TP ranks, split over CP."""
+    """This rank's micro-batch: read on TP rank 0, broadcast to the other TP ranks, split over CP.
+
+    Only the model chunks that take one read it, as upstream: the first virtual stage of the first pipeline rank
+    (tokens), the last of the last (labels), and a chunk holding multi-token-prediction layers."""
     args = get_args()
     mtp = bool(args.mtp_num_layers) and _mtp_on_this_rank(vp_stage)
-    if not (mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage() or mtp):
+    if not (is_first_or_last_pipeline_stage(vp_stage) or mtp):
         return None, None, None, None, None
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch = {}
@@ -117,9 +122,12 @@ def forward_step(data_iterator, model, return_schedule_plan=False):
     return model(tokens, position_ids, attention_mask, labels=labels), reduce
 
 
-def is_dataset_built_on_rank():
-    return (mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage()) \
-        and mpu.get_tensor_model_parallel_rank() == 0
+def is_dataset_built_on_rank(vp_stage=None):
+    """TP rank 0 of the model chunks that read batches (`get_batch`) builds the datasets, as upstream."""
+    if mpu.get_tensor_model_parallel_rank() != 0:
+        return False
+    return is_first_or_last_pipeline_stage(vp_stage) or (bool(get_args().mtp_num_layers)
+                                                         and _mtp_on_this_rank(vp_stage))
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -142,7 +150,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     )
     print_rank_0("> building mock GPT datasets ...")
     return BlendedMegatronDatasetBuilder(
-        MockGPTDataset, train_val_test_num_samples, is_dataset_built_on_rank, config
+        MockGPTDataset, train_val_test_num_samples, partial(is_dataset_built_on_rank, vp_stage=vp_stage), config
     ).build()
 
 
