@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, disable_fake_tensor_cache
 from torch.utils._python_dispatch import _disable_current_modes
 
 from prism_plugin.cost.allocator import Block, CachingAllocatorModel, DeviceOutOfMemory
@@ -48,6 +48,12 @@ from prism_plugin.device.values import ValuePolicy
 __all__ = ["VirtualGpu", "current_gpu"]
 
 aten = torch.ops.aten
+CACHE_KEY_LEAVES = 8
+"""An op with more argument leaves than this skips ``FakeTensorMode``'s dispatch cache. The cache keys an op by
+every argument's metadata before it looks: an op over lists of tensors (TransformerEngine's amax-and-scale update
+over every FP8 tensor of a layer, ``_foreach_*``, multi-tensor kernels) spends more host time building its key
+than computing its fake outputs, and rarely meets the same key again. Host time only: the outputs are the same
+either way (torch's own cross-check compares them)."""
 KernelTime = Callable[[Any, tuple, dict, Any], "float | None"]
 """An op's modelled duration in seconds, from ``(func, args, kwargs, out)``; None: no kernel (views, metadata)."""
 
@@ -204,7 +210,11 @@ class _AllocatorTracker(StorageTracker):
                 and args[1].device.type == "cuda":  # a blocking copy to the host: the host waits for it
             to_host = not (args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking", False))
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)  # StorageTracker.__torch_dispatch__, with the leaves flattened once
+        if len(flat_args) + len(flat_kwargs) > CACHE_KEY_LEAVES:
+            with disable_fake_tensor_cache(self.gpu.fake):
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)  # StorageTracker.__torch_dispatch__, with the leaves flattened once
         flat_out = leaves(out)
         self._track_outputs(flat_out, flat_args + flat_kwargs)
         if self.gpu.silent:  # work a fast-forward skipped (`fast_forward.FastForward.silent`): no time, no answer
