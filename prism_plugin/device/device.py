@@ -39,6 +39,7 @@ from prism_plugin.device import cuda_runtime, fusion, graphs, snapshot
 from prism_plugin.device.active import Slot, slot
 from prism_plugin.device.calls import DeviceCalls
 from prism_plugin.device.clock import VirtualTime
+from prism_plugin.device.host_counts import HostCounts
 from prism_plugin.device.kernels import kernel_workspaces, uses_cublas
 from prism_plugin.device.leaves import leaves
 from prism_plugin.device.memory import StorageTracker
@@ -219,6 +220,7 @@ class _AllocatorTracker(StorageTracker):
         self._track_outputs(flat_out, flat_args + flat_kwargs)
         if self.gpu.silent:  # work a fast-forward skipped (`fast_forward.FastForward.silent`): no time, no answer
             return out
+        self.gpu.host_counts.op()
         self.gpu.values.observe(seen_func, seen_args, seen_kwargs, out)
         cublas = uses_cublas(func)
         workspaces = kernel_workspaces(func, args, kwargs)
@@ -295,6 +297,7 @@ class VirtualGpu:
         self.shim = CudaShim(gpu, self.allocators, current=device)
         self.values = values or ValuePolicy()
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.host_counts = HostCounts()
         self.tracker = _AllocatorTracker(self)
         self._int_devices = DeviceCalls(self.values)
         self._started = False
@@ -439,6 +442,7 @@ class VirtualGpu:
         self.fake.__enter__()
         self.tracker.start()
         self._int_devices.__enter__()
+        self.host_counts.start()
         self._started = True
         _GPUS.enter(self)
         return self
@@ -447,6 +451,7 @@ class VirtualGpu:
         if not self._started:
             return
         self._started = False
+        self.host_counts.stop()
         _GPUS.leave(self)
         if self.snapshot_path is not None:  # PRISM_MEMORY_SNAPSHOT: the allocator's state and history, for memory_viz
             snapshot.write_snapshot(self.allocators, self.snapshot_path)
@@ -508,6 +513,7 @@ class VirtualGpu:
                                             "modelled; nothing allocated here"}}
                    if self.tracker.host_peak_bytes else {}),
                 **({"cuda_graphs": self.graphs.summary()} if self.graphs.captured else {}),
+                "host_counts": self.host_counts.summary(),
                 "devices": devices, "untouched_devices": untouched, "values": self.values.summary()}
 
     def device_total(self, peak_reserved_bytes: int, nccl_buffer_bytes: int = 0, *, own: bool = True) -> DeviceTotal:

@@ -70,6 +70,9 @@ class VirtualGpuSummary(_Closed):
                                          "would hold them")
     cuda_graphs: _Section | None = Field(default=None, description="CUDA graphs the program captured: captures, "
                                          "replays (one launch each) and the replays' device seconds")
+    host_counts: _Section | None = Field(default=None, description="what the program asked of the host, counted "
+                                         "(device ops, in backward or not; nn.Module calls by origin): evidence "
+                                         "for a host-time model, not timed")
     devices: list[DeviceSummary] = Field(description="the devices this process touched: its own, and any other "
                                                       "it allocated on")
     untouched_devices: list[int] = Field(default_factory=list, description="the other devices' indices")
