@@ -155,3 +155,26 @@ def test_a_functional_case_nvidia_lists_only_as_broken_is_marked() -> None:
     assert broken["ci_broken"] is True
     assert nightly["ci_broken"] is False  # mr-broken and mr-github-broken, but nightly too
     assert "ci_broken" not in throughput
+
+
+def test_rows_at_once_predicts_each_row_once_in_processes_of_their_own(tmp_path: Path, monkeypatch) -> None:
+    import os
+
+    from validation.corpus import __main__ as corpus_main
+
+    def fake_run_row(row: Row, **_: Any) -> dict[str, Any]:
+        return {"row": row.name, "outcome": "ran", "wall_s": 0.0, "pid": os.getpid()}
+
+    def fake_write(result: dict[str, Any]) -> Path:
+        path = tmp_path / f"{result['row']}.json"
+        path.write_text(json.dumps(result))
+        return path
+
+    monkeypatch.setattr(corpus_main, "run_row", fake_run_row)
+    monkeypatch.setattr(corpus_main, "write_result", fake_write)
+    rows = load_rows(["dgxc2502-nemotron4-15b-1*"])
+    corpus_main._run_rows(rows, timeout_s=1.0, jobs=1, at_once=2)
+    written = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert sorted(written) == sorted(r.name for r in rows) and len(rows) == 6
+    assert os.getpid() not in {w["pid"] for w in written.values()}
+    assert corpus_main.main(["run", "--rows", "no-row-here*", "--rows-at-once", "0"]) == 2

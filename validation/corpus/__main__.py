@@ -2,13 +2,15 @@
 
     python -m validation.corpus list [--rows GLOB ...]          # rows, roles, sources, results' state
     python -m validation.corpus run [--rows GLOB ...] [--stale] [--kind throughput|functional] [--jobs N]
-        [--write-results]
+        [--rows-at-once K] [--write-results]
     python -m validation.corpus table [--write-results]         # the table from the results as they are
 
 ``run`` predicts each chosen row in turn (all of them by default; ``--stale``: only those whose result is stale or
 missing), writing ``validation/corpus/results/<row>.json`` after each, so a stopped run keeps what it finished;
 ``--jobs N`` runs N of a throughput row's profiling runs at a time (``prism emulate --jobs``: the prediction is the
-same, the wall time shorter on a machine with the cores).
+same, the wall time shorter on a machine with the cores); ``--rows-at-once K`` predicts K rows at a time, each in its
+own process (most throughput rows are one profiling run: a whole re-run of the corpus on 2 cores wants
+``--rows-at-once 2``; K x N processes work at once at most).
 ``--write-results`` writes ``validation/results/corpus.json`` and regenerates the results document
 (``recipes/RESULTS.md``). Exit status 0, or 2 for bad input (a row file, an unknown row).
 """
@@ -20,7 +22,7 @@ import os
 import sys
 
 from validation.corpus.fingerprint import ROOT, model_fingerprint
-from validation.corpus.rows import RowError, load_rows
+from validation.corpus.rows import Row, RowError, load_rows
 from validation.corpus.runner import load_result, run_row, write_result
 from validation.corpus.table import corpus_data, stale_because
 from validation.results.render import corpus_markdown
@@ -41,7 +43,30 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--timeout", type=float, default=3600.0, help="seconds per functional row's run")
             p.add_argument("--jobs", type=int, default=1,
                            help="a throughput row's profiling runs at a time (prism emulate --jobs; default 1)")
+            p.add_argument("--rows-at-once", type=int, default=1, metavar="K",
+                           help="rows predicted at a time, each in its own process (default 1)")
     return parser
+
+
+def _predict(i: int, n: int, row: Row, timeout_s: float, jobs: int) -> str:
+    """Predict `row` (the `i`-th of `n`) and write its result; the line that says so."""
+    print(f"[{i}/{n}] {row.name}: {row.command}", file=sys.stderr, flush=True)
+    result = run_row(row, timeout_s=timeout_s, jobs=jobs, progress=lambda text: print(text, file=sys.stderr))
+    return f"[{i}/{n}] {row.name}: {result['outcome']} in {result['wall_s']} s -> {write_result(result)}"
+
+
+def _run_rows(rows: list[Row], *, timeout_s: float, jobs: int, at_once: int) -> None:
+    """Predict `rows`, `at_once` at a time (each in a process of its own when more than one), in their order."""
+    if at_once == 1:
+        for i, row in enumerate(rows, 1):
+            print(_predict(i, len(rows), row, timeout_s, jobs), file=sys.stderr, flush=True)
+        return
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(max_workers=at_once) as pool:
+        futures = [pool.submit(_predict, i, len(rows), row, timeout_s, jobs) for i, row in enumerate(rows, 1)]
+        for future in as_completed(futures):
+            print(future.result(), file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,13 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         results = {r.name: load_result(r.name) for r in rows} if args.stale else {}
         chosen = [r for r in rows if not args.stale or results[r.name] is None
                   or stale_because(r, results[r.name] or {}, fingerprint) is not None]
-        for i, row in enumerate(chosen, 1):
-            print(f"[{i}/{len(chosen)}] {row.name}: {row.command}", file=sys.stderr, flush=True)
-            result = run_row(row, timeout_s=args.timeout, jobs=args.jobs,
-                             progress=lambda text: print(text, file=sys.stderr))
-            path = write_result(result)
-            print(f"[{i}/{len(chosen)}] {row.name}: {result['outcome']} in {result['wall_s']} s -> {path}",
-                  file=sys.stderr, flush=True)
+        if args.rows_at_once < 1 or args.jobs < 1:
+            print("validation.corpus: --jobs and --rows-at-once take a count of 1 or more", file=sys.stderr)
+            return 2
+        _run_rows(chosen, timeout_s=args.timeout, jobs=args.jobs, at_once=args.rows_at_once)
     from datetime import UTC, datetime
 
     data = corpus_data(load_rows(), date=datetime.now(UTC).date().isoformat())
