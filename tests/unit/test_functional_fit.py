@@ -55,3 +55,18 @@ def test_the_fit_refuses_rows_run_under_different_figures(tmp_path: Path) -> Non
         fit(tmp_path)
     with pytest.raises(SystemExit, match="no fit row has a run in"):
         fit(tmp_path / "nothing")
+
+
+def test_a_case_with_te_cuda_graphs_runs_one_step_past_their_capture() -> None:
+    from validation.megatron_functional.collect import TRAIN_ITERS
+    from validation.megatron_functional.run import command, iterations
+
+    plain = {"args": {"--pipeline-model-parallel-size": "2", "--train-iters": "3"}, "world_size": 8, "rank": 7}
+    graphed = {**plain, "args": {**plain["args"], "--cuda-graph-impl": "transformer_engine"}}
+    at_once = {**plain, "args": {**graphed["args"], "--cuda-graph-warmup-steps": "0"}}
+    # captured at the top of iteration 3 (0-based; Megatron's default warm-up): step 4 holds it, step 5 replays
+    assert (iterations(plain), iterations(graphed), iterations(at_once)) == (TRAIN_ITERS, 5, TRAIN_ITERS)
+    argv = command(graphed, Path("/tmp/out"))
+    assert argv[argv.index("--warmup") + 1] == "4" and argv[argv.index("--train-iters") + 1] == "6"
+    dropin = command({**graphed, "args": {**graphed["args"], "--pipeline-model-parallel-size": "1"}}, Path("/tmp/o"))
+    assert dropin[dropin.index("--train-iters") + 1] == "5"

@@ -67,3 +67,4 @@ def test_row_counts_per_iteration_and_the_runs_left_out(tmp_path: Path) -> None:
     assert host_model.row_counts("skipped", "fit", tmp_path) is None
     assert host_model.row_counts("graphs", "fit", tmp_path) is None
     assert host_model.row_counts("absent", "fit", tmp_path) is None
+
