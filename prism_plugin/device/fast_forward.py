@@ -16,9 +16,9 @@ same events (times within `TOLERANCE_S`); when the last one frees a block alloca
 little longer than a period), the period before ``b0`` was recorded and its tail from that block on repeats the
 same tail of the next period; the streams stand at the same places relative to the host at the marks, no backward
 pass runs and no fusion region is open there, the live storages and fake host bytes are the same, and the running
-totals (kernels, seconds, launches, kernel tallies, value-policy answers, communication counts and bytes, group
-sequence numbers, and the adapter's own: data consumed) grew by the same amounts in both. The allocator's block
-layout need not repeat (its small pool rarely does): the allocator is replayed, not extrapolated.
+totals (kernels, seconds, launches, kernel tallies, host counts, value-policy answers, communication counts and
+bytes, group sequence numbers, and the adapter's own: data consumed) grew by the same amounts in both. The
+allocator's block layout need not repeat (its small pool rarely does): the allocator is replayed, not extrapolated.
 
 **A growing container.** The adapter may name the storages that a container of the program holds and that grows
 by the same objects every period (the last pipeline stage's losses, kept until the step ends): they are left out
@@ -378,6 +378,7 @@ class FastForward:
         for name, delta in by_part.get("clock", {}).items():
             setattr(clock, name, getattr(clock, name) + periods * delta)
         gpu.kernel_timer.advance(by_part.get("kernels", {}), periods)
+        gpu.host_counts.advance(by_part.get("host_counts", {}), periods)
         values = gpu.values
         for key, delta in by_part.get("values", {}).items():
             if key == "constants_read":
@@ -458,6 +459,7 @@ class FastForward:
             for model in gpu.allocators:
                 totals.update({("allocator", (model.device, k)): v for k, v in model.totals().items()})
         totals.update({("kernels", k): v for k, v in gpu.kernel_timer.totals().items()})
+        totals.update({("host_counts", k): v for k, v in gpu.host_counts.totals().items()})
         totals.update({("values", k): v for k, v in gpu.values.answers.items()})
         totals[("values", "constants_read")] = gpu.values.constants_read
         session = self.session

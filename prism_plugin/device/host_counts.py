@@ -6,11 +6,11 @@ program dispatches costs PyTorch's dispatcher, views and metadata ops included; 
 Python (TransformerEngine's modules their FP8 and parameter bookkeeping, Megatron's its layer logic); ops replayed
 by the autograd engine cost less Python than those issued from a forward. `HostCounts` counts each of them, for
 the summary (``virtual_gpu.host_counts``), so that a host model by kind can be fitted on the functional fit rows
-(`validation.megatron_functional.fit`) and checked on the validate rows before it is adopted.
+(`validation.megatron_functional.host_model`) and checked on the validate rows before it is adopted.
 
 Counting only: nothing here moves the emulated clock or the allocator, so it is outside the model fingerprint
-(`validation.corpus.fingerprint`). Ops a fast-forward skips are not dispatched and not counted (compare
-``megatron.fast_forward.microbatches_skipped``).
+(`validation.corpus.fingerprint`). A fast-forward advances the counts by whole periods as it advances the clock's
+(`totals` / `advance`), so they are the full run's.
 """
 
 from __future__ import annotations
@@ -57,6 +57,21 @@ class HostCounts:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+    def totals(self) -> dict[Any, int]:
+        """Every count, keyed for a fast-forward's captures (`prism_plugin.device.fast_forward`)."""
+        return {"ops": self.ops, "backward_ops": self.backward_ops,
+                **{("module", origin): n for origin, n in self.module_calls.items()}}
+
+    def advance(self, deltas: dict[Any, float], periods: int) -> None:
+        """`periods` more of a period whose counts grew by `deltas` (keys of `totals`)."""
+        for key, delta in deltas.items():
+            if key == "ops":
+                self.ops += periods * int(delta)
+            elif key == "backward_ops":
+                self.backward_ops += periods * int(delta)
+            else:
+                self.module_calls[key[1]] += periods * int(delta)
 
     def summary(self) -> dict[str, Any]:
         return {"device_ops": self.ops, "backward_device_ops": self.backward_ops,
