@@ -64,8 +64,8 @@ DEFAULT_OUT = Path("/tmp/prism_megatron_functional")
 FITTING = ("The fit rows (every third case by name) fit one figure, the dgx-h100 profile's host time per launch "
            "(`python -m validation.megatron_functional.fit`); nothing else is fitted on these rows, and peak "
            "allocated is fitted on none. The profile's 86.2 us was fitted when a pipelined case ran as its last rank "
-           "alone (no bubble); on these runs the fit gives 81.7 us, not adopted yet (a model change re-runs every "
-           "corpus row).")
+           "alone (no bubble); on these runs (every stage replayed, CUDA-graph cases past their capture) the fit "
+           "gives 86.5 us: converged, within 1 us.")
 _ERROR_LINE = re.compile(r"^(prism: (invalid input|prism cannot emulate).*|[\w.]*(Error|Exception|Refusal)\b.*)$")
 
 
@@ -379,7 +379,8 @@ def results_data(results: list[CaseResult], prism_commit: str) -> dict[str, Any]
             rows.append({"case": r.case, "role": roles[r.case], "ran": False, "reason": r.reason or "no result"})
     return {"source": "megatron_functional", "date": datetime.now(UTC).date().isoformat(),
             "command": "python -m validation.megatron_functional.run --write-results", "prism_commit": prism_commit,
-            "conditions": "each case `--train-iters 3` as its last rank (the rank that logged the golden values) on a "
+            "conditions": "each case `--train-iters 3` (with TE CUDA graphs: one step past their capture) as its last "
+                          "rank (the rank that logged the golden values) on a "
                           "virtual H100, a case with a pipeline through `prism emulate` (every stage, the graph's "
                           f"replay), on a host of {os.cpu_count()} CPU cores (both predicted figures are "
                           "modelled: the host's load does not move them); golden values measured by NVIDIA on a DGX "
