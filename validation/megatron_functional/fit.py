@@ -39,7 +39,7 @@ from typing import Any
 from validation.corpus.runner import WORK_DIR
 from validation.megatron_functional.run import DEFAULT_OUT, last_stage, load_cases
 
-__all__ = ["TOLERANCE_US", "fit_row", "fit", "main"]
+__all__ = ["TOLERANCE_US", "case_run", "fit_row", "fit", "main"]
 
 CORPUS_RUNS = WORK_DIR / "functional"
 """Where the corpus's one command runs the functional cases (the fit's default input)."""
@@ -47,25 +47,34 @@ TOLERANCE_US = 1.0
 """The fit has converged when the fitted figure is within this of the one the rows ran under."""
 
 
-def fit_row(case: str, out: Path) -> dict[str, Any] | None:
-    """One fit row's figures from its run in `out`; None when it did not run."""
+def case_run(case: str, out: Path) -> tuple[dict[str, Any], dict[str, Any], float] | None:
+    """A case's run in `out`: its result, the summary of the rank it was predicted from, and the scale from that
+    rank's own iteration to the predicted one (a pipelined case: the last stage's profiling run, scaled to the
+    replay's critical path; else 1); None when it did not run."""
     result_path = out / f"{case}.result.json"
     if not result_path.is_file():
         return None
     result = json.loads(result_path.read_text())
     if result["status"] != "ok":
         return None
-    scale = 1.0
-    if result.get("path") == "emulate":  # the last stage's profiling run, scaled to the replay's critical path
+    if result.get("path") == "emulate":
         report = json.loads((out / case / "emulate.json").read_text())
         _, summary_path = last_stage(report, out / case)
         summary = json.loads(summary_path.read_text())
-        scale = report["replay"]["step_us"] / 1e6 / summary["virtual_gpu"]["virtual_time"]["step_times_s"][-1]
-    else:
-        summaries = sorted((out / case).glob("rank*.summary.json"))
-        if not summaries:
-            return None
-        summary = json.loads(summaries[0].read_text())
+        steps = summary["virtual_gpu"]["virtual_time"]["step_times_s"]
+        return result, summary, report["replay"]["step_us"] / 1e6 / steps[-1]
+    summaries = sorted((out / case).glob("rank*.summary.json"))
+    if not summaries:
+        return None
+    return result, json.loads(summaries[0].read_text()), 1.0
+
+
+def fit_row(case: str, out: Path) -> dict[str, Any] | None:
+    """One fit row's figures from its run in `out`; None when it did not run."""
+    run = case_run(case, out)
+    if run is None:
+        return None
+    result, summary, scale = run
     clock = summary["virtual_gpu"]["virtual_time"]
     # the launches that pay the figure: not those after the first of one TE extension call (the driver's figure)
     launches = scale * (clock["launches"] - clock.get("native_launches", 0)) / summary["iterations_marked"]

@@ -28,10 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from validation.megatron_functional.fit import CORPUS_RUNS
-from validation.megatron_functional.run import last_stage, load_cases
+from validation.megatron_functional.fit import CORPUS_RUNS, case_run
+from validation.megatron_functional.run import load_cases
 
 __all__ = ["FORMS", "FEATURES", "row_counts", "fit_form", "evaluate", "main"]
 
@@ -53,23 +51,10 @@ FORMS: dict[str, tuple[str, ...]] = {
 def row_counts(case: str, role: str, out: Path) -> dict[str, Any] | None:
     """Row `case`'s measured and predicted iteration, the host figure it ran under and its counts per iteration;
     None when it did not run, has no counts, or its counts do not describe every iteration."""
-    result_path = out / f"{case}.result.json"
-    if not result_path.is_file():
+    run = case_run(case, out)
+    if run is None:
         return None
-    result = json.loads(result_path.read_text())
-    if result["status"] != "ok":
-        return None
-    scale = 1.0
-    if result.get("path") == "emulate":
-        report = json.loads((out / case / "emulate.json").read_text())
-        _, summary_path = last_stage(report, out / case)
-        summary = json.loads(summary_path.read_text())
-        scale = report["replay"]["step_us"] / 1e6 / summary["virtual_gpu"]["virtual_time"]["step_times_s"][-1]
-    else:
-        paths = sorted((out / case).glob("rank*.summary.json"))
-        if not paths:
-            return None
-        summary = json.loads(paths[0].read_text())
+    result, summary, scale = run
     gpu = summary["virtual_gpu"]
     counts = gpu.get("host_counts")
     skipped = (summary.get("megatron") or {}).get("fast_forward", {}).get("microbatches_skipped", 0)
@@ -90,17 +75,42 @@ def row_counts(case: str, role: str, out: Path) -> dict[str, Any] | None:
             "x": x}
 
 
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """x with m x = v (Gaussian elimination with partial pivoting); None when m is singular."""
+    n = len(v)
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-300:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def _nnls(a: list[list[float]], b: list[float]) -> list[float]:
     """argmin |a theta - b| over theta >= 0, by trying every support (a few columns: exact and cheap)."""
-    best, best_res = np.zeros(a.shape[1]), float(np.sum(b ** 2))
-    for k in range(1, a.shape[1] + 1):
-        for support in itertools.combinations(range(a.shape[1]), k):
-            sol, *_ = np.linalg.lstsq(a[:, support], b, rcond=None)
-            if np.any(sol < 0):
+    k = len(a[0])
+
+    def residual(theta: list[float]) -> float:
+        return sum((sum(x * t for x, t in zip(row, theta, strict=True)) - y) ** 2 for row, y in zip(a, b, strict=True))
+
+    best, best_res = [0.0] * k, residual([0.0] * k)
+    for size in range(1, k + 1):
+        for support in itertools.combinations(range(k), size):
+            cols = [[row[j] for j in support] for row in a]
+            normal = [[sum(r[i] * r[j] for r in cols) for j in range(size)] for i in range(size)]
+            rhs = [sum(r[i] * y for r, y in zip(cols, b, strict=True)) for i in range(size)]
+            sol = _solve(normal, rhs)
+            if sol is None or any(x < 0 for x in sol):
                 continue
-            theta = np.zeros(a.shape[1])
-            theta[list(support)] = sol
-            res = float(np.sum((a @ theta - b) ** 2))
+            theta = [0.0] * k
+            for j, x in zip(support, sol, strict=True):
+                theta[j] = x
+            res = residual(theta)
             if res < best_res:
                 best, best_res = theta, res
     return best
@@ -112,10 +122,9 @@ def _target(row: dict[str, Any]) -> float:
 
 def fit_form(rows: list[dict[str, Any]], form: tuple[str, ...]) -> dict[str, float]:
     """The form's non-negative figures (seconds per count) fitted on `rows`, relative error weighted."""
-    w = np.array([1 / r["measured_s"] for r in rows])
-    a = np.array([[r["x"][f] for f in form] for r in rows]) * w[:, None]
-    b = np.array([_target(r) for r in rows]) * w
-    return dict(zip(form, _nnls(a, b).tolist(), strict=True))
+    a = [[r["x"][f] / r["measured_s"] for f in form] for r in rows]
+    b = [_target(r) / r["measured_s"] for r in rows]
+    return dict(zip(form, _nnls(a, b), strict=True))
 
 
 def predict(row: dict[str, Any], theta: dict[str, float]) -> float:
