@@ -33,7 +33,8 @@ from prism_plugin.cost.gpu import gpu_spec
 from prism_plugin.cost.kernels import KernelClass, KernelCost, RooflineModel, attention_wave_utilization
 from prism_plugin.cost.profiles import override_profile
 
-__all__ = ["DATA", "NEUTRAL_GEMM", "SWEEP", "Measurement", "errors", "fit_attention", "fit_gemm", "load", "model"]
+__all__ = ["DATA", "NEUTRAL_GEMM", "SWEEP", "Measurement", "errors", "fit_attention", "fit_gemm", "least_squares",
+           "load", "model"]
 
 DATA = Path(__file__).resolve().parent / "h100.yaml"
 SWEEP = Path(__file__).resolve().parent / "h200_sweep.json"
@@ -136,7 +137,7 @@ def fit_attention(rows: Sequence[Measurement], peak_flops_per_s: float, sms: int
     for half in _SEQ_HALF_GRID:
         xs = [(1.0, float(bwd), float(full)) for bwd, full, _, _ in points]
         ys = [y - math.log(seq / (seq + half)) for _, _, seq, y in points]
-        beta = _least_squares(xs, ys)
+        beta = least_squares(xs, ys)
         sse = sum((y - sum(b * x for b, x in zip(beta, row, strict=True))) ** 2 for row, y in zip(xs, ys, strict=True))
         if best is None or sse < best[0] - 1e-15:
             best = (sse, half, beta)
@@ -167,7 +168,7 @@ def fit_gemm(rows: Sequence[Measurement], neutral: RooflineModel) -> dict[str, f
     xs = [(1.0, float(fp8)) for fp8, _, _ in points]
     for half in _K_HALF_GRID:
         ys = [y - math.log(k / (k + half)) for _, k, y in points]
-        beta = _least_squares(xs, ys)
+        beta = least_squares(xs, ys)
         sse = sum((y - beta[0] - beta[1] * x[1]) ** 2 for x, y in zip(xs, ys, strict=True))
         if best is None or sse < best[0] - 1e-15:
             best = (sse, half, beta)
@@ -177,7 +178,7 @@ def fit_gemm(rows: Sequence[Measurement], neutral: RooflineModel) -> dict[str, f
             "gemm.k_half": float(half)}
 
 
-def _least_squares(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+def least_squares(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
     """Ordinary least squares by the normal equations (a few unknowns, Gaussian elimination)."""
     n = len(xs[0])
     a = [[sum(x[i] * x[j] for x in xs) for j in range(n)] + [sum(x[i] * y for x, y in zip(xs, ys, strict=True))]

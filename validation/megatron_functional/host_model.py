@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from validation.kernels import least_squares
 from validation.megatron_functional.fit import CORPUS_RUNS, case_run
 from validation.megatron_functional.run import load_cases
 
@@ -75,22 +76,6 @@ def row_counts(case: str, role: str, out: Path) -> dict[str, Any] | None:
             "x": x}
 
 
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """x with m x = v (Gaussian elimination with partial pivoting); None when m is singular."""
-    n = len(v)
-    a = [row[:] + [v[i]] for i, row in enumerate(m)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-300:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(n):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
-    return [a[i][n] / a[i][i] for i in range(n)]
-
-
 def _nnls(a: list[list[float]], b: list[float]) -> list[float]:
     """argmin |a theta - b| over theta >= 0, by trying every support (a few columns: exact and cheap)."""
     k = len(a[0])
@@ -101,11 +86,11 @@ def _nnls(a: list[list[float]], b: list[float]) -> list[float]:
     best, best_res = [0.0] * k, residual([0.0] * k)
     for size in range(1, k + 1):
         for support in itertools.combinations(range(k), size):
-            cols = [[row[j] for j in support] for row in a]
-            normal = [[sum(r[i] * r[j] for r in cols) for j in range(size)] for i in range(size)]
-            rhs = [sum(r[i] * y for r, y in zip(cols, b, strict=True)) for i in range(size)]
-            sol = _solve(normal, rhs)
-            if sol is None or any(x < 0 for x in sol):
+            try:
+                sol = least_squares([[row[j] for j in support] for row in a], b)
+            except ZeroDivisionError:  # a singular support (a count that is 0 on every row)
+                continue
+            if any(x < 0 for x in sol):
                 continue
             theta = [0.0] * k
             for j, x in zip(support, sol, strict=True):
