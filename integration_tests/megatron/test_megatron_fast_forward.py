@@ -9,7 +9,9 @@ modelled, none measured.
 
 - rank 0 (the first stage, 3 warm-up micro-batches: a period of 3 iterations), local spec;
 - rank 0 of 2 without pipelining (data-parallel 2, 32 micro-batches per call: Megatron's no-pipelining schedule,
-  a period of one micro-batch; heavy: with TransformerEngine and FP8, whose first micro-batch differs);
+  a period of one micro-batch; heavy: with TransformerEngine and FP8, whose first micro-batch differs); and a
+  GPU-bound form of it (hidden 8192, sequence 2048: each micro-batch's kernels take longer than its launches, so
+  the GPU runs ahead of the host by a lead that grows every period, proven and advanced in the GPU's frame);
 - rank 3 (the last stage: no warm-up, a period of 1 iteration; each micro-batch's reported loss is kept in the
   schedule's ``forward_data_store`` until the step ends, so the skipped ones' entries are made to own the blocks
   the allocator's replay left for them), local spec, as `prism emulate` profiles it (``--prism-output`` and
@@ -71,6 +73,10 @@ def _memory_lines(log: str) -> list[str]:
     pytest.param(4, 3, ["--transformer-impl", "local"], id="last-stage-local", marks=pytest.mark.heavy),
     pytest.param(2, 0, ["--transformer-impl", "local", "--pipeline-model-parallel-size", "1", "--global-batch-size",
                         "64"], id="no-pipelining-local"),
+    pytest.param(2, 0, ["--transformer-impl", "local", "--pipeline-model-parallel-size", "1", "--global-batch-size",
+                        "64", "--num-layers", "2", "--hidden-size", "8192", "--ffn-hidden-size", "32768",
+                        "--num-attention-heads", "64", "--seq-length", "2048", "--max-position-embeddings", "2048"],
+                 id="no-pipelining-gpu-bound"),
     pytest.param(2, 0, ["--transformer-impl", "transformer_engine", "--pipeline-model-parallel-size", "1",
                         "--global-batch-size", "64", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
                  id="no-pipelining-te-fp8", marks=pytest.mark.heavy),

@@ -68,6 +68,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[dict[str, Any],
 def test_a_run_ended_at_the_third_mark_keeps_the_first_two_iterations_exactly(runs: list[Any]) -> None:
     (whole, whole_trace, _), (stopped, stopped_trace, stderr) = runs
     assert "the run ends where iteration 3 starts" in stderr
+    assert "Traceback" not in stderr  # the storages that die at exit free none of the replay's blocks
     stop = stopped["megatron"]["stop_at_iteration"]
     assert stopped["exit_code"] == 0 and stop["stopped_at"] == 3 and stop["refused"] is None
     assert stop["replayed_requests"]["mallocs"] > 0 and "stop_at_iteration" not in whole["megatron"]
@@ -89,11 +90,12 @@ def test_a_run_ended_at_the_third_mark_keeps_the_first_two_iterations_exactly(ru
 @pytest.mark.parametrize("name", sorted(OTHERS))
 def test_blocks_carried_across_the_marks_replay_to_the_same_memory(name: str, tmp_path: Path) -> None:
     job, world, rank = OTHERS[name]
-    (whole, whole_trace, _), (stopped, stopped_trace, _) = at_once(
+    (whole, whole_trace, _), (stopped, stopped_trace, stderr) = at_once(
         lambda: _run(tmp_path / "whole", job=job, world=world, rank=rank),
         lambda: _run(tmp_path / "stopped", "--prism-stop-at-iteration", "3", job=job, world=world, rank=rank))
     stop = stopped["megatron"]["stop_at_iteration"]
     assert stop["stopped_at"] == 3 and stop["replayed_requests"]["carried"] > 0, stop
+    assert "Traceback" not in stderr
     assert stopped_trace == whole_trace
     steps = [s["virtual_gpu"]["virtual_time"]["step_times_s"] for s in (stopped, whole)]
     assert steps[0] == steps[1]

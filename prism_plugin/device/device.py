@@ -170,6 +170,12 @@ class _AllocatorTracker(StorageTracker):
         self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
+    def disown(self) -> None:
+        """The run ended on a replayed iteration (``--prism-stop-at-iteration``): the allocator models hold the
+        replay's blocks, which the program's storages no longer stand for, so a storage that dies from here on (the
+        process's exit) frees nothing: its block may be one the replay freed already."""
+        self._blocks.clear()
+
     def live_count(self) -> tuple[int, int]:
         """How many device and fake host storages are alive."""
         return len(self._blocks), len(self._host)

@@ -7,14 +7,17 @@ asks whether the last periods are proven (`proven`), advances (`advance`) and sk
 those periods inside `silent`, keeping the program's objects as they were at the boundary.
 
 **Recording.** From the first mark on (an adapter marks the start of the repeated work, so every block it frees
-was numbered), every kernel and communication op (stream, name, start relative to the host at its period's start,
-duration) and every allocator request is recorded: a malloc by (device, size, stream), a free by its *distance*,
-how many mallocs ago the freed block was allocated.
+was numbered), every kernel and communication op (stream, name, start relative to the device at its period's
+start: the host or the furthest stream, whichever is later; host work relative to the host; duration) and every
+allocator request is recorded: a malloc by (device, size, stream), a free by its *distance*, how many mallocs ago
+the freed block was allocated.
 
 **The proof.** Marks ``b0, b1, b2`` and the two periods between them. The period is proven when both recorded the
 same events (times within `TOLERANCE_S`); when the last one frees a block allocated before ``b0`` (a lifetime a
 little longer than a period), the period before ``b0`` was recorded and its tail from that block on repeats the
-same tail of the next period; the streams stand at the same places relative to the host at the marks, no backward
+same tail of the next period; the streams stand at the same places relative to the host at the marks (the host's
+frame), or the GPU runs ahead of the host by a lead that grows by the same step every period, with no
+synchronisation or query of the GPU by the host in either period (the GPU's frame, `_frame`), no backward
 pass runs and no fusion region is open there, the live storages and fake host bytes are the same, and the running
 totals (kernels, seconds, launches, kernel tallies, host counts, value-policy answers, communication counts and
 bytes, group sequence numbers, and the adapter's own: data consumed) grew by the same amounts in both. The
@@ -32,7 +35,8 @@ malloc order) are what the skipped work left in the container, and the adapter m
   and stream, free by distance), so blocks, fragmentation, segments, every statistic and peak are what the full
   execution gives, OOMs included; each live storage made in the recording then holds its counterpart of the last
   replayed period (the same malloc ``n`` periods later), as the program's objects stand for the skipped work's last;
-- the host and every stream the period moved jump by ``n`` times the period's emulated duration; every other
+- the host and every stream the period moved jump by ``n`` times their own step over the period (in the host's
+  frame one duration for all; in the GPU's frame the host's step, and the device's for the streams); every other
   running total grows by ``n`` times its period delta.
 
 While the adapter skips the program's calls the device is silent (`silent`): an op the schedule itself makes
@@ -94,6 +98,9 @@ class _Capture:
     ends: dict[Any, float]
     positions: dict[Any, float]
     """Each stream's place relative to the host (``max(end - host, 0)``)."""
+    device_s: float
+    """Where the device stands: the host or the furthest stream, whichever is later (the base of the times
+    recorded on streams; the host's own records are relative to `host_s`)."""
     layout: tuple[Any, ...]
     totals: dict[Any, float]
     mallocs: int
@@ -127,6 +134,36 @@ def _from_malloc(period: list[tuple[Any, ...]], mallocs_before: int, first: int)
 
 def _delta(a: dict[Any, float], b: dict[Any, float]) -> dict[Any, float]:
     return {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b)}
+
+
+def _frame(captures: list[_Capture]) -> str | None:
+    """Why the streams' places at the marks `captures` do not let their periods repeat (None: they do).
+
+    In the host's frame, every stream stands at the same place relative to the host at each mark. In the GPU's
+    frame the GPU runs ahead by a lead that grows every period (GPU-bound work the host never waits for): the host
+    moves by the same step every period, and every stream that moves at all by the same larger one, the device's;
+    the host neither waited for the GPU (a synchronisation) nor asked it how far it got (a query) in either period.
+    With the records of the two periods the same relative to the device (the proof's other conditions), no launch
+    in the second was held back by the host (it would have started ``lead growth`` earlier in the first than its
+    launch), so the next periods repeat it: each starts a device step after its predecessor, ever further ahead of
+    a launch that comes a host step later."""
+    if all(_same_map(a.positions, b.positions) for a, b in zip(captures, captures[1:], strict=False)):
+        return None
+    elsewhere = "the streams stand elsewhere relative to the host"
+    host = [b.host_s - a.host_s for a, b in zip(captures, captures[1:], strict=False)]
+    device = [b.device_s - a.device_s for a, b in zip(captures, captures[1:], strict=False)]
+    if not (_same(host[0], host[1]) and _same(device[0], device[1])) or device[1] - host[1] <= TOLERANCE_S:
+        return elsewhere
+    for key in set().union(*(c.ends for c in captures)):
+        if any(key not in c.ends for c in captures):
+            return elsewhere
+        steps = [b.ends[key] - a.ends[key] for a, b in zip(captures, captures[1:], strict=False)]
+        if not (all(step == 0.0 for step in steps) or all(_same(step, device[1]) for step in steps)):
+            return elsewhere
+    for figure in (("clock", "host_syncs"), ("shim", "queries")):
+        if any(b.totals[figure] != a.totals[figure] for a, b in zip(captures, captures[1:], strict=False)):
+            return "the host waited for or queried the GPU, which runs ahead of it"
+    return None
 
 
 class _AllocatorLog(RequestLog):
@@ -269,11 +306,11 @@ class FastForward:
         self._captures = [*self._captures[-3:], self._capture()]
         events: list[tuple[Any, ...]] = []
         self._events = self._log.events = events
-        base = self.gpu.clock.host_s
+        host, device = self._captures[-1].host_s, self._captures[-1].device_s
         outer = self._outer_record
 
         def record(row: str, name: str, start_s: float, end_s: float) -> None:
-            events.append(("k", row, name, start_s - base, end_s - start_s))
+            events.append(("k", row, name, start_s - (host if row == "host" else device), end_s - start_s))
             if outer is not None:
                 outer(row, name, start_s, end_s)
 
@@ -296,13 +333,14 @@ class FastForward:
         for name, *parts in zip(_LAYOUT_PARTS, *(c.layout for c in captures), strict=False):
             if any(part != parts[0] for part in parts):
                 return f"{name} differ at the period boundaries"
-        if not all(_same_map(a.positions, b.positions) for a, b in zip(captures, captures[1:], strict=False)):
-            return "the streams stand elsewhere relative to the host"
+        frame = _frame(captures)
+        if frame is not None:
+            return frame
         recorded = self._periods[-periods:]
         if not all(_same(a, b) for a, b in zip(recorded, recorded[1:], strict=False)):
             return "the periods ran different kernels, ops or allocations"
         for i, view in enumerate(self.views):
-            kept = [view.signature(a.views[i], b.views[i], a.host_s, self._seq_of(a.totals))
+            kept = [view.signature(a.views[i], b.views[i], a.host_s, a.device_s, self._seq_of(a.totals))
                     for a, b in zip(captures, captures[1:], strict=False)]
             reason = next((k for k in kept if isinstance(k, str)), None)
             if reason is not None:
@@ -363,22 +401,23 @@ class FastForward:
         self.orphans = [b for m, b in sorted(log.blocks.items()) if m >= since and id(b) not in owned]
         log.untap()
         deltas = _delta(c1.totals, c2.totals)
-        period_s = c2.host_s - c1.host_s
-        moved = [k for k, t in clock.ends.items() if c1.ends.get(k) != t]
+        period_s, device_step = c2.host_s - c1.host_s, c2.device_s - c1.device_s
+        moved = {k: t - c1.ends.get(k, t - period_s) for k, t in clock.ends.items() if c1.ends.get(k) != t}
         clock.host_s += periods * period_s
-        for key in moved:
-            clock.ends[key] += periods * period_s
+        for key, step in moved.items():  # the host's period, or the device's where the GPU runs ahead (`_frame`)
+            clock.ends[key] += periods * step
         by_part: dict[str, dict[Any, float]] = {}
         for (part, key), delta in deltas.items():
             if delta:
                 by_part.setdefault(part, {})[key] = delta
         seq_step = self._seq_of(by_part.get("seq", {}), key=lambda i: i)
         for i, view in enumerate(self.views):
-            view.repeat(c1.views[i], c2.views[i], periods, period_s, seq_step)
+            view.repeat(c1.views[i], c2.views[i], periods, period_s, device_step, seq_step)
         for name, delta in by_part.get("clock", {}).items():
             setattr(clock, name, getattr(clock, name) + periods * delta)
         gpu.kernel_timer.advance(by_part.get("kernels", {}), periods)
         gpu.host_counts.advance(by_part.get("host_counts", {}), periods)
+        gpu.shim.queries += periods * int(by_part.get("shim", {}).get("queries", 0))
         values = gpu.values
         for key, delta in by_part.get("values", {}).items():
             if key == "constants_read":
@@ -396,7 +435,7 @@ class FastForward:
             for index, delta in by_part.get("seq", {}).items():
                 session.virtual_groups[index].seq += periods * int(delta)
         self.advanced_periods += periods
-        self.advanced_s += periods * period_s
+        self.advanced_s += periods * max(period_s, device_step)
         self._reset()
         return {key: periods * delta for key, delta in by_part.get("extra", {}).items()}
 
@@ -471,5 +510,7 @@ class FastForward:
             totals.update({("seq", i): vg.seq for i, vg in enumerate(session.virtual_groups)})
             layout = (*layout, tuple((name, use[1], frozenset(use[2])) for name, use in counters.comm_use.items()))
         totals.update({("extra", k): v for k, v in self._extra_totals.items()})
-        return _Capture(host, dict(clock.ends), positions, layout, totals, self._log.mallocs,
+        totals[("shim", "queries")] = gpu.shim.queries
+        device = max(host, max(clock.ends.values(), default=host))
+        return _Capture(host, dict(clock.ends), positions, device, layout, totals, self._log.mallocs,
                         tuple(view.position() for view in self.views))

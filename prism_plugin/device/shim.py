@@ -92,6 +92,7 @@ class VirtualStream:
         return event
 
     def query(self) -> bool:
+        self._shim.queries += 1
         clock = self._shim.clock
         return clock is None or clock.ends.get(self.key, 0.0) <= clock.host_s
 
@@ -145,7 +146,9 @@ class VirtualEvent:
             shim.clock.wait_until((stream or shim.current_stream()).key, self.time_s)
 
     def query(self) -> bool:
-        clock = CudaShim.active().clock
+        shim = CudaShim.active()
+        shim.queries += 1
+        clock = shim.clock
         return clock is None or self.time_s is None or self.time_s <= clock.host_s
 
     def synchronize(self) -> None:
@@ -203,6 +206,9 @@ class CudaShim:
         self._patches = Patches()
         self.clock: VirtualTime | None = None
         """Virtual time (`start_clock`); None: streams keep their order only and nothing takes time."""
+        self.queries = 0
+        """``Stream.query()`` / ``Event.query()`` calls: the host asking how far the GPU got without waiting (an
+        exact fast-forward in the GPU's frame needs none: `prism_plugin.device.fast_forward`)."""
 
     @classmethod
     def active(cls) -> CudaShim:

@@ -15,6 +15,11 @@ which the engine:
   iteration limit, the timeline's record budget), so what is kept and what is dropped is what the full run keeps
   and drops. A copy is a record of its original's own class: this module imports neither observer.
 
+A period has two starts: the host's, and the device's (the host or the furthest stream, whichever is later). They
+move apart when the GPU runs ahead of the host by a lead that grows every period. Every op's times are places on
+its stream (issue, wait and return read the current stream's position, `prism_plugin.device.clock`), so they are
+relative to the device's start and shift by its step; only spans on the ``host`` row (host work) are the host's.
+
 A period the observer cannot describe (an iteration mark inside it, the timeline's record budget filled inside
 it) gives a reason instead of a signature: the engine then proves nothing there, and the work runs.
 """
@@ -38,6 +43,11 @@ def _shift(t: float, by: float) -> float:
     return t + by if t >= 0.0 else t
 
 
+def _base(row: str, host: float, device: float) -> float:
+    """The host's figure for a span on the ``host`` row, else the device's."""
+    return host if row == "host" else device
+
+
 class TracerPeriods:
     """`prism_plugin.runtime.tracer.Tracer`'s period view."""
 
@@ -48,7 +58,8 @@ class TracerPeriods:
         current = self.tracer._current
         return (None, self.tracer.untraced_ops) if current is None else (id(current), len(current))
 
-    def signature(self, a: tuple[Any, int], b: tuple[Any, int], base_s: float, seq_of: SeqOf) -> list[Any] | str:
+    def signature(self, a: tuple[Any, int], b: tuple[Any, int], host_s: float, base_s: float,
+                  seq_of: SeqOf) -> list[Any] | str:
         if a[0] != b[0]:
             return "an iteration of the trace ended inside the period"
         if a[0] is None:
@@ -58,7 +69,8 @@ class TracerPeriods:
                  r.return_s - base_s, _rel(r.wait_s, base_s), _rel(r.end_s, base_s), r.thread)
                 for r in self.tracer._current[a[1]:b[1]]]
 
-    def repeat(self, a: tuple[Any, int], b: tuple[Any, int], times: int, period_s: float, seq_step: SeqOf) -> None:
+    def repeat(self, a: tuple[Any, int], b: tuple[Any, int], times: int, host_step_s: float, period_s: float,
+               seq_step: SeqOf) -> None:
         tracer = self.tracer
         if a[0] is None:
             tracer.untraced_ops += times * (b[1] - a[1])
@@ -86,7 +98,8 @@ class TimelinePeriods:
         it = t._current
         return (id(it), t._ops is None, len(it.ops), len(it.spans), len(it.order), t.dropped_ops, t.dropped_spans)
 
-    def signature(self, a: tuple[Any, ...], b: tuple[Any, ...], base_s: float, seq_of: SeqOf) -> list[Any] | str:
+    def signature(self, a: tuple[Any, ...], b: tuple[Any, ...], host_s: float, base_s: float,
+                  seq_of: SeqOf) -> list[Any] | str:
         if a[0] != b[0]:
             return "an iteration of the timeline ended inside the period"
         if a[1]:  # the iteration filled the budget before the period: everything in it is dropped
@@ -97,11 +110,12 @@ class TimelinePeriods:
         ops = [(r.kind, r.gid, r.seq - seq_of(groups[r.gid]), r.size, r.peer, r.issue_s - base_s,
                 r.arrival_s - base_s, r.end_s - base_s, r.failed, _rel(r.wait_s, base_s), _rel(r.done_s, base_s),
                 r.thread) for r in it.ops[a[2]:b[2]]]
-        spans = [(row, name, start - base_s, end - base_s, args, category)
+        spans = [(row, name, start - _base(row, host_s, base_s), end - _base(row, host_s, base_s), args, category)
                  for row, name, start, end, args, category in it.spans[a[3]:b[3]]]
         return [bytes(it.order[a[4]:b[4]]), ops, spans]
 
-    def repeat(self, a: tuple[Any, ...], b: tuple[Any, ...], times: int, period_s: float, seq_step: SeqOf) -> None:
+    def repeat(self, a: tuple[Any, ...], b: tuple[Any, ...], times: int, host_step_s: float, period_s: float,
+               seq_step: SeqOf) -> None:
         t = self.timeline
         if a[1]:
             t.dropped_ops += times * (b[5] - a[5])
@@ -120,7 +134,8 @@ class TimelinePeriods:
                         t.dropped_ops += 1
                 elif kind:
                     row, name, start, end, args, category = spans[s]
-                    t._keep_span((row, name, start + by, end + by, args, category))
+                    shift = k * _base(row, host_step_s, period_s)
+                    t._keep_span((row, name, start + shift, end + shift, args, category))
                 else:
                     r = ops[o]
                     copy = type(r)(r.kind, r.gid, r.seq + k * seq_step(t._groups[r.gid]), r.size, r.peer,

@@ -35,14 +35,15 @@ try:
     start_virtual_time(vg, load_profile("dgx-h100"), VirtualTimeOptions())
     model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)).to("cuda")
     ff = FastForward(vg)
+    ROWS = 16
     def forward():
-        x = torch.randn(16, 512, device="cuda")
+        x = torch.randn(ROWS, 512, device="cuda")
         small = torch.ones(3, device="cuda")  # small-pool churn: its block placement does not repeat
         return (model(x) * small.sum()).float().pow(2).mean()
 """
 
 STEADY = """
-    W, M, FF, BUDGET = {w}, {m}, {ff}, {budget}
+    W, M, FF, BUDGET, ROWS, QUERY = {w}, {m}, {ff}, {budget}, {rows}, {query}
     if BUDGET:  # a timeline draws every kernel (its record budget may fill on the way)
         from prism_plugin.runtime.timeline import Timeline
         timeline = Timeline(0, 1, ".", now_s=lambda: vg.clock.host_s, time_name="emulated")
@@ -62,6 +63,8 @@ STEADY = """
                     i += n * W
                     skipped += n * W
                     continue
+        if QUERY:
+            torch.cuda.current_stream().query()  # the host asks how far the GPU got (without waiting)
         fifo.append(forward())
         fifo.popleft().backward()
         i += 1
@@ -83,8 +86,9 @@ STEADY = """
 """
 
 
-def _run(w: int, m: int, ff: bool, budget: int = 0) -> dict:
-    return run_child(program(PRELUDE, STEADY.format(w=w, m=m, ff=ff, budget=budget), EPILOGUE))
+def _run(w: int, m: int, ff: bool, budget: int = 0, rows: int = 16, query: bool = False) -> dict:
+    return run_child(program(PRELUDE, STEADY.format(w=w, m=m, ff=ff, budget=budget, rows=rows, query=query),
+                             EPILOGUE))
 
 
 @pytest.mark.parametrize(("w", "m"), [(3, 40), (1, 20)])
@@ -95,6 +99,29 @@ def test_fast_forward_gives_every_figure_of_the_full_run(library: None, w: int, 
     for key in ("stats", "device", "clock", "tallies"):
         assert_same_figures(fast[key], full[key], rel_tol=0, abs_tol=1e-12, path=key)
     assert fast["clock"]["kernels"] == full["clock"]["kernels"] > 0
+
+
+def test_gpu_bound_work_is_fast_forwarded_in_the_gpus_frame(library: None) -> None:
+    """131,072-row micro-batches: the GPU runs ahead of the host by a lead that grows every period (nothing syncs).
+    The periods are proven in the GPU's frame and advanced, host and streams each by their own step; the figures
+    are the full run's, and a timeline keeps the full run's kernels."""
+    full, fast = _run(3, 40, ff=False, budget=100_000, rows=131072), _run(3, 40, ff=True, budget=100_000,
+                                                                          rows=131072)
+    clock = full["clock"]  # GPU-bound: the kernels take far longer than the host's launches
+    assert clock["kernel_s"] > 5 * clock["launches"] * clock["launch_overhead_us"] * 1e-6, clock
+    assert fast["skipped"] >= 18, fast
+    for key in ("stats", "device", "clock", "tallies"):
+        assert_same_figures(fast[key], full[key], rel_tol=0, abs_tol=1e-12, path=key)
+    assert_same_figures(fast["timeline"], full["timeline"], rel_tol=0, abs_tol=1e-6, path="timeline")
+    assert fast["timeline_summary"] == full["timeline_summary"]
+
+
+def test_a_host_that_queries_a_gpu_running_ahead_proves_nothing(library: None) -> None:
+    """A ``Stream.query()`` each iteration: its answer depends on how far ahead the GPU runs, which grows, so no
+    period is proven in the GPU's frame, and everything runs."""
+    fast = _run(3, 40, ff=True, rows=131072, query=True)
+    assert fast["skipped"] == 0, fast
+    assert fast["not_proven"].get("the host waited for or queried the GPU, which runs ahead of it", 0) >= 8, fast
 
 
 @pytest.mark.parametrize("budget", [100_000, 600])

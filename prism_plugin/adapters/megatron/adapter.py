@@ -291,6 +291,7 @@ class MegatronAdapter:
         if iteration < k:
             return
         from prism_plugin.cost.allocator import DeviceOutOfMemory
+        from prism_plugin.device.device import current_gpu
 
         self._stop_reached = True
         try:
@@ -302,6 +303,7 @@ class MegatronAdapter:
             print(f"prism: --prism-stop-at-iteration {k}: iteration {k} runs: {why}", file=sys.stderr, flush=True)
             return
         self.stopped_at = iteration
+        current_gpu().tracker.disown()
         print(f"prism: --prism-stop-at-iteration {k}: the run ends where iteration {k} starts (its allocator "
               f"requests replayed: {self._requests.replayed['mallocs']} mallocs)", file=sys.stderr, flush=True)
         raise SystemExit(0)
