@@ -288,22 +288,25 @@ class FastForward:
         return None
 
     # -- marks and the proof --------------------------------------------------------------------------------------
-    def mark(self, held: frozenset[int] = frozenset(), **extra_totals: float) -> None:
+    def mark(self, held: frozenset[int] = frozenset(), keep: int = 3, **extra_totals: float) -> None:
         """A boundary between two periods of the repeated work; `extra_totals`: the adapter's own running totals
         (data consumed), proven and advanced with the device's; `held`: the storage keys (``_cdata``) of what a
         container of the program that grows by the same objects every period holds (the last pipeline stage's
-        losses): left out of the live storages the proof compares, never remapped by the advance."""
+        losses): left out of the live storages the proof compares, never remapped by the advance; `keep`: how many
+        periods are kept (at least 3): a proof's window reaches as far back as the oldest block its last period
+        frees (`_compared`)."""
         self._extra_totals = dict(extra_totals)
         self._held = held
+        keep = max(keep, 3)
         if self._events is not None:
-            self._periods = [*self._periods[-2:], self._events]
+            self._periods = [*self._periods[-(keep - 1):], self._events]
         else:  # the recording starts
             self._outer_record = self.gpu.clock.record
             keepers = [*(self.session.observers if self.session is not None else ()),
                        getattr(self._outer_record, "__self__", None)]
             keepers = [o for i, o in enumerate(keepers) if _has_periods(o) and all(o is not k for k in keepers[:i])]
             self.views = [o.periods() for o in keepers]
-        self._captures = [*self._captures[-3:], self._capture()]
+        self._captures = [*self._captures[-keep:], self._capture()]
         events: list[tuple[Any, ...]] = []
         self._events = self._log.events = events
         host, device = self._captures[-1].host_s, self._captures[-1].device_s
@@ -353,10 +356,11 @@ class FastForward:
         return None
 
     def _compared(self) -> int | str:
-        """The first malloc of the proof's window: the last two periods, and the tail of the one before them when
-        the last period frees a block allocated there (a lifetime a little longer than a period: Megatron's popped
-        output tensor, let go one iteration after its micro-batch's backward), which must repeat the same tail of
-        the period after it; or why no window proves anything."""
+        """The first malloc of the proof's window: the last two periods, and the periods before them back to the
+        oldest block the last period frees (a lifetime longer than a period: a pipeline stage's micro-batch, freed
+        by its backward ``W`` iterations after its forward, and its output one iteration later), whose allocations
+        (from that block on) must be the last period's: every block the next periods free was then made by the
+        request the last period's freed block was made by; or why no window proves anything."""
         if len(self._periods) < 2:
             return "fewer than two periods recorded"
         last, mallocs = self._periods[-1], self._captures[-2].mallocs
@@ -371,13 +375,16 @@ class FastForward:
         start = self._captures[-3].mallocs
         if earliest >= start:
             return start
-        if len(self._periods) < 3 or earliest < self._captures[-4].mallocs:
-            return "a block older than the recorded periods was freed"
-        period = self._captures[-2].mallocs - start
-        if not _same(_from_malloc(self._periods[-3], self._captures[-4].mallocs, earliest),
-                     _from_malloc(self._periods[-2], start, earliest + period)):
-            return "the periods ran different kernels, ops or allocations"
-        return earliest
+        pattern = [event for event in last if event[0] == "m"]
+        for back in range(3, len(self._periods) + 1):
+            begin = self._captures[-back - 1].mallocs
+            made = [event for event in _from_malloc(self._periods[-back], begin, max(earliest, begin))
+                    if event[0] == "m"]
+            if made != pattern[len(pattern) - len(made):] or (earliest < begin and len(made) != len(pattern)):
+                return "the periods ran different kernels, ops or allocations"
+            if earliest >= begin:
+                return earliest
+        return "a block older than the recorded periods was freed"
 
     # -- the advance ------------------------------------------------------------------------------------------------
     def advance(self, periods: int) -> dict[str, float]:

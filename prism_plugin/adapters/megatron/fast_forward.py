@@ -3,17 +3,18 @@
 Megatron's non-interleaved pipeline schedule (``forward_backward_pipelining_without_interleaving``) runs, on a
 stage with ``W`` warm-up micro-batches, ``M - W`` steady iterations of one forward, one exchange with the next
 stage, one backward and one exchange with the previous stage, holding ``W`` micro-batches' activations in a
-first-in first-out list. Those iterations repeat with a period of ``L = max(W, 1)``: after ``L`` iterations the
-same blocks hold the same list positions. So this module drives `prism_plugin.device.fast_forward` at the
-schedule level, through the schedule's own seams (``forward_step``, ``backward_step``,
-``deallocate_output_tensor`` and the ``P2PCommunicator``'s two steady exchanges), and leaves the schedule's code
-as it is:
+first-in first-out list. Each steady iteration repeats the one before (once the micro-batches it frees were made
+in steady iterations themselves); the list is back in its order after ``L = max(W, 1)`` of them. So this module
+drives `prism_plugin.device.fast_forward` at the schedule level, through the schedule's own seams
+(``forward_step``, ``backward_step``, ``deallocate_output_tensor`` and the ``P2PCommunicator``'s two steady
+exchanges), and leaves the schedule's code as it is:
 
 - the boundary is the exchange with the previous stage (``send_backward_recv_forward``) of a steady iteration;
-  every ``L``-th one, from the ``L``-th on, is a mark;
-- once the last two periods are proven, the device advances by the ``n`` whole periods that still leave the last
-  steady iteration to run (it ends the warm-down differently), the data iterator is advanced by what those
-  micro-batches would have consumed, and the schedule's next ``n x L`` iterations call seams that return at once:
+  each one is a mark, and the proof's window reaches back to the micro-batch the last iteration frees;
+- once the last two iterations are proven, the device advances by the most iterations that are a multiple of
+  ``L`` (the list back in its order) and still leave the last steady iteration to run (it ends the warm-down
+  differently), the data iterator is advanced by what those micro-batches would have consumed, and the
+  schedule's next ``n x L`` iterations call seams that return at once:
   each exchange and forward returns the objects of the list's head (the list turns by one per iteration, back
   to where it was after ``n x L``), each backward returns the gradient it returned at the boundary, so when the
   schedule resumes its locals and list hold the boundary's objects, which stand for the skipped work's last;
@@ -123,13 +124,14 @@ class _Run:
 
     @property
     def period(self) -> int:
+        """Steady iterations after which the in-flight list is back in its order: what a skip is a multiple of."""
         return max(self.warmup or 0, 1)
 
     def at_mark(self) -> bool:
-        """Whether the steady iteration under way ends at a mark (its exchange with the previous stage)."""
-        index = self.exchanges
-        return (self.warmup is not None and not self.advanced and index % self.period == 1 % self.period
-                and index < self.num_microbatches - self.warmup - 1)
+        """Whether the steady iteration under way ends at a mark (its exchange with the previous stage): every one
+        is, each a period of the proof."""
+        return (self.warmup is not None and not self.advanced
+                and self.exchanges < self.num_microbatches - self.warmup - 1)
 
 
 class ScheduleFastForward:
@@ -295,7 +297,8 @@ class ScheduleFastForward:
         """A mark before steady exchange `index` (`popped`, `grad_out`: the schedule's locals there); when proven,
         advance and start skipping (returns what the skipped exchange returns), else None."""
         engine = self.engine
-        engine.mark(held=_storages(run.store), **self._totals(run))
+        # a micro-batch lives `warmup` iterations, its output one more: the proof looks that far back
+        engine.mark(held=_storages(run.store), keep=run.period + 3, **self._totals(run))
         if len(run.fifo) != run.warmup or (run.warmup == 0 and popped[1] is None):
             # the schedule's forwards and backwards did not all pass the seams (a multi-module backward): the
             # skipped calls could not return the objects the program holds
@@ -304,13 +307,13 @@ class ScheduleFastForward:
         if not engine.proven():
             return None
         steady = run.num_microbatches - (run.warmup or 0)
-        periods = (steady - 2 - index) // run.period
-        if periods < 1:
+        iterations = (steady - 2 - index) // run.period * run.period  # whole turns of the in-flight list
+        if iterations < 1:
             return None
         # held until the program would have let go of them: the popped micro-batch's input at the next exchange,
         # its output and the forward's token count at the next forward; the gradient until the schedule holds it
         run.held = {"input": popped[0], "output": popped[1], "tokens": run.tokens, "grad_out": grad_out}
-        self._start_skipping(run, periods, periods * run.period)
+        self._start_skipping(run, iterations, iterations)
         return run.fifo[0][0] if run.fifo else run.held["input"]
 
     def _forward_unpipelined(self, run: _Run, forward: Any, store: list[Any]) -> Any:
