@@ -7,7 +7,8 @@ state (the summary counts it) and give the full run's figures: every number of t
 Megatron's own memory log lines. The two runs start together (`integration_tests.at_once`): every figure compared is
 modelled, none measured.
 
-- rank 0 (the first stage, 3 warm-up micro-batches: a period of 3 iterations), local spec;
+- rank 0 (the first stage, 3 warm-up micro-batches: a period of 3 iterations), local spec; and with
+  ``--prism-attention flash`` (the stand-in's forward counts are advanced with the device's);
 - rank 0 of 2 without pipelining (data-parallel 2, 32 micro-batches per call: Megatron's no-pipelining schedule,
   a period of one micro-batch; heavy: with TransformerEngine and FP8, whose first micro-batch differs); and a
   GPU-bound form of it (hidden 8192, sequence 2048: each micro-batch's kernels take longer than its launches, so
@@ -70,6 +71,7 @@ def _memory_lines(log: str) -> list[str]:
 
 @pytest.mark.parametrize(("world", "rank", "extra"), [
     pytest.param(4, 0, ["--transformer-impl", "local"], id="first-stage-local"),
+    pytest.param(4, 0, ["--transformer-impl", "local", "--prism-attention", "flash"], id="first-stage-flash"),
     pytest.param(4, 3, ["--transformer-impl", "local"], id="last-stage-local", marks=pytest.mark.heavy),
     pytest.param(2, 0, ["--transformer-impl", "local", "--pipeline-model-parallel-size", "1", "--global-batch-size",
                         "64"], id="no-pipelining-local"),

@@ -332,7 +332,8 @@ class MegatronAdapter:
             return None
         from prism_plugin.adapters.megatron.fast_forward import ScheduleFastForward
 
-        driver = ScheduleFastForward(gpu, self.session, routing=self.moe_routing, host_calls=self.host_calls)
+        driver = ScheduleFastForward(gpu, self.session, routing=self.moe_routing, host_calls=self.host_calls,
+                                     attention=getattr(self, "attention", None))
         driver.install(self._patches)
         return driver
 

@@ -137,10 +137,14 @@ class _Run:
 class ScheduleFastForward:
     """The seams above, for virtual GPU `gpu` and its communication `session`."""
 
-    def __init__(self, gpu: Any, session: Any, *, routing: Any = None, host_calls: Any = None) -> None:
+    def __init__(self, gpu: Any, session: Any, *, routing: Any = None, host_calls: Any = None,
+                 attention: Any = None) -> None:
         self.engine = FastForward(gpu, session)
         self.routing = routing
         """The MoE routing policy (`moe.RoutingPolicy`): its answer counts are the adapter's running totals."""
+        self.attention = attention
+        """The flash-attention stand-in's counts (`attention.FlashAttentionStandin`, ``--prism-attention flash``):
+        running totals too."""
         self.host_calls = host_calls
         """The skipped host-hardware calls (`host_calls.HostCalls`): counted per call, so running totals too."""
         self.run: _Run | None = None
@@ -369,7 +373,8 @@ class ScheduleFastForward:
         return None, run.tokens
 
     def _totals(self, run: _Run) -> dict[str, float]:
-        """The adapter's running totals a micro-batch adds to: data taken, MoE routing answers, host calls."""
+        """The adapter's running totals a micro-batch adds to: data taken, MoE routing answers, host calls, the
+        flash-attention stand-in's forwards."""
         totals: dict[str, float] = {"data": run.data.taken if run.data is not None else 0,
                                     "store": len(run.store) if run.store is not None else 0}
         routing = self.routing
@@ -379,6 +384,9 @@ class ScheduleFastForward:
             totals.update({f"moe.layer.{layer}": entry["calls"] for layer, entry in routing.by_layer.items()})
         if self.host_calls is not None:
             totals.update({f"host.{name}": n for name, n in self.host_calls.skipped.items()})
+        if self.attention is not None:
+            totals["attention.forwards"] = self.attention.forwards
+            totals["attention.cp_forwards"] = self.attention.cp_forwards
         return totals
 
     def _advance(self, run: _Run, grown: dict[str, float]) -> None:
@@ -397,6 +405,8 @@ class ScheduleFastForward:
                 self.routing.by_layer[int(key.removeprefix("moe.layer."))]["calls"] += count
             elif kind == "host":
                 self.host_calls.skipped[name] += count
+            elif kind == "attention":
+                setattr(self.attention, name, getattr(self.attention, name) + count)
 
     def _adopt(self, run: _Run, entries: int) -> None:
         """The `entries` objects the skipped forwards would have appended to the store: copies of the last one
