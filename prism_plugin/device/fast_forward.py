@@ -98,14 +98,17 @@ class _Capture:
     ends: dict[Any, float]
     positions: dict[Any, float]
     """Each stream's place relative to the host (``max(end - host, 0)``)."""
-    device_s: float
-    """Where the device stands: the host or the furthest stream, whichever is later (the base of the times
-    recorded on streams; the host's own records are relative to `host_s`)."""
     layout: tuple[Any, ...]
     totals: dict[Any, float]
     mallocs: int
     views: tuple[Any, ...] = ()
     """Where each recording observer (`FastForward.views`) stands."""
+
+    @property
+    def device_s(self) -> float:
+        """Where the device stands: the host or the furthest stream, whichever is later (the base of the times
+        recorded on streams; the host's own records are relative to `host_s`)."""
+        return max(self.host_s, max(self.ends.values(), default=self.host_s))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -150,18 +153,19 @@ def _frame(captures: list[_Capture]) -> str | None:
     if all(_same_map(a.positions, b.positions) for a, b in zip(captures, captures[1:], strict=False)):
         return None
     elsewhere = "the streams stand elsewhere relative to the host"
-    host = [b.host_s - a.host_s for a, b in zip(captures, captures[1:], strict=False)]
-    device = [b.device_s - a.device_s for a, b in zip(captures, captures[1:], strict=False)]
+    pairs = list(zip(captures, captures[1:], strict=False))
+    host = [b.host_s - a.host_s for a, b in pairs]
+    device = [b.device_s - a.device_s for a, b in pairs]
     if not (_same(host[0], host[1]) and _same(device[0], device[1])) or device[1] - host[1] <= TOLERANCE_S:
         return elsewhere
     for key in set().union(*(c.ends for c in captures)):
         if any(key not in c.ends for c in captures):
             return elsewhere
-        steps = [b.ends[key] - a.ends[key] for a, b in zip(captures, captures[1:], strict=False)]
+        steps = [b.ends[key] - a.ends[key] for a, b in pairs]
         if not (all(step == 0.0 for step in steps) or all(_same(step, device[1]) for step in steps)):
             return elsewhere
     for figure in (("clock", "host_syncs"), ("shim", "queries")):
-        if any(b.totals[figure] != a.totals[figure] for a, b in zip(captures, captures[1:], strict=False)):
+        if any(b.totals[figure] != a.totals[figure] for a, b in pairs):
             return "the host waited for or queried the GPU, which runs ahead of it"
     return None
 
@@ -518,6 +522,5 @@ class FastForward:
             layout = (*layout, tuple((name, use[1], frozenset(use[2])) for name, use in counters.comm_use.items()))
         totals.update({("extra", k): v for k, v in self._extra_totals.items()})
         totals[("shim", "queries")] = gpu.shim.queries
-        device = max(host, max(clock.ends.values(), default=host))
-        return _Capture(host, dict(clock.ends), positions, device, layout, totals, self._log.mallocs,
+        return _Capture(host, dict(clock.ends), positions, layout, totals, self._log.mallocs,
                         tuple(view.position() for view in self.views))
