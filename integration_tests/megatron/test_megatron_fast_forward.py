@@ -21,7 +21,11 @@ modelled, none measured.
   trace and timeline);
 - heavy: rank 2 of 8 (TP2 with sequence parallelism, the second stage), TransformerEngine with FP8 (hybrid,
   delayed scaling); rank 0 of 8 with TE and 4 experts over EP2 (all-to-all dispatcher, grouped GEMM), 32
-  micro-batches per call (the MoE routing policy's answer counts are advanced with the device's).
+  micro-batches per call (the MoE routing policy's answer counts are advanced with the device's);
+- the interleaved schedule (8 layers, 2 model chunks per stage, 64 micro-batches per call: a period of 8 steady
+  iterations), with Megatron-LM's overlapped exchanges (each handle waited on an iteration after it is issued, so
+  some are pending at every mark) and without them: rank 0, rank 1 (heavy: TE with FP8 at TP2), and the last
+  stage as `prism emulate` profiles it (its trace, timeline and class trace too).
 """
 
 from __future__ import annotations
@@ -100,7 +104,33 @@ def test_fast_forward_gives_the_full_runs_figures(tmp_path: Path, world: int, ra
     assert _memory_lines(fast_log) == _memory_lines(full_log) and len(_memory_lines(full_log)) == 2
 
 
-def test_a_profiling_runs_trace_and_timeline_are_the_full_runs(tmp_path: Path) -> None:
+INTERLEAVED = ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "64"]
+
+
+@pytest.mark.parametrize(("world", "rank", "extra"), [
+    pytest.param(4, 0, ["--transformer-impl", "local"], id="first-stage-local"),
+    pytest.param(4, 0, ["--transformer-impl", "local", "--no-overlap-p2p-communication"], id="first-stage-no-overlap"),
+    pytest.param(8, 2, ["--transformer-impl", "transformer_engine", "--tensor-model-parallel-size", "2",
+                        "--sequence-parallel", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+                 id="second-stage-te-fp8", marks=pytest.mark.heavy),
+])
+def test_the_interleaved_schedules_fast_forward_gives_the_full_runs_figures(tmp_path: Path, world: int, rank: int,
+                                                                             extra: list[str]) -> None:
+    """Proven once the seam results reach 16 iterations back (the longest a micro-batch's chunk lives, in whole
+    periods) and the allocations back to the oldest block a period frees repeat (rank 0: at the mark before steady
+    iteration 33 of 118), then whole periods of 8 iterations are advanced up to the last micro-batch group (rank 0:
+    10 periods, 40 micro-batches' worth, in each of the 2 calls); every figure is the full run's."""
+    (fast, fast_log), (full, full_log) = at_once(lambda: _run(tmp_path, "on", world, rank, [*INTERLEAVED, *extra]),
+                                                 lambda: _run(tmp_path, "off", world, rank, [*INTERLEAVED, *extra]))
+    ff = fast["megatron"]["fast_forward"]
+    assert ff["schedule_calls"] == {"fast-forwarded": 2}, ff
+    assert ff["microbatches"] == 128 and ff["microbatches_skipped"] >= 64, ff
+    assert_same_figures(fast, full, rel_tol=1e-12, abs_tol=1e-9, ignore=WALL)
+    assert _memory_lines(fast_log) == _memory_lines(full_log) and len(_memory_lines(full_log)) == 2
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["1f1b", "interleaved"])
+def test_a_profiling_runs_trace_and_timeline_are_the_full_runs(tmp_path: Path, interleaved: bool) -> None:
     from prism_plugin.graph.convert import class_trace
     from prism_plugin.graph.layout import WorldLayout
     from prism_plugin.graph.rank_trace import RankTrace
@@ -109,7 +139,7 @@ def test_a_profiling_runs_trace_and_timeline_are_the_full_runs(tmp_path: Path) -
     def profiled(mode: str) -> tuple[dict[str, Any], str]:
         out = tmp_path / mode
         return _run(tmp_path, mode, 4, 3, ["--transformer-impl", "local", "--train-iters", "3",
-                    "--untie-embeddings-and-output-weights"], "--prism-output",
+                    "--untie-embeddings-and-output-weights", *(INTERLEAVED if interleaved else [])], "--prism-output",
                     str(out), "--prism-trace", str(out / "trace"))
 
     (fast, _), (full, _) = at_once(lambda: profiled("on"), lambda: profiled("off"))

@@ -53,8 +53,12 @@ recorder keeps receiving the kernels while the engine records them.
 kernel table, a Kineto trace, or a recorded, replayed, profiled or fault-injected communication layer; with
 several real ranks (their clocks couple at each exchange); with the allocator's garbage collection (block ages).
 
+**Handles pending across marks** (Megatron's interleaved schedule waits on each exchange an iteration after issuing
+it): compared at the marks and moved by the advance, their records stamped where the full run stamps them
+(`prism_plugin.device.pending_works`).
+
 Limitations: a CUDA event recorded in one period and waited on in a later one would not be shifted by the advance
-(Megatron's non-interleaved schedule has none); float sums of the advanced clock differ from the executed ones by
+(Megatron's schedules have none); float sums of the advanced clock differ from the executed ones by
 rounding, far below a nanosecond.
 """
 
@@ -67,6 +71,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prism_plugin.device.iteration_replay import RequestLog, is_request_hook
+from prism_plugin.device.pending_works import PendingWorks, pending_at
 
 __all__ = ["TOLERANCE_S", "FastForward", "FastForwardBroken"]
 
@@ -103,6 +108,12 @@ class _Capture:
     mallocs: int
     views: tuple[Any, ...] = ()
     """Where each recording observer (`FastForward.views`) stands."""
+    pending: tuple[Any, ...] = ()
+    """The communication handles issued and not yet waited on, held weakly (`prism_plugin.device.pending_works`):
+    each ``(handle, its records, its completion and arrival relative to the device)``."""
+    kept: tuple[Any, ...] = ()
+    """Per recording observer, its records of the period ending here as of this mark (`PendingWorks.kept`), or
+    why they do not describe it; set by `FastForward.mark`."""
 
     @property
     def device_s(self) -> float:
@@ -257,6 +268,7 @@ class FastForward:
         self.views: list[Any] = []
         """The period views (`prism_plugin.runtime.periods`) of the observers that keep records: the tracer and
         the timeline; proven and repeated with the device."""
+        self._pending = PendingWorks(self)
         self.advanced_periods = 0
         self.advanced_s = 0.0
         self.not_proven: Counter[str] = Counter()
@@ -310,7 +322,13 @@ class FastForward:
                        getattr(self._outer_record, "__self__", None)]
             keepers = [o for i, o in enumerate(keepers) if _has_periods(o) and all(o is not k for k in keepers[:i])]
             self.views = [o.periods() for o in keepers]
+        if self.session is not None and self.session.counters.issued is None:
+            self.session.counters.issued = []
         self._captures = [*self._captures[-keep:], self._capture()]
+        if self.session is not None:  # what the next mark must find waited on (or still pending: then compared)
+            self.session.counters.issued = [ref for ref, _, _ in self._captures[-1].pending]
+        if len(self._captures) > 1:
+            self._captures[-1].kept = self._pending.kept(self._captures[-2], self._captures[-1])
         events: list[tuple[Any, ...]] = []
         self._events = self._log.events = events
         host, device = self._captures[-1].host_s, self._captures[-1].device_s
@@ -323,6 +341,12 @@ class FastForward:
 
         self.gpu.clock.record = record
         self._log.tap()
+
+    @property
+    def pending(self) -> tuple[Any, ...]:
+        """The communication handles pending at the last mark (`prism_plugin.device.pending_works`)."""
+        works = (ref() for ref, _, _ in self._captures[-1].pending) if self._captures else ()
+        return tuple(w for w in works if w is not None)
 
     def proven(self) -> bool:
         """Whether the last two periods prove the next repeats them (module docstring); counts why not."""
@@ -346,14 +370,9 @@ class FastForward:
         recorded = self._periods[-periods:]
         if not all(_same(a, b) for a, b in zip(recorded, recorded[1:], strict=False)):
             return "the periods ran different kernels, ops or allocations"
-        for i, view in enumerate(self.views):
-            kept = [view.signature(a.views[i], b.views[i], a.host_s, a.device_s, self._seq_of(a.totals))
-                    for a, b in zip(captures, captures[1:], strict=False)]
-            reason = next((k for k in kept if isinstance(k, str)), None)
-            if reason is not None:
-                return reason
-            if not all(_same(a, b) for a, b in zip(kept, kept[1:], strict=False)):
-                return f"the periods kept different records in the {type(view).__name__.removesuffix('Periods')}"
+        reason = self._pending.unproven(captures)
+        if reason is not None:
+            return reason
         deltas = [_delta(a.totals, b.totals) for a, b in zip(captures, captures[1:], strict=False)]
         if not all(_same_map(a, b) for a, b in zip(deltas, deltas[1:], strict=False)):
             return "the running totals grew differently"
@@ -422,8 +441,7 @@ class FastForward:
             if delta:
                 by_part.setdefault(part, {})[key] = delta
         seq_step = self._seq_of(by_part.get("seq", {}), key=lambda i: i)
-        for i, view in enumerate(self.views):
-            view.repeat(c1.views[i], c2.views[i], periods, period_s, device_step, seq_step)
+        self._pending.repeat(c1, c2, periods, period_s, device_step, seq_step)
         for name, delta in by_part.get("clock", {}).items():
             setattr(clock, name, getattr(clock, name) + periods * delta)
         gpu.kernel_timer.advance(by_part.get("kernels", {}), periods)
@@ -478,6 +496,8 @@ class FastForward:
     def _reset(self) -> None:
         self._events = None
         self._outer_record, self.views = None, []
+        if self.session is not None:
+            self.session.counters.issued = None
         self._captures, self._periods = [], []
         self._log = _AllocatorLog(self.gpu.allocators)
 
@@ -522,5 +542,7 @@ class FastForward:
             layout = (*layout, tuple((name, use[1], frozenset(use[2])) for name, use in counters.comm_use.items()))
         totals.update({("extra", k): v for k, v in self._extra_totals.items()})
         totals[("shim", "queries")] = gpu.shim.queries
+        issued = self.session.counters.issued if session is not None else None
+        pending = () if issued is None else pending_at(issued, max(host, max(clock.ends.values(), default=host)))
         return _Capture(host, dict(clock.ends), positions, layout, totals, self._log.mallocs,
-                        tuple(view.position() for view in self.views))
+                        tuple(view.position() for view in self.views), pending)

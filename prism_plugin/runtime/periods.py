@@ -26,13 +26,17 @@ it) gives a reason instead of a signature: the engine then proves nothing there,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["TimelinePeriods", "TracerPeriods"]
 
 SeqOf = Callable[[Any], int]
 """A group (`prism_plugin.comm.group.VirtualGroup`) -> a sequence number (its own at a mark, or its growth)."""
+Late = Sequence[tuple[int, float, float]]
+"""The records of a period pending at its end (their places in it), with the stamps their counterparts of the
+period before received one period after theirs (relative to its start): `prism_plugin.device.pending_works`."""
 
 
 def _rel(t: float, base: float) -> float:
@@ -69,21 +73,39 @@ class TracerPeriods:
                  r.return_s - base_s, _rel(r.wait_s, base_s), _rel(r.end_s, base_s), r.thread)
                 for r in self.tracer._current[a[1]:b[1]]]
 
+    def index(self, a: tuple[Any, int], b: tuple[Any, int]) -> dict[int, int]:
+        """The records of the period from `a` to `b`: id -> place in it."""
+        if a[0] is None or a[0] != b[0]:
+            return {}
+        return {id(r): i for i, r in enumerate(self.tracer._current[a[1]:b[1]])}
+
+    @staticmethod
+    def stamps(record: Any, base_s: float) -> tuple[float, float]:
+        return _rel(record.wait_s, base_s), _rel(record.end_s, base_s)
+
     def repeat(self, a: tuple[Any, int], b: tuple[Any, int], times: int, host_step_s: float, period_s: float,
-               seq_step: SeqOf) -> None:
+               seq_step: SeqOf, late: Late = (), base_s: float = 0.0) -> dict[int, Any]:
         tracer = self.tracer
         if a[0] is None:
             tracer.untraced_ops += times * (b[1] - a[1])
-            return
+            return {}
         current, groups = tracer._current, tracer._keep
         period = current[a[1]:b[1]]
+        stamps = {place: (wait, end) for place, wait, end in late}
+        for place, (wait, end) in stamps.items():  # stamped in the first advanced period
+            period[place].wait_s, period[place].end_s = _shift(wait, base_s), _shift(end, base_s)
+        last: dict[int, Any] = {}
         for k in range(1, times + 1):
             by = k * period_s
-            for r in period:
+            for place, r in enumerate(period):
                 copy = type(r)(r.op, r.group, r.seq + k * seq_step(groups[r.group]), r.size, r.peer, r.issue_s + by,
                                 r.thread)
                 copy.return_s, copy.wait_s, copy.end_s = r.return_s + by, _shift(r.wait_s, by), _shift(r.end_s, by)
+                if place in stamps and k == times:  # the program waits on it after the advance
+                    copy.wait_s = copy.end_s = -1.0
+                    last[place] = copy
                 current.append(copy)
+        return last
 
 
 class TimelinePeriods:
@@ -114,15 +136,31 @@ class TimelinePeriods:
                  for row, name, start, end, args, category in it.spans[a[3]:b[3]]]
         return [bytes(it.order[a[4]:b[4]]), ops, spans]
 
+    def index(self, a: tuple[Any, ...], b: tuple[Any, ...]) -> dict[int, int]:
+        """The op records of the period from `a` to `b`: id -> place among them."""
+        if a[0] != b[0] or a[1] or b[1]:
+            return {}
+        return {id(r): i for i, r in enumerate(self.timeline._current.ops[a[2]:b[2]])}
+
+    @staticmethod
+    def stamps(record: Any, base_s: float) -> tuple[float, float]:
+        return _rel(record.wait_s, base_s), _rel(record.done_s, base_s)
+
     def repeat(self, a: tuple[Any, ...], b: tuple[Any, ...], times: int, host_step_s: float, period_s: float,
-               seq_step: SeqOf) -> None:
+               seq_step: SeqOf, late: Late = (), base_s: float = 0.0) -> dict[int, Any]:
         t = self.timeline
         if a[1]:
             t.dropped_ops += times * (b[5] - a[5])
             t.dropped_spans += times * (b[6] - a[6])
-            return
+            return {}
         it = t._current
         ops, spans, order = it.ops[a[2]:b[2]], it.spans[a[3]:b[3]], bytes(it.order[a[4]:b[4]])
+        stamps = {place: (wait, done) for place, wait, done in late}
+        thread = threading.get_ident()
+        for place, (wait, done) in stamps.items():  # stamped in the first advanced period
+            ops[place].wait_s, ops[place].done_s = _shift(wait, base_s), _shift(done, base_s)
+            ops[place].thread = thread
+        last: dict[int, Any] = {}
         for k in range(1, times + 1):
             by = k * period_s
             o = s = 0
@@ -141,6 +179,11 @@ class TimelinePeriods:
                     copy = type(r)(r.kind, r.gid, r.seq + k * seq_step(t._groups[r.gid]), r.size, r.peer,
                                      r.issue_s + by, r.arrival_s + by, r.end_s + by, r.failed, None)
                     copy.wait_s, copy.done_s, copy.thread = _shift(r.wait_s, by), _shift(r.done_s, by), r.thread
+                    if o in stamps and k == times:  # the program waits on it after the advance
+                        copy.wait_s = copy.done_s = -1.0
+                        copy.thread = 0
+                        last[o] = copy
                     t._keep_op(copy)
                 s += kind
                 o += 1 - kind
+        return last

@@ -40,6 +40,7 @@ import contextlib
 import functools
 import os
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from datetime import timedelta
@@ -116,7 +117,7 @@ class OpCounters:
     (the cost model's, before faults scale it), and which communicators NCCL would have created
     (`prism_plugin.cost.comm_memory`)."""
 
-    __slots__ = ("rank", "op_counts", "op_bytes", "modelled_comm_s", "comm_use")
+    __slots__ = ("rank", "op_counts", "op_bytes", "modelled_comm_s", "comm_use", "issued")
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -125,6 +126,10 @@ class OpCounters:
         self.modelled_comm_s = 0.0
         self.comm_use: dict[str, list[Any]] = {}
         """Group name -> [its global ranks, a collective was used, the p2p peers used]."""
+        self.issued: list[weakref.ref[OpWork]] | None = None
+        """While a fast-forward records (`prism_plugin.device.fast_forward`): the handles of the ops issued since
+        its last mark and of those still pending then (a work pending at a mark must be moved by its advance),
+        held weakly: the program's objects die when the program lets go of them."""
 
     def on_op(self, event: OpEvent) -> None:
         kind = event.kind
@@ -141,7 +146,9 @@ class OpCounters:
             use[2].add(peer)
 
     def on_issued(self, event: OpEvent, work: OpWork) -> None:
-        pass
+        issued = self.issued
+        if issued is not None:
+            issued.append(weakref.ref(work))
 
 
 class Session:

@@ -67,7 +67,8 @@ _SCHEDULES = (
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving",
 )
-_FAST_FORWARDED = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving")
+_FAST_FORWARDED = ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+                   "forward_backward_pipelining_with_interleaving")
 """The schedules whose steady state is fast-forwarded (`fast_forward.ScheduleFastForward`)."""
 
 
@@ -257,7 +258,8 @@ class MegatronAdapter:
             original = getattr(schedules, name)
             inner = original
             if self.fast_forward is not None and name in _FAST_FORWARDED:
-                inner = self.fast_forward.wrap(original, pipelined=name != "forward_backward_no_pipelining")
+                inner = self.fast_forward.wrap(original, pipelined=name != "forward_backward_no_pipelining",
+                                               interleaved=name == "forward_backward_pipelining_with_interleaving")
 
             def marked(*args: Any, _original: Any = inner, **kwargs: Any) -> Any:
                 if kwargs.get("forward_only"):

@@ -39,18 +39,23 @@ import functools
 from collections import Counter, deque
 from typing import Any
 
+from prism_plugin.adapters.megatron.interleaved import InterleavedRun, unsupported
 from prism_plugin.device.fast_forward import FastForward, FastForwardBroken
 
 __all__ = ["ScheduleFastForward"]
 
 
-def _combined(kwargs: dict[str, Any]) -> str | None:
-    """Why the no-pipelining schedule would not run its plain loop (None: it does): the combined 1F1B schedule
-    (``--overlap-moe-expert-parallel-comm``) and hybrid context parallelism take other paths."""
+def _config(kwargs: dict[str, Any]) -> Any:
     from megatron.core.utils import get_model_config
 
     model = kwargs.get("model")
-    config = get_model_config(model[0] if isinstance(model, list) else model)
+    return get_model_config(model[0] if isinstance(model, list) else model)
+
+
+def _combined(kwargs: dict[str, Any]) -> str | None:
+    """Why the no-pipelining schedule would not run its plain loop (None: it does): the combined 1F1B schedule
+    (``--overlap-moe-expert-parallel-comm``) and hybrid context parallelism take other paths."""
+    config = _config(kwargs)
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         return "the combined 1F1B schedule (--overlap-moe-expert-parallel-comm)"
     if getattr(config, "hybrid_context_parallel", False):
@@ -171,24 +176,46 @@ class ScheduleFastForward:
             lambda s, *a, **k: self._send_forward_recv_backward(down, s, *a, **k)))
         patches.setattr(comm, "send_backward_recv_forward", functools.wraps(up)(
             lambda s, *a, **k: self._send_backward_recv_forward(up, s, *a, **k)))
+        for name in ("send_forward_recv_forward", "send_backward_recv_backward",
+                     "send_forward_backward_recv_forward_backward"):  # the interleaved schedule's steady exchanges
+            patches.setattr(comm, name, self._interleaved_exchange(name, getattr(comm, name)))
 
-    def wrap(self, schedule: Any, *, pipelined: bool = True) -> Any:
-        """`schedule` (the non-interleaved one; the no-pipelining one when not `pipelined`) driving the
-        fast-forward for each call."""
+    def _interleaved_exchange(self, name: str, exchange: Any) -> Any:
+        @functools.wraps(exchange)
+        def seam(comm: Any, *args: Any, **kwargs: Any) -> Any:
+            run = self.run
+            if not isinstance(run, InterleavedRun):
+                return exchange(comm, *args, **kwargs)
+            return run.exchange(name, lambda: exchange(comm, *args, **kwargs))
+
+        return seam
+
+    def wrap(self, schedule: Any, *, pipelined: bool = True, interleaved: bool = False) -> Any:
+        """`schedule` (the non-interleaved one; the no-pipelining one when not `pipelined`; the interleaved one
+        when `interleaved`) driving the fast-forward for each call."""
 
         @functools.wraps(schedule)
         def driven(*args: Any, **kwargs: Any) -> Any:
             reason = self._why_not(kwargs) or (None if pipelined else _combined(kwargs))
+            if reason is None and interleaved:
+                reason = unsupported(_config(kwargs))
             if reason is not None:
                 self.calls[reason] += 1
                 return schedule(*args, **kwargs)
             data = kwargs.get("data_iterator")
-            if isinstance(data, list) and len(data) == 1:
-                data = data[0]
-            counting = _Counting(data) if data is not None and not isinstance(data, list) else None
-            if counting is not None:
-                kwargs["data_iterator"] = counting
-            run = self.run = _Run(kwargs["num_microbatches"], counting, pipelined=pipelined)
+            run: _Run | InterleavedRun
+            if interleaved:
+                datas = [None if d is None else _Counting(d) for d in data]
+                kwargs["data_iterator"] = [d if c is None else c for d, c in zip(data, datas, strict=True)]
+                run = InterleavedRun(self, kwargs["num_microbatches"], len(kwargs["model"]), datas)
+            else:
+                if isinstance(data, list) and len(data) == 1:
+                    data = data[0]
+                counting = _Counting(data) if data is not None and not isinstance(data, list) else None
+                if counting is not None:
+                    kwargs["data_iterator"] = counting
+                run = _Run(kwargs["num_microbatches"], counting, pipelined=pipelined)
+            self.run = run
             run.store = kwargs.get("forward_data_store")
             self.engine.mark(**self._totals(run))  # the recording starts with the warm-up: every block is numbered
             try:
@@ -222,6 +249,10 @@ class ScheduleFastForward:
         if run is None:
             return forward(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
                            forward_data_store, config, *rest, **kwargs)
+        if isinstance(run, InterleavedRun):
+            return run.forward(functools.partial(forward, forward_step_func, data_iterator, model, num_microbatches,
+                                                 input_tensor, forward_data_store, config, *rest, **kwargs),
+                               config, forward_data_store)
         if not run.pipelined:
             return self._forward_unpipelined(run, functools.partial(
                 forward, forward_step_func, data_iterator, model, num_microbatches, input_tensor, forward_data_store,
@@ -259,6 +290,9 @@ class ScheduleFastForward:
         run = self.run
         if run is None:
             return backward(input_tensor, output_tensor, output_tensor_grad, config, *rest, **kwargs)
+        if isinstance(run, InterleavedRun):
+            return run.backward(functools.partial(backward, input_tensor, output_tensor, output_tensor_grad, config,
+                                                  *rest, **kwargs))
         if run.skip_backward:  # the no-pipelining schedule's, after a skipped forward
             run.skip_backward = False
             return None
@@ -342,7 +376,7 @@ class ScheduleFastForward:
         run.tokens = tokens  # the schedule's local holds it until the next forward returns
         return output, tokens
 
-    def _start_skipping(self, run: _Run, periods: int, microbatches: int) -> None:
+    def _start_skipping(self, run: Any, periods: int, microbatches: int, adopt_per_forward: bool = True) -> None:
         """Advance the device by `periods` proven periods (`microbatches` of the schedule's), grow the adapter's
         totals with it, make the store's entries of the skipped forwards, and silence the device while the
         schedule's skipped calls return."""
@@ -354,11 +388,18 @@ class ScheduleFastForward:
         self.microbatches_skipped += microbatches
         if entries:
             self._adopt(run, entries)
+            if adopt_per_forward:  # each skipped forward appends as many (the one-chunk schedules)
+                if entries % microbatches:
+                    raise FastForwardBroken(
+                        f"prism fast-forward: the {microbatches} skipped micro-batches append {entries} entries to "
+                        "the schedule's forward_data_store, not as many each; run with --prism-fast-forward off "
+                        "and report the job")
+                run.per_forward = entries // microbatches
         run.silence = self.engine.silent()
         run.silence.__enter__()
 
     @staticmethod
-    def _speak(run: _Run) -> None:
+    def _speak(run: Any) -> None:
         """The first real call after the skipped ones: the device is no longer silent (raises if it was touched)."""
         silence, run.silence = run.silence, None
         silence.__exit__(None, None, None)
@@ -372,11 +413,14 @@ class ScheduleFastForward:
             store.append(run.pending.popleft())
         return None, run.tokens
 
-    def _totals(self, run: _Run) -> dict[str, float]:
-        """The adapter's running totals a micro-batch adds to: data taken, MoE routing answers, host calls, the
-        flash-attention stand-in's forwards."""
+    def _totals(self, run: Any) -> dict[str, float]:
+        """The adapter's running totals a micro-batch adds to: data taken (each model chunk's, interleaved), MoE
+        routing answers, host calls, the flash-attention stand-in's forwards."""
         totals: dict[str, float] = {"data": run.data.taken if run.data is not None else 0,
                                     "store": len(run.store) if run.store is not None else 0}
+        for chunk, data in enumerate(getattr(run, "datas", ())):
+            if data is not None:
+                totals[f"data.{chunk}"] = data.taken
         routing = self.routing
         if routing is not None:
             totals["moe.tokens_sent"], totals["moe.tokens_received"] = routing.tokens_sent, routing.tokens_received
@@ -389,7 +433,7 @@ class ScheduleFastForward:
             totals["attention.cp_forwards"] = self.attention.cp_forwards
         return totals
 
-    def _advance(self, run: _Run, grown: dict[str, float]) -> None:
+    def _advance(self, run: Any, grown: dict[str, float]) -> None:
         """Apply the adapter's totals grown over the advanced periods (`_totals`' keys)."""
         for key, amount in grown.items():
             count = int(amount)
@@ -397,6 +441,9 @@ class ScheduleFastForward:
             if key == "data" and run.data is not None:
                 for _ in range(count):
                     next(run.data)
+            elif kind == "data" and name:
+                for _ in range(count):
+                    next(run.datas[int(name)])
             elif key in ("moe.tokens_sent", "moe.tokens_received"):
                 setattr(self.routing, name, getattr(self.routing, name) + count)
             elif key.startswith("moe.site."):
@@ -408,7 +455,7 @@ class ScheduleFastForward:
             elif kind == "attention":
                 setattr(self.attention, name, getattr(self.attention, name) + count)
 
-    def _adopt(self, run: _Run, entries: int) -> None:
+    def _adopt(self, run: Any, entries: int) -> None:
         """The `entries` objects the skipped forwards would have appended to the store: copies of the last one
         whose tensors own the blocks the allocator's replay left unowned (`FastForward.orphans`), in malloc order,
         so that the store holds what the full run's holds and its death frees those blocks."""
@@ -421,7 +468,7 @@ class ScheduleFastForward:
         orphans = self.engine.orphans
         whole = all(t.device.type == "cuda" and t.is_contiguous() and t.storage_offset() == 0
                     and t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in leaves)
-        if not whole or len(orphans) != entries * len(leaves) or entries % run.skipping:
+        if not whole or len(orphans) != entries * len(leaves):
             raise FastForwardBroken(
                 f"prism fast-forward: the skipped micro-batches append {entries} entries of {len(leaves)} tensors to "
                 f"the schedule's forward_data_store but the replay left {len(orphans)} blocks (or the entries are "
@@ -437,7 +484,6 @@ class ScheduleFastForward:
                         tracker.adopt(x, next(blocks))
                     made.append(x)
                 run.pending.append(tree_unflatten(made, spec))
-        run.per_forward = entries // run.skipping
 
     def summary(self) -> dict[str, Any]:
         return {"schedule_calls": dict(self.calls), "microbatches": self.microbatches,
