@@ -266,9 +266,10 @@ SETTINGS: tuple[Setting, ...] = (
                  "(off)."),
     Setting(name="fast_forward", group=Group.TIME, parse=_on_off, default=True, env="PRISM_FAST_FORWARD",
             metavar="on|off",
-            help="Virtual GPUs: advance a Megatron schedule's proven steady-state periods without running them again "
-                 "(memory and emulated time stay those of running them; docs/fast-forward.md); off: run every one. "
-                 "DeepSpeed's engines run every micro-batch either way."),
+            help="Virtual GPUs: advance the proven steady-state periods of a Megatron schedule or DeepSpeed's pipeline "
+                 "engine without running them again (memory and emulated time stay those of running them; "
+                 "docs/fast-forward.md); off: run every one. DeepSpeed's ZeRO engines without a pipeline run every "
+                 "micro-batch either way."),
     Setting(name="kernel_model", group=Group.TIME, parse=_choice("roofline", "table", "fit"), default="roofline",
             env="PRISM_KERNEL_MODEL", metavar="roofline|table|fit",
             help="How a kernel's time is modelled: the GPU's roofline, a recorded table (--kernel-table) or a fitted "

@@ -3,8 +3,8 @@
 Every real rank writes one summary (``PRISM_SUMMARY <json>`` on stdout, ``<output>/rank<R>.summary.json``;
 `prism_plugin.runtime.lifecycle.write_summary`). `RankSummary` is its model: the session's figures (ops, bytes,
 modelled communication, arrivals), the run's outcome (``exit_code``, ``error``), and one optional section per
-part that took part (``virtual_gpu`` with its `DeviceSummary` per device, ``megatron``, ``memory``, ``graph``,
-``trace``, ``timeline``, ``kineto``, ``faults``, ``graph_check``). `NotEmulated` is the summary of a program
+part that took part (``virtual_gpu`` with its `DeviceSummary` per device, ``megatron``, ``deepspeed``, ``memory``,
+``graph``, ``trace``, ``timeline``, ``kineto``, ``faults``, ``graph_check``). `NotEmulated` is the summary of a program
 that never called ``init_process_group``. The top level is closed (an unknown key is a schema error); the
 sections' inner reports are open objects, each documented where it is built.
 
@@ -106,6 +106,7 @@ class RankSummary(_Closed):
     device_mode: Literal["virtual-gpu"] | None = None
     virtual_gpu: VirtualGpuSummary | None = None
     megatron: _Section | None = None
+    deepspeed: _Section | None = None
     memory: _Section | None = None
     policy_defaults: list[dict[str, str]] | None = None
     exit_code: int | None = None

@@ -5,7 +5,8 @@
 A `PipelineModule` of `blocks` transformer-MLP blocks given as layer specs (``LayerSpec(Linear, h, 4h)``,
 ``LayerSpec(GELU)``, ``LayerSpec(Linear, 4h, h)``), 2 stages (``partition_method="uniform"``: the same number of
 layers per stage), built on the accelerator's device, trained with ``train_batch`` on random bf16 batches of
-``micro x seq x hidden`` made on the device one at a time (MSE to a target of the same shape). It prints, for the
+``micro x seq x hidden`` made on the device one at a time (on the host with ``--host-data``; MSE to a target of
+the same shape). It prints, for the
 test, one ``MEM <where> <allocated bytes>`` line after initialize and after each step, and ``LOSS <step> <value>``.
 """
 
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--local_rank", type=int, default=None)
+    ap.add_argument("--host-data", action="store_true", help="batches made on the host, as a DataLoader makes them")
     args = ap.parse_args()
     with open(args.deepspeed_config or args.config) as fh:
         config = json.load(fh)
@@ -45,8 +47,9 @@ def main() -> None:
     print(f"MEM init {accel.memory_allocated()}", flush=True)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     for step in range(args.steps):
-        batches = ((torch.randn(micro, args.seq, h, device=device, dtype=torch.bfloat16),
-                    torch.randn(micro, args.seq, h, device=device, dtype=torch.bfloat16)) for _ in range(gas))
+        where = "cpu" if args.host_data else device
+        batches = ((torch.randn(micro, args.seq, h, device=where, dtype=torch.bfloat16),
+                    torch.randn(micro, args.seq, h, device=where, dtype=torch.bfloat16)) for _ in range(gas))
         loss = engine.train_batch(data_iter=batches)  # made one at a time: none outlives its micro-batch
         print(f"LOSS {step} {float(loss)}", flush=True)
         print(f"MEM step{step} {accel.memory_allocated()}", flush=True)

@@ -78,6 +78,8 @@ class DeepSpeedEmulation:
         self.summary: dict[str, Any] | None = None
         self.cpu_adam: Any = None
         """ZeRO-Offload's answered CPU Adam on a virtual GPU (`virtual_gpu.install`), for the summary."""
+        self.fast_forward: Any = None
+        """Virtual GPUs: the pipeline engine's fast-forward (`fast_forward.PipeFastForward`), when on."""
 
     @property
     def session(self) -> session_mod.Session | None:
@@ -124,6 +126,21 @@ class DeepSpeedEmulation:
             self.cpu_adam = virtual_gpu.install(self.patches, virtual_gpu.active_gpu(),
                                                 profile=self.section.emulation.profile,
                                                 ds_config=self.section.ds_config)
+            self.fast_forward = self._start_fast_forward(virtual_gpu.active_gpu())
+
+    def _start_fast_forward(self, gpu: Any) -> Any:
+        """Virtual GPUs with virtual time and ``"fast_forward"`` on (the default): the pipeline engine's schedule,
+        driven (`fast_forward.PipeFastForward`); its figures in the summary's ``deepspeed.fast_forward``."""
+        from prism_plugin.config.virtual_time import VirtualTimeOptions
+
+        if gpu is None or gpu.clock is None or not VirtualTimeOptions.from_env().fast_forward:
+            return None
+        from prism_plugin.adapters.deepspeed.fast_forward import PipeFastForward
+
+        driver = PipeFastForward(gpu, self.session)
+        driver.install(self.patches)
+        self.run.add_summary(lambda: {"deepspeed": {"fast_forward": driver.summary()}})
+        return driver
 
     def close(self) -> dict[str, Any] | None:
         """End the session, undo every seam, reset DeepSpeed's cached groups; returns the session summary."""
