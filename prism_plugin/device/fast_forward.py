@@ -268,7 +268,7 @@ class FastForward:
         self.views: list[Any] = []
         """The period views (`prism_plugin.runtime.periods`) of the observers that keep records: the tracer and
         the timeline; proven and repeated with the device."""
-        self._pending = PendingWorks(self)
+        self._pending = PendingWorks(self, _same)
         self.advanced_periods = 0
         self.advanced_s = 0.0
         self.not_proven: Counter[str] = Counter()

@@ -22,7 +22,7 @@ while the engine records.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = ["PendingWorks", "pending_at"]
@@ -55,8 +55,10 @@ def _waiting(pending: tuple[Any, ...]) -> bool:
 class PendingWorks:
     """The engine's (`prism_plugin.device.fast_forward.FastForward`) handles pending at its marks."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, same: Callable[[Any, Any], bool]) -> None:
         self.engine = engine
+        self.same = same
+        """The engine's equality of recorded figures (floats within its tolerance)."""
 
     def kept(self, b: Any, c: Any) -> tuple[Any, ...]:
         """Per recording observer, the period from capture `b` to capture `c` as of now: ``((records, pending
@@ -80,10 +82,8 @@ class PendingWorks:
     def unproven(self, captures: list[Any]) -> str | None:
         """Why the handles pending at `captures` (three marks) or the observers' records of their two periods do
         not let the periods repeat (None: they do)."""
-        from prism_plugin.device.fast_forward import _same
-
         times = [tuple(t for _, _, t in c.pending) for c in captures]
-        if not all(_same(a, b) for a, b in zip(times, times[1:], strict=False)):
+        if not all(self.same(a, b) for a, b in zip(times, times[1:], strict=False)):
             return "the ops pending at the period boundaries differ"
         first, second = captures[-2].kept, captures[-1].kept
         for kept in (first, second):
@@ -91,7 +91,7 @@ class PendingWorks:
             if reason is not None:
                 return reason
         for view, a, b in zip(self.engine.views, first, second, strict=True):
-            if not _same(a[0], b[0]):
+            if not self.same(a[0], b[0]):
                 return f"the periods kept different records in the {type(view).__name__.removesuffix('Periods')}"
         return None
 
