@@ -7,7 +7,8 @@ times (memory to the byte, emulated times to 1e-9 s, kernel and communication co
 lines must be the full run's, and the summary's ``deepspeed.fast_forward`` must count what was skipped:
 
 - stage 0 and stage 1 (the last: its losses are kept in ``fwd_outputs`` until the next batch) with batches made
-  on the host, as a DataLoader makes them: 20 of the 32 micro-batches advanced (2 buffers: whole turns of 2);
+  on the host, as a DataLoader makes them: 20 of the 32 micro-batches advanced (2 buffers: whole turns of 2); and
+  stage 1 memory only (``"virtual_time": "off"``, no timeline: its times would be the wall clock's);
 - stage 0 with batches the data iterator makes on the device: taking them in a skip would change the device, so
   nothing is advanced (counted) and the figures are still the full run's.
 
@@ -34,14 +35,16 @@ HIDDEN, SEQ, GAS, DP = 1024, 512, 16, 4
 WALL = frozenset({"deepspeed", "wall_s", "write_s", "late_median_us", "late_p90_us", "late_max_us", "path"})
 
 
-def _run(out: Path, rank: int, fast_forward: bool, host_data: bool) -> tuple[dict[str, Any], list[str]]:
+def _run(out: Path, rank: int, fast_forward: bool, host_data: bool,
+         virtual_time: str = "on") -> tuple[dict[str, Any], list[str]]:
     out.mkdir(parents=True)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": GAS, "train_batch_size": GAS * DP,
               "bf16": {"enabled": True}, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
               "zero_optimization": {"stage": 1},
               "prism": {"world_size": 2 * DP, "real_ranks": [rank], "profile": "dgx-h100", "device": "virtual-gpu",
-                        "output": str(out), "fast_forward": fast_forward,
+                        "output": str(out), "fast_forward": fast_forward, "virtual_time": virtual_time,
+                        **({"timeline": "off"} if virtual_time == "off" else {}),
                         "pipe_activations": {"shape": [1, SEQ, HIDDEN], "dtype": "bfloat16"}}}
     (out / "ds_config.json").write_text(json.dumps(config))
     proc = subprocess.run([sys.executable, str(SCRIPT), "ds_config.json", "--hidden", str(HIDDEN), "--blocks", "4",
@@ -52,15 +55,17 @@ def _run(out: Path, rank: int, fast_forward: bool, host_data: bool) -> tuple[dic
     return json.loads((out / f"rank{rank}.summary.json").read_text()), lines
 
 
-@pytest.mark.parametrize(("rank", "host_data", "skipped"), [
-    pytest.param(4, True, 20, id="stage0"),
-    pytest.param(5, True, 20, id="stage1-last"),
-    pytest.param(4, False, 0, id="stage0-device-data"),
+@pytest.mark.parametrize(("rank", "host_data", "skipped", "virtual_time"), [
+    pytest.param(4, True, 20, "on", id="stage0"),
+    pytest.param(5, True, 20, "on", id="stage1-last"),
+    pytest.param(5, True, 20, "off", id="stage1-last-memory-only"),
+    pytest.param(4, False, 0, "on", id="stage0-device-data"),
 ])
 def test_the_pipeline_engines_fast_forward_gives_the_full_runs_figures(tmp_path: Path, rank: int, host_data: bool,
-                                                                       skipped: int) -> None:
-    (fast, fast_lines), (full, full_lines) = at_once(lambda: _run(tmp_path / "on", rank, True, host_data),
-                                                     lambda: _run(tmp_path / "off", rank, False, host_data))
+                                                                       skipped: int, virtual_time: str) -> None:
+    (fast, fast_lines), (full, full_lines) = at_once(
+        lambda: _run(tmp_path / "on", rank, True, host_data, virtual_time),
+        lambda: _run(tmp_path / "off", rank, False, host_data, virtual_time))
     ff = fast["deepspeed"]["fast_forward"]
     assert ff["microbatches"] == 2 * GAS and ff["microbatches_skipped"] == skipped, ff
     if not host_data:

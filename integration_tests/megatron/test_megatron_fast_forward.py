@@ -7,8 +7,9 @@ state (the summary counts it) and give the full run's figures: every number of t
 Megatron's own memory log lines. The two runs start together (`integration_tests.at_once`): every figure compared is
 modelled, none measured.
 
-- rank 0 (the first stage, 3 warm-up micro-batches: a period of 3 iterations), local spec; and with
-  ``--prism-attention flash`` (the stand-in's forward counts are advanced with the device's);
+- rank 0 (the first stage, 3 warm-up micro-batches: a period of 3 iterations), local spec; with
+  ``--prism-attention flash`` (the stand-in's forward counts are advanced with the device's); and memory only
+  (``--prism-virtual-time off``: the proof and the advance are the allocations and counts);
 - rank 0 of 2 without pipelining (data-parallel 2, 32 micro-batches per call: Megatron's no-pipelining schedule,
   a period of one micro-batch; heavy: with TransformerEngine and FP8, whose first micro-batch differs); and a
   GPU-bound form of it (hidden 8192, sequence 2048: each micro-batch's kernels take longer than its launches, so
@@ -24,8 +25,8 @@ modelled, none measured.
   micro-batches per call (the MoE routing policy's answer counts are advanced with the device's);
 - the interleaved schedule (8 layers, 2 model chunks per stage, 64 micro-batches per call: a period of 8 steady
   iterations), with Megatron-LM's overlapped exchanges (each handle waited on an iteration after it is issued, so
-  some are pending at every mark) and without them: rank 0, rank 1 (heavy: TE with FP8 at TP2), and the last
-  stage as `prism emulate` profiles it (its trace, timeline and class trace too).
+  some are pending at every mark) and without them, and memory only: rank 0, rank 1 (heavy: TE with FP8 at TP2),
+  and the last stage as `prism emulate` profiles it (its trace, timeline and class trace too).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def _memory_lines(log: str) -> list[str]:
 @pytest.mark.parametrize(("world", "rank", "extra"), [
     pytest.param(4, 0, ["--transformer-impl", "local"], id="first-stage-local"),
     pytest.param(4, 0, ["--transformer-impl", "local", "--prism-attention", "flash"], id="first-stage-flash"),
+    pytest.param(4, 0, ["--transformer-impl", "local", "--prism-virtual-time", "off"], id="first-stage-memory-only"),
     pytest.param(4, 3, ["--transformer-impl", "local"], id="last-stage-local", marks=pytest.mark.heavy),
     pytest.param(2, 0, ["--transformer-impl", "local", "--pipeline-model-parallel-size", "1", "--global-batch-size",
                         "64"], id="no-pipelining-local"),
@@ -110,6 +112,7 @@ INTERLEAVED = ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "
 @pytest.mark.parametrize(("world", "rank", "extra"), [
     pytest.param(4, 0, ["--transformer-impl", "local"], id="first-stage-local"),
     pytest.param(4, 0, ["--transformer-impl", "local", "--no-overlap-p2p-communication"], id="first-stage-no-overlap"),
+    pytest.param(4, 0, ["--transformer-impl", "local", "--prism-virtual-time", "off"], id="first-stage-memory-only"),
     pytest.param(8, 2, ["--transformer-impl", "transformer_engine", "--tensor-model-parallel-size", "2",
                         "--sequence-parallel", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
                  id="second-stage-te-fp8", marks=pytest.mark.heavy),

@@ -178,7 +178,8 @@ def _memory_run(argv: list[str], job: PlanJob, folder: Path, timeout_s: float, s
     argv = list(argv)
     argv[argv.index("--train-iters") + 1] = str(MEMORY_ITERATIONS)
     command = run_command(argv, 0, run_dir, job.gpus, job.profile, job.gpus_per_node, trace=False)
-    command += ["--prism-oom", "report"]
+    command += ["--prism-oom", "report", "--prism-timeline", "off"]  # wall-clock times: none to draw, and
+    # without records of them fast-forward advances the memory run's steady state
     if ray_address is not None:
         from prism_plugin.cli.emulate_ray import run_on_ray
 

@@ -49,7 +49,9 @@ proof (the same records, times relative to the period's start, sequence numbers 
 advance writes the last period's records ``n`` more times, shifted, through their own bounds. The timeline's kernel
 recorder keeps receiving the kernels while the engine records them.
 
-**Not fast-forwarded** (it runs for real; `unavailable` says why): without virtual time; with memory history, a
+Without virtual time (memory only) the proof and the advance are the allocations and counts alone (`_NoClock`).
+
+**Not fast-forwarded** (it runs for real; `unavailable` says why): with memory history, a
 kernel table, a Kineto trace, or a recorded, replayed, profiled or fault-injected communication layer; with
 several real ranks (their clocks couple at each exchange); with the allocator's garbage collection (block ages).
 
@@ -89,6 +91,21 @@ _LAYOUT_PARTS = ("the fake host bytes", "the live storages", "the cuBLAS workspa
 def _has_periods(observer: Any) -> bool:
     """Whether `observer` keeps records a fast-forward can repeat (`prism_plugin.runtime.periods`)."""
     return callable(getattr(observer, "periods", None))
+
+
+class _NoClock:
+    """The clock of a virtual GPU without virtual time (memory only): nothing to record, prove or advance but its
+    memory and counts; every time stays 0."""
+
+    def __init__(self) -> None:
+        self.host_s = 0.0
+        self.ends: dict[Any, float] = {}
+        self.record: Any = None
+        self.backward_depth = 0
+        self._future_wait_s = 0.0
+        self.marks: tuple[Any, ...] = ()
+        for name in _CLOCK_TOTALS:
+            setattr(self, name, 0)
 
 
 class FastForwardBroken(RuntimeError):
@@ -253,6 +270,9 @@ class FastForward:
     def __init__(self, gpu: Any, session: Any = None) -> None:
         self.gpu = gpu
         self.session = session
+        self.clock = gpu.clock if gpu.clock is not None else _NoClock()
+        """The virtual GPU's clock, or a stand-in without virtual time (memory only: the proof and the advance are
+        its allocations and counts)."""
         self._log = _AllocatorLog(gpu.allocators)
         self._captures: list[_Capture] = []
         self._periods: list[list[tuple[Any, ...]]] = []
@@ -277,9 +297,7 @@ class FastForward:
     # -- when it applies ----------------------------------------------------------------------------------------
     def unavailable(self) -> str | None:
         """Why this virtual GPU's work cannot be fast-forwarded (None: it can)."""
-        gpu, clock = self.gpu, self.gpu.clock
-        if clock is None:
-            return "no virtual time"
+        gpu, clock = self.gpu, self.clock
         if clock.record is not None and self._events is None and not _has_periods(getattr(clock.record, "__self__",
                                                                                          None)):
             return "a kernel recorder without a period view records every kernel"
@@ -289,11 +307,13 @@ class FastForward:
             if model.config.garbage_collection_threshold > 0:
                 return "the allocator's garbage collection (block ages)"
         timer = gpu.kernel_timer
-        if timer is None:
+        if timer is None and gpu.clock is not None:
             return "no kernel tallies"
-        if type(timer.model).__name__ == "TableModel":
+        if timer is not None and type(timer.model).__name__ == "TableModel":
             return "the kernel table model counts its lookups"
         session = self.session
+        if gpu.clock is None and session is not None and any(_has_periods(o) for o in session.observers):
+            return "memory only, and the trace or timeline records wall-clock times"
         if session is not None:
             if len(session.real_ranks) > 1:
                 return "several real ranks (their clocks couple at every exchange)"
@@ -317,7 +337,7 @@ class FastForward:
         if self._events is not None:
             self._periods = [*self._periods[-(keep - 1):], self._events]
         else:  # the recording starts
-            self._outer_record = self.gpu.clock.record
+            self._outer_record = self.clock.record
             keepers = [*(self.session.observers if self.session is not None else ()),
                        getattr(self._outer_record, "__self__", None)]
             keepers = [o for i, o in enumerate(keepers) if _has_periods(o) and all(o is not k for k in keepers[:i])]
@@ -339,7 +359,7 @@ class FastForward:
             if outer is not None:
                 outer(row, name, start_s, end_s)
 
-        self.gpu.clock.record = record
+        self.clock.record = record
         self._log.tap()
 
     @property
@@ -418,7 +438,7 @@ class FastForward:
         assert isinstance(since, int)
         c1, c2 = self._captures[-2], self._captures[-1]
         period = self._periods[-1]
-        gpu, clock, log = self.gpu, self.gpu.clock, self._log
+        gpu, clock, log = self.gpu, self.clock, self._log
         clock.record, log.events, self._events = self._outer_record, None, None
         tracker = gpu.tracker
         held = self._held
@@ -444,7 +464,8 @@ class FastForward:
         self._pending.repeat(c1, c2, periods, period_s, device_step, seq_step)
         for name, delta in by_part.get("clock", {}).items():
             setattr(clock, name, getattr(clock, name) + periods * delta)
-        gpu.kernel_timer.advance(by_part.get("kernels", {}), periods)
+        if gpu.kernel_timer is not None:
+            gpu.kernel_timer.advance(by_part.get("kernels", {}), periods)
         gpu.host_counts.advance(by_part.get("host_counts", {}), periods)
         gpu.shim.queries += periods * int(by_part.get("shim", {}).get("queries", 0))
         values = gpu.values
@@ -489,7 +510,7 @@ class FastForward:
     def stop(self) -> None:
         """The repeated work ended (the schedule returned): drop the marks and the recording."""
         if self._events is not None:
-            self.gpu.clock.record = self._outer_record
+            self.clock.record = self._outer_record
         self._log.untap()
         self._reset()
 
@@ -512,7 +533,7 @@ class FastForward:
 
     # -- captures -----------------------------------------------------------------------------------------------------
     def _capture(self, *, allocators: bool = False) -> _Capture:
-        gpu, clock = self.gpu, self.gpu.clock
+        gpu, clock = self.gpu, self.clock
         host = clock.host_s
         positions = {k: max(t - host, 0.0) for k, t in clock.ends.items()}
         tracker = gpu.tracker
@@ -528,7 +549,8 @@ class FastForward:
             layout = (*layout, tuple(m.layout() for m in gpu.allocators))
             for model in gpu.allocators:
                 totals.update({("allocator", (model.device, k)): v for k, v in model.totals().items()})
-        totals.update({("kernels", k): v for k, v in gpu.kernel_timer.totals().items()})
+        if gpu.kernel_timer is not None:
+            totals.update({("kernels", k): v for k, v in gpu.kernel_timer.totals().items()})
         totals.update({("host_counts", k): v for k, v in gpu.host_counts.totals().items()})
         totals.update({("values", k): v for k, v in gpu.values.answers.items()})
         totals[("values", "constants_read")] = gpu.values.constants_read
@@ -543,6 +565,7 @@ class FastForward:
         totals.update({("extra", k): v for k, v in self._extra_totals.items()})
         totals[("shim", "queries")] = gpu.shim.queries
         issued = self.session.counters.issued if session is not None else None
-        pending = () if issued is None else pending_at(issued, max(host, max(clock.ends.values(), default=host)))
+        device = max(host, max(clock.ends.values(), default=host)) if gpu.clock is not None else None
+        pending = () if issued is None else pending_at(issued, device)
         return _Capture(host, dict(clock.ends), positions, layout, totals, self._log.mallocs,
                         tuple(view.position() for view in self.views), pending)

@@ -37,14 +37,16 @@ def _chain(work: Any) -> tuple[Any, ...]:
     return tuple(records)
 
 
-def pending_at(issued: Iterable[weakref.ref[Any]], device_s: float) -> tuple[Any, ...]:
+def pending_at(issued: Iterable[weakref.ref[Any]], device_s: float | None) -> tuple[Any, ...]:
     """The handles of `issued` (weak references) not yet waited on, each as ``(weak reference, its records, its
-    completion and arrival relative to `device_s`)``: nothing that keeps the program's objects alive."""
+    completion and arrival relative to `device_s`)``: nothing that keeps the program's objects alive. Without
+    virtual time (`device_s` None) their times are the wall clock's: not compared."""
     pending = []
     for ref in issued:
         work = ref()
         if work is not None and not work.is_completed_flag():
-            pending.append((ref, _chain(work), (work.deadline_s - device_s, work.arrival_s - device_s)))
+            times = () if device_s is None else (work.deadline_s - device_s, work.arrival_s - device_s)
+            pending.append((ref, _chain(work), times))
     return tuple(pending)
 
 
@@ -115,5 +117,6 @@ class PendingWorks:
             if made and hasattr(made[-1], "inner"):
                 made[-1].inner = None
             work.trace = made[0] if made else None
-            work.deadline_s += periods * device_step_s
-            work.arrival_s += periods * device_step_s
+            if device_step_s:  # virtual time: the handle completes that much later
+                work.deadline_s += periods * device_step_s
+                work.arrival_s += periods * device_step_s

@@ -163,7 +163,7 @@ class Stand:
 
         def run_one(command: list[str], run_dir: Path, rank: int, what: str, timeout_s: float, stop: Any, env: Any,
                     *, virtual_time: bool) -> dict[str, Any]:
-            assert not virtual_time and command[-2:] == ["--prism-oom", "report"]
+            assert not virtual_time and command[-4:] == ["--prism-oom", "report", "--prism-timeline", "off"]
             assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
             self.calls.append("memory")
             if isinstance(self.memory, BaseException):

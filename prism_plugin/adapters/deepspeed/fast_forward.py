@@ -114,9 +114,9 @@ class PipeFastForward:
         next_batch = ds._next_batch
 
         def watched_next_batch() -> Any:  # whether the data iterator works on the device
-            before = engine.gpu.clock.kernels, engine.gpu.tracker.live_count()
+            before = engine.clock.kernels, engine.gpu.tracker.live_count()
             batch = next_batch()
-            if (engine.gpu.clock.kernels, engine.gpu.tracker.live_count()) != before:
+            if (engine.clock.kernels, engine.gpu.tracker.live_count()) != before:
                 self._device_data = True
             return batch
 

@@ -129,11 +129,12 @@ class DeepSpeedEmulation:
             self.fast_forward = self._start_fast_forward(virtual_gpu.active_gpu())
 
     def _start_fast_forward(self, gpu: Any) -> Any:
-        """Virtual GPUs with virtual time and ``"fast_forward"`` on (the default): the pipeline engine's schedule,
-        driven (`fast_forward.PipeFastForward`); its figures in the summary's ``deepspeed.fast_forward``."""
+        """Virtual GPUs (with virtual time or memory only) and ``"fast_forward"`` on (the default): the pipeline
+        engine's schedule, driven (`fast_forward.PipeFastForward`); its figures in the summary's
+        ``deepspeed.fast_forward``."""
         from prism_plugin.config.virtual_time import VirtualTimeOptions
 
-        if gpu is None or gpu.clock is None or not VirtualTimeOptions.from_env().fast_forward:
+        if gpu is None or not VirtualTimeOptions.from_env().fast_forward:
             return None
         from prism_plugin.adapters.deepspeed.fast_forward import PipeFastForward
 

@@ -322,15 +322,15 @@ class MegatronAdapter:
         return timers.install(self._patches, gpu.clock)
 
     def _start_fast_forward(self) -> Any:
-        """Virtual GPUs with virtual time and ``--prism-fast-forward`` on (the default): the 1F1B schedule's seams
-        (`fast_forward`); None otherwise."""
+        """Virtual GPUs (with virtual time or memory only) and ``--prism-fast-forward`` on (the default): the
+        schedules' seams (`fast_forward`); None otherwise."""
         if not self.virtual_gpu:
             return None
         from prism_plugin.config.virtual_time import VirtualTimeOptions
         from prism_plugin.device.device import current_gpu
 
         gpu = current_gpu()
-        if gpu is None or gpu.clock is None or not VirtualTimeOptions.from_env().fast_forward:
+        if gpu is None or not VirtualTimeOptions.from_env().fast_forward:
             return None
         from prism_plugin.adapters.megatron.fast_forward import ScheduleFastForward
 
