@@ -56,7 +56,7 @@ def _run(out: Path, rank: int, fast_forward: bool, host_data: bool,
 
 
 @pytest.mark.parametrize(("rank", "host_data", "skipped", "virtual_time"), [
-    pytest.param(4, True, 20, "on", id="stage0"),
+    pytest.param(4, True, 20, "on", id="stage0", marks=pytest.mark.heavy),
     pytest.param(5, True, 20, "on", id="stage1-last"),
     pytest.param(5, True, 20, "off", id="stage1-last-memory-only"),
     pytest.param(4, False, 0, "on", id="stage0-device-data"),

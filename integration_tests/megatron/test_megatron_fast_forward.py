@@ -77,7 +77,8 @@ def _memory_lines(log: str) -> list[str]:
 @pytest.mark.parametrize(("world", "rank", "extra"), [
     pytest.param(4, 0, ["--transformer-impl", "local"], id="first-stage-local"),
     pytest.param(4, 0, ["--transformer-impl", "local", "--prism-attention", "flash"], id="first-stage-flash"),
-    pytest.param(4, 0, ["--transformer-impl", "local", "--prism-virtual-time", "off"], id="first-stage-memory-only"),
+    pytest.param(4, 0, ["--transformer-impl", "local", "--prism-virtual-time", "off"], id="first-stage-memory-only",
+                 marks=pytest.mark.heavy),
     pytest.param(4, 3, ["--transformer-impl", "local"], id="last-stage-local", marks=pytest.mark.heavy),
     pytest.param(2, 0, ["--transformer-impl", "local", "--pipeline-model-parallel-size", "1", "--global-batch-size",
                         "64"], id="no-pipelining-local"),
@@ -112,7 +113,8 @@ INTERLEAVED = ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "
 @pytest.mark.parametrize(("world", "rank", "extra"), [
     pytest.param(4, 0, ["--transformer-impl", "local"], id="first-stage-local"),
     pytest.param(4, 0, ["--transformer-impl", "local", "--no-overlap-p2p-communication"], id="first-stage-no-overlap"),
-    pytest.param(4, 0, ["--transformer-impl", "local", "--prism-virtual-time", "off"], id="first-stage-memory-only"),
+    pytest.param(4, 0, ["--transformer-impl", "local", "--prism-virtual-time", "off"], id="first-stage-memory-only",
+                 marks=pytest.mark.heavy),
     pytest.param(8, 2, ["--transformer-impl", "transformer_engine", "--tensor-model-parallel-size", "2",
                         "--sequence-parallel", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
                  id="second-stage-te-fp8", marks=pytest.mark.heavy),
