@@ -239,6 +239,11 @@ class ScheduleFastForward:
             return "num_microbatches not passed by name"
         return self.engine.unavailable()
 
+    @staticmethod
+    def held(store: list[Any] | None) -> frozenset[int]:
+        """The storages the schedule's ``forward_data_store`` holds: the engine's *held* ones."""
+        return _storages(store)
+
     def _skipping(self) -> bool:
         return self.run is not None and self.run.skipping > 0
 

@@ -209,9 +209,7 @@ class InterleavedRun:
         """A mark before the forward of steady iteration `k`; when proven, advance and start skipping."""
         driver = self.driver
         engine = driver.engine
-        from prism_plugin.adapters.megatron.fast_forward import _storages
-
-        engine.mark(held=_storages(self.store), keep=self.window // self.period + 3, **driver._totals(self))
+        engine.mark(held=driver.held(self.store), keep=self.window // self.period + 3, **driver._totals(self))
         if k - self.window < 1 or any(j not in self.returns for j in range(k - self.window, k)):
             return False
         if not engine.proven():
