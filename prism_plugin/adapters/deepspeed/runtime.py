@@ -140,7 +140,8 @@ class DeepSpeedEmulation:
 
         driver = PipeFastForward(gpu, self.session)
         driver.install(self.patches)
-        self.run.add_summary(lambda: {"deepspeed": {"fast_forward": driver.summary()}})
+        # only where a pipeline engine trained: ZeRO's engines are never fast-forwarded
+        self.run.add_summary(lambda: {"deepspeed": {"fast_forward": driver.summary()}} if driver.calls else {})
         return driver
 
     def close(self) -> dict[str, Any] | None:
