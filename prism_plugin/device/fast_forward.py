@@ -75,7 +75,7 @@ from typing import Any
 from prism_plugin.device.iteration_replay import RequestLog, is_request_hook
 from prism_plugin.device.pending_works import PendingWorks, pending_at
 
-__all__ = ["TOLERANCE_S", "FastForward", "FastForwardBroken"]
+__all__ = ["TOLERANCE_S", "FastForward", "FastForwardBroken", "held_storages"]
 
 TOLERANCE_S = 1e-10
 """How far two recorded times (relative to their period's start) may differ and still be the same: rounding of
@@ -106,6 +106,17 @@ class _NoClock:
         self.marks: tuple[Any, ...] = ()
         for name in _CLOCK_TOTALS:
             setattr(self, name, 0)
+
+
+def held_storages(store: list[Any] | None) -> frozenset[int]:
+    """The storage keys (``_cdata``) of the tensors `store`'s entries hold: what `FastForward.mark` takes as
+    `held` for a container of the program that grows by the same objects every period."""
+    if not store:
+        return frozenset()
+    from torch.utils._pytree import tree_leaves
+
+    return frozenset(x.untyped_storage()._cdata for entry in store for x in tree_leaves(entry)
+                     if hasattr(x, "untyped_storage"))
 
 
 class FastForwardBroken(RuntimeError):

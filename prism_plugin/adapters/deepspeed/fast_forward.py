@@ -33,7 +33,7 @@ import functools
 from collections import Counter
 from typing import Any
 
-from prism_plugin.device.fast_forward import FastForward, FastForwardBroken
+from prism_plugin.device.fast_forward import FastForward, FastForwardBroken, held_storages
 
 __all__ = ["PipeFastForward"]
 
@@ -126,7 +126,7 @@ class PipeFastForward:
             i = 0
             while i < len(steps):
                 if not advanced and first <= i and i + 2 <= stop and "ForwardPass" in _shape(steps[i]):
-                    engine.mark(held=_storages(ds.fwd_outputs), keep=buffers + 3, **self._totals(ds, loaded))
+                    engine.mark(held=held_storages(ds.fwd_outputs), keep=buffers + 3, **self._totals(ds, loaded))
                     periods = (stop - 2 - i) // (2 * buffers) * buffers  # whole turns of the buffers
                     if self._device_data:
                         engine.not_proven["the data iterator works on the device"] += 1
@@ -194,6 +194,3 @@ class PipeFastForward:
         return {"schedule_calls": dict(self.calls), "microbatches": self.microbatches,
                 "microbatches_skipped": self.microbatches_skipped, **self.engine.summary()}
 
-
-def _storages(store: list[Any]) -> frozenset[int]:
-    return frozenset(x.untyped_storage()._cdata for x in store if hasattr(x, "untyped_storage"))

@@ -40,7 +40,7 @@ from collections import Counter, deque
 from typing import Any
 
 from prism_plugin.adapters.megatron.interleaved import InterleavedRun, unsupported
-from prism_plugin.device.fast_forward import FastForward, FastForwardBroken
+from prism_plugin.device.fast_forward import FastForward, FastForwardBroken, held_storages
 
 __all__ = ["ScheduleFastForward"]
 
@@ -61,16 +61,6 @@ def _combined(kwargs: dict[str, Any]) -> str | None:
     if getattr(config, "hybrid_context_parallel", False):
         return "hybrid context parallelism"
     return None
-
-
-def _storages(store: list[Any] | None) -> frozenset[int]:
-    """The storage keys of the tensors `store`'s entries hold."""
-    if not store:
-        return frozenset()
-    from torch.utils._pytree import tree_leaves
-
-    return frozenset(x.untyped_storage()._cdata for entry in store for x in tree_leaves(entry)
-                     if hasattr(x, "untyped_storage"))
 
 
 class _Counting:
@@ -242,7 +232,7 @@ class ScheduleFastForward:
     @staticmethod
     def held(store: list[Any] | None) -> frozenset[int]:
         """The storages the schedule's ``forward_data_store`` holds: the engine's *held* ones."""
-        return _storages(store)
+        return held_storages(store)
 
     def _skipping(self) -> bool:
         return self.run is not None and self.run.skipping > 0
@@ -341,7 +331,7 @@ class ScheduleFastForward:
         advance and start skipping (returns what the skipped exchange returns), else None."""
         engine = self.engine
         # a micro-batch lives `warmup` iterations, its output one more: the proof looks that far back
-        engine.mark(held=_storages(run.store), keep=run.period + 3, **self._totals(run))
+        engine.mark(held=held_storages(run.store), keep=run.period + 3, **self._totals(run))
         if len(run.fifo) != run.warmup or (run.warmup == 0 and popped[1] is None):
             # the schedule's forwards and backwards did not all pass the seams (a multi-module backward): the
             # skipped calls could not return the objects the program holds
@@ -371,7 +361,7 @@ class ScheduleFastForward:
         index = run.forwards
         run.store = store
         if not run.advanced and 1 <= index <= run.num_microbatches - 3:
-            self.engine.mark(held=_storages(store), **self._totals(run))
+            self.engine.mark(held=held_storages(store), **self._totals(run))
             periods = run.num_microbatches - 2 - index
             if self.engine.proven() and periods >= 1:
                 self._start_skipping(run, periods, periods)
