@@ -500,6 +500,37 @@ class FastForward:
         self._reset()
         return {key: periods * delta for key, delta in by_part.get("extra", {}).items()}
 
+    def adopted(self, last: Any, entries: int, fix: str) -> list[Any]:
+        """The `entries` objects the skipped periods would have appended to a container of the program that grows
+        by one per period (`held`): copies of `last` (a tensor or a tree of them) whose tensors own the blocks the
+        allocator's replay left unowned (`orphans`), in malloc order, so the container holds what the full run's
+        holds and its death frees those blocks. `fix`: what the refusal tells the user to do
+        (`FastForwardBroken` when the orphans are not exactly the copies' tensors)."""
+        import torch
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        flat, spec = tree_flatten(last)
+        leaves = [x for x in flat if isinstance(x, torch.Tensor)]
+        whole = all(t.device.type == "cuda" and t.is_contiguous() and t.storage_offset() == 0
+                    and t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in leaves)
+        if not whole or len(self.orphans) != entries * len(leaves):
+            raise FastForwardBroken(
+                f"prism fast-forward: the skipped work appends {entries} entries of {len(leaves)} tensors to the "
+                f"program's container but the replay left {len(self.orphans)} blocks (or the entries are not whole "
+                f"device tensors), so the fast-forward would not be exact; {fix}")
+        tracker, blocks = self.gpu.tracker, iter(self.orphans)
+        out = []
+        with tracker.paused():
+            for _ in range(entries):
+                made = []
+                for x in flat:
+                    if isinstance(x, torch.Tensor):
+                        x = torch.empty_like(x)
+                        tracker.adopt(x, next(blocks))
+                    made.append(x)
+                out.append(tree_unflatten(made, spec))
+        return out
+
     @contextmanager
     def silent(self) -> Iterator[None]:
         """The adapter skips the program's calls: ops made meanwhile take no time and no answer; anything that

@@ -21,6 +21,10 @@ What it measures, identically in real and emulated runs (so the two compare like
   those tensors from run to run; this way it is reproducible to the byte (a program whose cycles would
   have been collected mid-step shows a higher, but deterministic, peak). ``PRISM_PROBE_GC=auto`` keeps
   the collector as it is.
+- **Realignment**: in a real run of several processes, a barrier on the default group follows the probe's
+  own work at each step end (outside the steps' durations), so every rank starts the next step together;
+  otherwise the rank whose collection ended first would wait for its peers in the next step's first
+  collective, a wait the probe made (`Probe._realign`). Emulations need none: their peers are virtual.
 - **Memory**: on CPU a `prism_plugin.device.memory.StorageTracker` started before the program, extended with
   a timeline and per-step peaks: bytes of live tensor storage created by ATen ops (see that module's
   limitations). On GPU: ``torch.cuda.max_memory_allocated`` of the current device, peak reset at
@@ -304,8 +308,31 @@ class Probe:
                 fh.write(f"{len(self.step_ends_s)}\n")
         if self.collect_garbage:
             gc.collect()
+        if session is None:
+            self._realign()
         # the next step starts after the probe's own work (kept out of every step's duration)
         self.step_starts_s.append(time.perf_counter() - self.origin_s)
+
+    def _realign(self) -> None:
+        """Start the next step on every real rank together: a barrier on the default group after the probe's own
+        work, in a real run of several processes.
+
+        The probe's work at a step end (above all the full garbage collection, ~0.1 s with torch loaded) lasts
+        a different time on each rank; the rank done first would wait for its peers at the next step's first
+        collective, and that wait, made by the probe and not by the program, would count in its step (measured:
+        the toy TP2 recipe's real medians 16-21 ms against 9-10 ms undisturbed steps). An emulated rank's peers
+        are virtual and arrive with it, so an emulation has nothing to realign."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return
+        if self.tracker is not None:
+            self.tracker.suspended += 1  # what the barrier allocates is the probe's, not the program's
+        try:
+            dist.barrier()
+        finally:
+            if self.tracker is not None:
+                self.tracker.suspended -= 1
 
     def _capture_rank(self) -> None:
         if self._rank is not None:

@@ -33,7 +33,7 @@ import functools
 from collections import Counter
 from typing import Any
 
-from prism_plugin.device.fast_forward import FastForward, FastForwardBroken, held_storages
+from prism_plugin.device.fast_forward import FastForward, held_storages
 
 __all__ = ["PipeFastForward"]
 
@@ -173,22 +173,9 @@ class PipeFastForward:
                 ds._next_batch()
 
     def _adopt(self, ds: Any, entries: int) -> None:
-        """The skipped forwards' losses in ``fwd_outputs``: copies of the last owning the replay's unowned blocks."""
-        import torch
-
-        last = ds.fwd_outputs[-1]
-        orphans = self.engine.orphans
-        if not isinstance(last, torch.Tensor) or len(orphans) != entries:
-            raise FastForwardBroken(
-                f"prism fast-forward: the skipped micro-batches append {entries} losses to the pipeline engine's "
-                f"fwd_outputs but the replay left {len(orphans)} blocks; set \"fast_forward\": false in the "
-                "\"prism\" section and report the job")
-        tracker = self.engine.gpu.tracker
-        with tracker.paused():
-            for block in orphans:
-                copy = torch.empty_like(last)
-                tracker.adopt(copy, block)
-                ds.fwd_outputs.append(copy)
+        """The skipped forwards' losses in ``fwd_outputs`` (`FastForward.adopted`)."""
+        ds.fwd_outputs.extend(self.engine.adopted(ds.fwd_outputs[-1], entries, 'set "fast_forward": false in the '
+                                                                              '"prism" section and report the job'))
 
     def summary(self) -> dict[str, Any]:
         return {"schedule_calls": dict(self.calls), "microbatches": self.microbatches,

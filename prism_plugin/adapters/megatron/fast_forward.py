@@ -451,34 +451,10 @@ class ScheduleFastForward:
                 setattr(self.attention, name, getattr(self.attention, name) + count)
 
     def _adopt(self, run: Any, entries: int) -> None:
-        """The `entries` objects the skipped forwards would have appended to the store: copies of the last one
-        whose tensors own the blocks the allocator's replay left unowned (`FastForward.orphans`), in malloc order,
-        so that the store holds what the full run's holds and its death frees those blocks."""
-        import torch
-        from torch.utils._pytree import tree_flatten, tree_unflatten
-
+        """The `entries` objects the skipped forwards would have appended to the store (`FastForward.adopted`)."""
         assert run.store
-        flat, spec = tree_flatten(run.store[-1])
-        leaves = [x for x in flat if isinstance(x, torch.Tensor)]
-        orphans = self.engine.orphans
-        whole = all(t.device.type == "cuda" and t.is_contiguous() and t.storage_offset() == 0
-                    and t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in leaves)
-        if not whole or len(orphans) != entries * len(leaves):
-            raise FastForwardBroken(
-                f"prism fast-forward: the skipped micro-batches append {entries} entries of {len(leaves)} tensors to "
-                f"the schedule's forward_data_store but the replay left {len(orphans)} blocks (or the entries are "
-                "not whole device tensors), so the fast-forward would not be exact; run with --prism-fast-forward "
-                "off and report the job")
-        tracker, blocks = self.engine.gpu.tracker, iter(orphans)
-        with tracker.paused():
-            for _ in range(entries):
-                made = []
-                for x in flat:
-                    if isinstance(x, torch.Tensor):
-                        x = torch.empty_like(x)
-                        tracker.adopt(x, next(blocks))
-                    made.append(x)
-                run.pending.append(tree_unflatten(made, spec))
+        run.pending.extend(self.engine.adopted(run.store[-1], entries, "run with --prism-fast-forward off and "
+                                                                         "report the job"))
 
     def summary(self) -> dict[str, Any]:
         return {"schedule_calls": dict(self.calls), "microbatches": self.microbatches,
