@@ -26,7 +26,10 @@ modelled, none measured.
 - the interleaved schedule (8 layers, 2 model chunks per stage, 64 micro-batches per call: a period of 8 steady
   iterations), with Megatron-LM's overlapped exchanges (each handle waited on an iteration after it is issued, so
   some are pending at every mark) and without them, and memory only: rank 0, rank 1 (heavy: TE with FP8 at TP2),
-  and the last stage as `prism emulate` profiles it (its trace, timeline and class trace too).
+  and the last stage as `prism emulate` profiles it (its trace, timeline and class trace too);
+- a hybrid run (rank 1 of the 1F1B job against the execution graph `prism emulate` built for it): its virtual
+  peers arrive when the graph's replay says, so the proof also signs the arrivals each period met and the advance
+  stops where the replayed table stops repeating them (`prism_plugin.runtime.periods.ArrivalPeriods`).
 """
 
 from __future__ import annotations
@@ -153,7 +156,7 @@ def test_a_profiling_runs_trace_and_timeline_are_the_full_runs(tmp_path: Path, i
     assert_same_figures(fast, full, rel_tol=1e-12, abs_tol=1e-9, ignore=WALL | {"path"})
     traces = {mode: json.loads((tmp_path / mode / "trace" / "rank3.trace.json").read_text()) for mode in ("on", "off")}
     assert len(traces["off"]["iterations"]) == 2 and len(traces["off"]["iterations"][1]["ops"]) > 100
-    # times are microseconds rounded to 1e-3: the advance multiplies where the full run adds (far below 1e-6 s)
+    # times are microseconds rounded to 1e-6: the advance multiplies where the full run adds (far below 1e-6 s)
     assert_same_figures(traces["on"], traces["off"], rel_tol=0, abs_tol=2e-3)
     timelines = {mode: json.loads((tmp_path / mode / "timeline" / "rank3.timeline.json").read_text())
                  for mode in ("on", "off")}
@@ -164,3 +167,25 @@ def test_a_profiling_runs_trace_and_timeline_are_the_full_runs(tmp_path: Path, i
               for mode in ("on", "off")]
     assert len(graphs[1]) > 100
     assert_same_figures(graphs[0], graphs[1], rel_tol=1e-9, abs_tol=1e-6)
+
+
+def test_a_hybrid_runs_fast_forward_gives_the_full_runs_figures(tmp_path: Path) -> None:
+    """Rank 1 (a middle stage: virtual peers on both sides) against the graph of the job's own profiling runs:
+    advanced where both the rank's periods and the virtual arrivals the replay gives them repeat; every figure, the
+    graph block's counts of replayed ops included, is the full run's."""
+    job = [*ARGS, "--transformer-impl", "local", "--train-iters", "3"]
+    emulate = subprocess.run([sys.executable, "-m", "prism_plugin.cli.main", "emulate", "--world-size", "4",
+                              "--profile", "dgx-h100", "--warmup", "1", "--out", str(tmp_path / "emulate"), "--",
+                              str(SCRIPT), *job], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                             env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert emulate.returncode == 0, emulate.stdout[-3000:] + emulate.stderr[-4000:]
+    graph = ["--train-iters", "3", "--prism-graph", str(tmp_path / "emulate" / "job.graph")]
+    (fast, fast_log), (full, full_log) = at_once(lambda: _run(tmp_path, "on", 4, 1, ["--transformer-impl", "local"],
+                                                              *graph),
+                                                 lambda: _run(tmp_path, "off", 4, 1, ["--transformer-impl", "local"],
+                                                              *graph))
+    ff = fast["megatron"]["fast_forward"]
+    assert ff["schedule_calls"] == {"fast-forwarded": 3} and ff["microbatches_skipped"] >= 48, ff
+    assert fast["graph"]["ops_replayed"] > 300 and fast["graph"]["ops_outside_graph"] <= 3, fast["graph"]
+    assert_same_figures(fast, full, rel_tol=1e-12, abs_tol=1e-9, ignore=WALL)
+    assert _memory_lines(fast_log) == _memory_lines(full_log) and len(_memory_lines(full_log)) == 2

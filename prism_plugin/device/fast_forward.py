@@ -14,14 +14,15 @@ the freed block was allocated.
 
 **The proof.** Marks ``b0, b1, b2`` and the two periods between them. The period is proven when both recorded the
 same events (times within `TOLERANCE_S`); when the last one frees a block allocated before ``b0`` (a lifetime a
-little longer than a period), the period before ``b0`` was recorded and its tail from that block on repeats the
-same tail of the next period; the streams stand at the same places relative to the host at the marks (the host's
-frame), or the GPU runs ahead of the host by a lead that grows by the same step every period, with no
-synchronisation or query of the GPU by the host in either period (the GPU's frame, `_frame`), no backward
-pass runs and no fusion region is open there, the live storages and fake host bytes are the same, and the running
-totals (kernels, seconds, launches, kernel tallies, host counts, value-policy answers, communication counts and
-bytes, group sequence numbers, and the adapter's own: data consumed) grew by the same amounts in both. The
-allocator's block layout need not repeat (its small pool rarely does): the allocator is replayed, not extrapolated.
+little longer than a period), the period before ``b0`` was recorded and its tail from that block on repeats the same
+tail of the next period; the streams stand at the same places relative to the host at the marks (the host's frame),
+or the GPU runs ahead of the host by a lead that grows by the same step every period, with no synchronisation or
+query of the GPU by the host in either period (the GPU's frame; both in
+`prism_plugin.device.period_proof.stream_frame`), no backward pass runs and no fusion region is open there, the live
+storages and fake host bytes are the same, and the running totals (kernels, seconds, launches, kernel tallies, host
+counts, value-policy answers, communication counts and bytes, group sequence numbers, and the adapter's own: data
+consumed) grew by the same amounts in both. The allocator's block layout need not repeat (its small pool rarely
+does): the allocator is replayed, not extrapolated.
 
 **A growing container.** The adapter may name the storages that a container of the program holds and that grows
 by the same objects every period (the last pipeline stage's losses, kept until the step ends): they are left out
@@ -69,17 +70,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from prism_plugin.device.iteration_replay import RequestLog, is_request_hook
 from prism_plugin.device.pending_works import PendingWorks, pending_at
+from prism_plugin.device.period_proof import TOLERANCE_S, Capture, from_malloc, growth, same, same_map, stream_frame
 
 __all__ = ["TOLERANCE_S", "FastForward", "FastForwardBroken", "held_storages"]
-
-TOLERANCE_S = 1e-10
-"""How far two recorded times (relative to their period's start) may differ and still be the same: rounding of
-the executed sums, five orders of magnitude below the nanosecond the summary reports."""
 
 _CLOCK_TOTALS = ("kernels", "kernel_s", "launches", "native_launches", "comm_ops", "host_syncs", "exchanges",
                  "peer_wait_s", "host_work_s")
@@ -121,92 +118,6 @@ def held_storages(store: list[Any] | None) -> frozenset[int]:
 
 class FastForwardBroken(RuntimeError):
     """Work the adapter skipped changed the device: the fast-forward would not be exact."""
-
-
-@dataclass
-class _Capture:
-    """The virtual GPU at one mark."""
-
-    host_s: float
-    ends: dict[Any, float]
-    positions: dict[Any, float]
-    """Each stream's place relative to the host (``max(end - host, 0)``)."""
-    layout: tuple[Any, ...]
-    totals: dict[Any, float]
-    mallocs: int
-    views: tuple[Any, ...] = ()
-    """Where each recording observer (`FastForward.views`) stands."""
-    pending: tuple[Any, ...] = ()
-    """The communication handles issued and not yet waited on, held weakly (`prism_plugin.device.pending_works`):
-    each ``(handle, its records, its completion and arrival relative to the device)``."""
-    kept: tuple[Any, ...] = ()
-    """Per recording observer, its records of the period ending here as of this mark (`PendingWorks.kept`), or
-    why they do not describe it; set by `FastForward.mark`."""
-
-    @property
-    def device_s(self) -> float:
-        """Where the device stands: the host or the furthest stream, whichever is later (the base of the times
-        recorded on streams; the host's own records are relative to `host_s`)."""
-        return max(self.host_s, max(self.ends.values(), default=self.host_s))
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal, with floats within `TOLERANCE_S` (tuples and lists element by element)."""
-    if isinstance(a, float) or isinstance(b, float):
-        return isinstance(a, int | float) and isinstance(b, int | float) and abs(a - b) <= TOLERANCE_S
-    if isinstance(a, tuple | list):
-        return isinstance(b, tuple | list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
-def _same_map(a: dict[Any, Any], b: dict[Any, Any]) -> bool:
-    return all(_same(a.get(k, 0), b.get(k, 0)) for k in set(a) | set(b))
-
-
-def _from_malloc(period: list[tuple[Any, ...]], mallocs_before: int, first: int) -> list[tuple[Any, ...]]:
-    """The events of `period` (which began after `mallocs_before` mallocs) from the malloc numbered `first` on."""
-    made = mallocs_before
-    for i, event in enumerate(period):
-        if event[0] == "m":
-            if made == first:
-                return period[i:]
-            made += 1
-    return []
-
-
-def _delta(a: dict[Any, float], b: dict[Any, float]) -> dict[Any, float]:
-    return {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b)}
-
-
-def _frame(captures: list[_Capture]) -> str | None:
-    """Why the streams' places at the marks `captures` do not let their periods repeat (None: they do).
-
-    In the host's frame, every stream stands at the same place relative to the host at each mark. In the GPU's
-    frame the GPU runs ahead by a lead that grows every period (GPU-bound work the host never waits for): the host
-    moves by the same step every period, and every stream that moves at all by the same larger one, the device's;
-    the host neither waited for the GPU (a synchronisation) nor asked it how far it got (a query) in either period.
-    With the records of the two periods the same relative to the device (the proof's other conditions), no launch
-    in the second was held back by the host (it would have started ``lead growth`` earlier in the first than its
-    launch), so the next periods repeat it: each starts a device step after its predecessor, ever further ahead of
-    a launch that comes a host step later."""
-    if all(_same_map(a.positions, b.positions) for a, b in zip(captures, captures[1:], strict=False)):
-        return None
-    elsewhere = "the streams stand elsewhere relative to the host"
-    pairs = list(zip(captures, captures[1:], strict=False))
-    host = [b.host_s - a.host_s for a, b in pairs]
-    device = [b.device_s - a.device_s for a, b in pairs]
-    if not (_same(host[0], host[1]) and _same(device[0], device[1])) or device[1] - host[1] <= TOLERANCE_S:
-        return elsewhere
-    for key in set().union(*(c.ends for c in captures)):
-        if any(key not in c.ends for c in captures):
-            return elsewhere
-        steps = [b.ends[key] - a.ends[key] for a, b in pairs]
-        if not (all(step == 0.0 for step in steps) or all(_same(step, device[1]) for step in steps)):
-            return elsewhere
-    for figure in (("clock", "host_syncs"), ("shim", "queries")):
-        if any(b.totals[figure] != a.totals[figure] for a, b in pairs):
-            return "the host waited for or queried the GPU, which runs ahead of it"
-    return None
 
 
 class _AllocatorLog(RequestLog):
@@ -285,7 +196,7 @@ class FastForward:
         """The virtual GPU's clock, or a stand-in without virtual time (memory only: the proof and the advance are
         its allocations and counts)."""
         self._log = _AllocatorLog(gpu.allocators)
-        self._captures: list[_Capture] = []
+        self._captures: list[Capture] = []
         self._periods: list[list[tuple[Any, ...]]] = []
         self._events: list[tuple[Any, ...]] | None = None
         self._extra_totals: dict[str, float] = {}
@@ -299,7 +210,7 @@ class FastForward:
         self.views: list[Any] = []
         """The period views (`prism_plugin.runtime.periods`) of the observers that keep records: the tracer and
         the timeline; proven and repeated with the device."""
-        self._pending = PendingWorks(self, _same)
+        self._pending = PendingWorks(self, same)
         self.advanced_periods = 0
         self.advanced_s = 0.0
         self.not_proven: Counter[str] = Counter()
@@ -395,17 +306,17 @@ class FastForward:
         for name, *parts in zip(_LAYOUT_PARTS, *(c.layout for c in captures), strict=False):
             if any(part != parts[0] for part in parts):
                 return f"{name} differ at the period boundaries"
-        frame = _frame(captures)
+        frame = stream_frame(captures)
         if frame is not None:
             return frame
         recorded = self._periods[-periods:]
-        if not all(_same(a, b) for a, b in zip(recorded, recorded[1:], strict=False)):
+        if not all(same(a, b) for a, b in zip(recorded, recorded[1:], strict=False)):
             return "the periods ran different kernels, ops or allocations"
         reason = self._pending.unproven(captures)
         if reason is not None:
             return reason
-        deltas = [_delta(a.totals, b.totals) for a, b in zip(captures, captures[1:], strict=False)]
-        if not all(_same_map(a, b) for a, b in zip(deltas, deltas[1:], strict=False)):
+        deltas = [growth(a.totals, b.totals) for a, b in zip(captures, captures[1:], strict=False)]
+        if not all(same_map(a, b) for a, b in zip(deltas, deltas[1:], strict=False)):
             return "the running totals grew differently"
         return None
 
@@ -432,7 +343,7 @@ class FastForward:
         pattern = [event for event in last if event[0] == "m"]
         for back in range(3, len(self._periods) + 1):
             begin = self._captures[-back - 1].mallocs
-            made = [event for event in _from_malloc(self._periods[-back], begin, max(earliest, begin))
+            made = [event for event in from_malloc(self._periods[-back], begin, max(earliest, begin))
                     if event[0] == "m"]
             if made != pattern[len(pattern) - len(made):] or (earliest < begin and len(made) != len(pattern)):
                 return "the periods ran different kernels, ops or allocations"
@@ -441,6 +352,20 @@ class FastForward:
         return "a block older than the recorded periods was freed"
 
     # -- the advance ------------------------------------------------------------------------------------------------
+    def allowed(self, periods: int, unit: int = 1) -> int:
+        """`periods` (after a `proven` mark) cut, in whole `unit`s, to what every recording observer lets repeat: a
+        hybrid run's table of replayed arrivals, data from outside the program, repeats the proven period only so
+        far (`prism_plugin.runtime.periods.ArrivalPeriods.horizon`). Counts it when that leaves none."""
+        c1, c2 = self._captures[-2], self._captures[-1]
+        for i, view in enumerate(self.views):
+            horizon = getattr(view, "horizon", None)
+            if horizon is not None and periods > 0:
+                periods = min(periods, horizon(c1.views[i], c2.views[i], c2.device_s - c1.device_s, periods))
+        periods -= periods % unit
+        if periods < 1:
+            self.not_proven["the replayed arrivals do not repeat the period"] += 1
+        return periods
+
     def advance(self, periods: int) -> dict[str, float]:
         """Advance this virtual GPU by `periods` repeats of the proven period (call right after a `proven` mark);
         returns the adapter's extra totals to advance (each grown by `periods` x its delta). Ends the recording."""
@@ -461,7 +386,7 @@ class FastForward:
         owned = {id(b) for b in (*tracker._blocks.values(), *tracker.workspaces.values())}
         self.orphans = [b for m, b in sorted(log.blocks.items()) if m >= since and id(b) not in owned]
         log.untap()
-        deltas = _delta(c1.totals, c2.totals)
+        deltas = growth(c1.totals, c2.totals)
         period_s, device_step = c2.host_s - c1.host_s, c2.device_s - c1.device_s
         moved = {k: t - c1.ends.get(k, t - period_s) for k, t in clock.ends.items() if c1.ends.get(k) != t}
         clock.host_s += periods * period_s
@@ -542,7 +467,7 @@ class FastForward:
         finally:
             self.gpu.silent = False
         after = self._capture(allocators=True)
-        if before.layout != after.layout or not _same_map(before.totals, after.totals) \
+        if before.layout != after.layout or not same_map(before.totals, after.totals) \
                 or before.host_s != after.host_s or before.ends != after.ends:
             raise FastForwardBroken(
                 "prism fast-forward: the program changed the virtual GPU between the calls it skipped (it allocated, "
@@ -574,7 +499,7 @@ class FastForward:
         return lambda vg: int(figures.get(key(groups[id(vg)]), 0))
 
     # -- captures -----------------------------------------------------------------------------------------------------
-    def _capture(self, *, allocators: bool = False) -> _Capture:
+    def _capture(self, *, allocators: bool = False) -> Capture:
         gpu, clock = self.gpu, self.clock
         host = clock.host_s
         positions = {k: max(t - host, 0.0) for k, t in clock.ends.items()}
@@ -609,5 +534,5 @@ class FastForward:
         issued = self.session.counters.issued if session is not None else None
         device = max(host, max(clock.ends.values(), default=host)) if gpu.clock is not None else None
         pending = () if issued is None else pending_at(issued, device)
-        return _Capture(host, dict(clock.ends), positions, layout, totals, self._log.mallocs,
+        return Capture(host, dict(clock.ends), positions, layout, totals, self._log.mallocs,
                         tuple(view.position() for view in self.views), pending)

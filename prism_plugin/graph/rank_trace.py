@@ -48,10 +48,15 @@ from prism_plugin.config.errors import positive_int, rank_in_range
 from prism_plugin.config.kinds import OpKind
 from prism_plugin.graph.errors import GraphError
 
-__all__ = ["RANK_TRACE_FORMAT", "RANK_TRACE_VERSION", "RankTrace", "TracedIteration", "TracedOp", "load_rank_traces"]
+__all__ = ["RANK_TRACE_FORMAT", "RANK_TRACE_VERSION", "TIME_DECIMALS", "RankTrace", "TracedIteration", "TracedOp",
+           "load_rank_traces"]
 
 RANK_TRACE_FORMAT = "prism-rank-trace"
 RANK_TRACE_VERSION = 1
+TIME_DECIMALS = 6
+"""Decimals of the ops' times (us) written: to the picosecond. A fast-forwarded run's periods repeat in its trace to
+that, so the graph built from it, and a hybrid run's replayed arrivals, repeat them within the fast-forward's proof
+tolerance (`prism_plugin.device.fast_forward.TOLERANCE_S`, 1e-10 s); at the nanosecond they would not."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,7 +89,8 @@ class TracedOp:
 
     def to_list(self) -> list[Any]:
         return [self.op.value, self.group, self.seq, self.size_bytes, self.peer,
-                round(self.issue_us, 3), round(self.return_us, 3), round(self.wait_us, 3), round(self.end_us, 3)]
+                round(self.issue_us, TIME_DECIMALS), round(self.return_us, TIME_DECIMALS),
+                round(self.wait_us, TIME_DECIMALS), round(self.end_us, TIME_DECIMALS)]
 
     @classmethod
     def from_list(cls, row: Sequence[Any]) -> TracedOp:
@@ -152,7 +158,7 @@ class RankTrace:
             "world_size": self.world_size,
             "groups": [None if g is None else list(g) for g in self.groups],
             "iterations": [
-                {"index": it.index, "start_s": it.start_s, "duration_us": round(it.duration_us, 3),
+                {"index": it.index, "start_s": it.start_s, "duration_us": round(it.duration_us, TIME_DECIMALS),
                  "ops": [op.to_list() for op in it.ops]}
                 for it in self.iterations
             ],

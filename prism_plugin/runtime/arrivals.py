@@ -191,6 +191,12 @@ class ReplayedArrivals:
     def on_issued(self, event: OpEvent, work: OpWork) -> None:
         pass
 
+    def periods(self) -> Any:
+        """This lookup's side of a fast-forward (`prism_plugin.runtime.periods`)."""
+        from prism_plugin.runtime.periods import ArrivalPeriods
+
+        return ArrivalPeriods(self)
+
     def on_iteration(self, step: int = 0) -> None:
         """An iteration mark: `step` (the session's iteration counter) starts; counts restart."""
         self.active = True

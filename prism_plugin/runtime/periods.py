@@ -22,6 +22,11 @@ relative to the device's start and shift by its step; only spans on the ``host``
 
 A period the observer cannot describe (an iteration mark inside it, the timeline's record budget filled inside
 it) gives a reason instead of a signature: the engine then proves nothing there, and the work runs.
+
+A hybrid run's replayed arrivals (`prism_plugin.runtime.arrivals`) keep no records, but their table of virtual
+arrivals is data from outside the program, so two equal periods do not prove the next: `ArrivalPeriods` signs the
+arrivals the period's ops met (relative to the device's start), and its `horizon` says for how many periods after
+the proven one the table goes on repeating them.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["TimelinePeriods", "TracerPeriods"]
+from prism_plugin.device.period_proof import TOLERANCE_S
+
+__all__ = ["ArrivalPeriods", "TimelinePeriods", "TracerPeriods"]
 
 SeqOf = Callable[[Any], int]
 """A group (`prism_plugin.comm.group.VirtualGroup`) -> a sequence number (its own at a mark, or its growth)."""
@@ -187,3 +194,85 @@ class TimelinePeriods:
                 s += kind
                 o += 1 - kind
         return last
+
+
+def _repeats(entry: tuple[Any, float] | None, later: tuple[Any, float] | None, by_s: float) -> bool:
+    """Whether table entry `later` is `entry` (an op kind and an arrival offset) `by_s` later."""
+    if entry is None or later is None:
+        return entry is later
+    return entry[0] is later[0] and abs(later[1] - entry[1] - by_s) <= TOLERANCE_S
+
+
+class ArrivalPeriods:
+    """`prism_plugin.runtime.arrivals.ReplayedArrivals`' period view: where its iteration's lookups stand (the k-th
+    op of each group role and of each peer's sends and receives), and the virtual arrivals a period's ops met."""
+
+    def __init__(self, arrivals: Any) -> None:
+        self.arrivals = arrivals
+
+    def position(self) -> tuple[Any, ...]:
+        a = self.arrivals
+        return (id(a.table), a.clock.iteration_start_s, a.active, dict(a._coll), dict(a._p2p),
+                (a.replayed, a.outside_iterations, a.unmatched, a.mismatched))
+
+    def _entries(self, a: tuple[Any, ...], b: tuple[Any, ...], shift: int = 0) -> list[Any]:
+        """The table entries the ops between `a` and `b` looked up, `shift` periods on: per role or peer channel, each
+        op's place in the period and its entry (kind and offset in s; None where the graph has no such op)."""
+        table = self.arrivals.table
+        out: list[Any] = []
+        for role, k in sorted(b[3].items()):
+            k0 = a[3].get(role, 0)
+            grow = k - k0
+            for j in range(k0, k):
+                entry = table.collectives.get((role, j + shift * grow))
+                out.append((role, j - k0, None if entry is None else (entry[0], entry[1] * 1e-6)))
+        for (kind, peer), k in sorted(b[4].items(), key=lambda kv: (kv[0][0].value, kv[0][1])):
+            k0 = a[4].get((kind, peer), 0)
+            grow = k - k0
+            for j in range(k0, k):
+                offset = table.p2p.get((kind, peer, j + shift * grow))
+                out.append(((kind, peer), j - k0, None if offset is None else (kind, offset * 1e-6)))
+        return out
+
+    def signature(self, a: tuple[Any, ...], b: tuple[Any, ...], host_s: float, base_s: float,
+                  seq_of: SeqOf) -> list[Any] | str:
+        if a[:2] != b[:2]:
+            return "an iteration of the replayed arrivals began inside the period"
+        counts = [y - x for x, y in zip(a[5], b[5], strict=True)]
+        start = b[1] - base_s  # the iteration's start relative to the period's
+        return [b[2], counts, [(key, j, None if e is None else (e[0], start + e[1]))
+                               for key, j, e in self._entries(a, b)]]
+
+    def horizon(self, a: tuple[Any, ...], b: tuple[Any, ...], step_s: float, periods: int) -> int:
+        """How many of the `periods` after the period from `a` to `b` (proven, `step_s` long on the device) meet the
+        same virtual arrivals relative to their starts, in the table."""
+        if not b[2]:
+            return periods
+        last = [e for _, _, e in self._entries(a, b)]
+        for n in range(1, periods + 1):
+            later = [e for _, _, e in self._entries(a, b, n)]
+            if not all(_repeats(e, f, n * step_s) for e, f in zip(last, later, strict=True)):
+                return n - 1
+        return periods
+
+    @staticmethod
+    def index(a: tuple[Any, ...], b: tuple[Any, ...]) -> dict[int, int]:
+        return {}
+
+    @staticmethod
+    def stamps(record: Any, base_s: float) -> tuple[float, float]:
+        raise AssertionError("the replayed arrivals keep no records")
+
+    def repeat(self, a: tuple[Any, ...], b: tuple[Any, ...], times: int, host_step_s: float, period_s: float,
+               seq_step: SeqOf, late: Late = (), base_s: float = 0.0) -> dict[int, Any]:
+        arrivals = self.arrivals
+        for role, k in b[3].items():
+            arrivals._coll[role] += times * (k - a[3].get(role, 0))
+        for key, k in b[4].items():
+            arrivals._p2p[key] += times * (k - a[4].get(key, 0))
+        replayed, outside, unmatched, mismatched = (times * (y - x) for x, y in zip(a[5], b[5], strict=True))
+        arrivals.replayed += replayed
+        arrivals.outside_iterations += outside
+        arrivals.unmatched += unmatched
+        arrivals.mismatched += mismatched
+        return {}

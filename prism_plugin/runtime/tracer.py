@@ -25,7 +25,7 @@ from typing import Any
 
 from prism_plugin.comm.context import OpClock, OpEvent, OpWork
 from prism_plugin.config.kinds import OpKind
-from prism_plugin.graph.rank_trace import RANK_TRACE_FORMAT, RANK_TRACE_VERSION, RankTrace
+from prism_plugin.graph.rank_trace import RANK_TRACE_FORMAT, RANK_TRACE_VERSION, TIME_DECIMALS, RankTrace
 
 __all__ = ["OpRecord", "Tracer"]
 
@@ -125,12 +125,12 @@ class Tracer:
             ops = []
             for r in recs:
                 waited = r.wait_s >= 0.0 and r.end_s >= 0.0
-                ops.append([r.op.value, r.group, r.seq, r.size, r.peer, round((r.issue_s - start) * 1e6, 3),
-                            round((r.return_s - start) * 1e6, 3),
-                            round((r.wait_s - start) * 1e6, 3) if waited else -1.0,
-                            round((r.end_s - start) * 1e6, 3) if waited else -1.0])
-            iterations.append({"index": index, "start_s": start, "duration_us": round((end - start) * 1e6, 3),
-                               "ops": ops})
+                ops.append([r.op.value, r.group, r.seq, r.size, r.peer, round((r.issue_s - start) * 1e6, TIME_DECIMALS),
+                            round((r.return_s - start) * 1e6, TIME_DECIMALS),
+                            round((r.wait_s - start) * 1e6, TIME_DECIMALS) if waited else -1.0,
+                            round((r.end_s - start) * 1e6, TIME_DECIMALS) if waited else -1.0])
+            iterations.append({"index": index, "start_s": start,
+                               "duration_us": round((end - start) * 1e6, TIME_DECIMALS), "ops": ops})
         meta = {**self.metadata, "untraced_ops": self.untraced_ops + len(self._current or ())}
         return {"format": RANK_TRACE_FORMAT, "version": RANK_TRACE_VERSION, "rank": self.rank,
                 "world_size": self.world_size, "groups": [None if g is None else list(g) for g in self._group_ranks],

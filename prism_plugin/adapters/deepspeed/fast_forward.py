@@ -130,7 +130,7 @@ class PipeFastForward:
                     periods = (stop - 2 - i) // (2 * buffers) * buffers  # whole turns of the buffers
                     if self._device_data:
                         engine.not_proven["the data iterator works on the device"] += 1
-                    elif periods >= 1 and engine.proven():
+                    elif periods >= 1 and engine.proven() and (periods := engine.allowed(periods, buffers)) >= 1:
                         self._skip(ds, periods, sum(loads[i:i + 2 * periods]))
                         loaded += sum(loads[i:i + 2 * periods])
                         i += 2 * periods

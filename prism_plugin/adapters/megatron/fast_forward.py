@@ -341,6 +341,7 @@ class ScheduleFastForward:
             return None
         steady = run.num_microbatches - (run.warmup or 0)
         iterations = (steady - 2 - index) // run.period * run.period  # whole turns of the in-flight list
+        iterations = engine.allowed(iterations, run.period) if iterations >= 1 else 0
         if iterations < 1:
             return None
         # held until the program would have let go of them: the popped micro-batch's input at the next exchange,
@@ -363,7 +364,7 @@ class ScheduleFastForward:
         if not run.advanced and 1 <= index <= run.num_microbatches - 3:
             self.engine.mark(held=held_storages(store), **self._totals(run))
             periods = run.num_microbatches - 2 - index
-            if self.engine.proven() and periods >= 1:
+            if self.engine.proven() and periods >= 1 and (periods := self.engine.allowed(periods)) >= 1:
                 self._start_skipping(run, periods, periods)
                 return self._skip_unpipelined(run, store)
         output, tokens = forward()

@@ -215,6 +215,7 @@ class InterleavedRun:
         if not engine.proven():
             return False
         periods = (self._last() + 1 - k) // self.period
+        periods = engine.allowed(periods) if periods >= 1 else 0
         if periods < 1:
             return False
         self.skip = (k, k + periods * self.period)
