@@ -467,12 +467,18 @@ class FastForward:
         finally:
             self.gpu.silent = False
         after = self._capture(allocators=True)
-        if before.layout != after.layout or not same_map(before.totals, after.totals) \
-                or before.host_s != after.host_s or before.ends != after.ends:
+        changed = [f"{key}: {before.totals.get(key, 0)} -> {after.totals.get(key, 0)}"
+                   for key in sorted(set(before.totals) | set(after.totals), key=str)
+                   if not same(before.totals.get(key, 0), after.totals.get(key, 0))]
+        parts = (*_LAYOUT_PARTS[:-1], "the allocators' blocks", _LAYOUT_PARTS[-1])  # as `_capture` lays them out
+        changed += [f"{name} differ" for name, a, b in zip(parts, before.layout, after.layout, strict=False) if a != b]
+        if before.host_s != after.host_s or before.ends != after.ends:
+            changed.append("the host or a stream moved")
+        if changed:
             raise FastForwardBroken(
                 "prism fast-forward: the program changed the virtual GPU between the calls it skipped (it allocated, "
-                "launched or read a value there), so the fast-forward would not be exact; run with "
-                "--prism-fast-forward off and report the job")
+                "launched or read a value there: " + "; ".join(changed[:6]) + "), so the fast-forward would not be "
+                "exact; run with --prism-fast-forward off and report the job")
 
     def stop(self) -> None:
         """The repeated work ended (the schedule returned): drop the marks and the recording."""
