@@ -64,3 +64,55 @@ def test_results_are_remembered_weakly_and_given_back_in_new_containers() -> Non
     del handle
     gc.collect()
     assert isinstance(_strong(remembered)[1]["recv_prev"], _Completed) and _Completed().wait()
+
+
+class _Engine:
+    """A proof that always holds (`prism_plugin.device.fast_forward.FastForward`'s side of `_boundary`)."""
+
+    def __init__(self) -> None:
+        from collections import Counter
+
+        self.not_proven: Counter[str] = Counter()
+        self.pending: tuple[object, ...] = ()
+
+    def mark(self, **_: object) -> None:
+        pass
+
+    def proven(self) -> bool:
+        return True
+
+    def allowed(self, periods: int, unit: int = 1) -> int:
+        return periods
+
+
+class _Driver:
+    def __init__(self) -> None:
+        self.engine = _Engine()
+        self.skipped: list[tuple[int, int]] = []
+
+    def held(self, store: object) -> frozenset[int]:
+        return frozenset()
+
+    def _totals(self, run: object) -> dict[str, float]:
+        return {}
+
+    def _start_skipping(self, run: object, periods: int, microbatches: int, adopt_per_forward: bool = True) -> None:
+        self.skipped.append((periods, microbatches))
+
+
+@pytest.mark.parametrize(("k", "periods"), [(321, 2), (401, 0)])
+def test_a_skip_is_never_shorter_than_the_window_of_held_objects(k: int, periods: int) -> None:
+    """`prism plan`'s Llama-3-70B candidate TP4 PP4 VP20 CP2 (32 micro-batches, stage 1: 80 warm-up forwards): a
+    period of 80 iterations, a window of 160. Proven at iteration 401 only one period remains before the end: the
+    objects the program holds at the mark would stand for some made before it, so nothing is skipped."""
+    driver = _Driver()
+    run = InterleavedRun(driver, 32, 20, [None] * 20)
+    run.group, run.warmup = 4, 80
+    assert (run.period, run.window, run._last()) == (80, 160, 558)
+    run.returns = {j: {} for j in range(k - run.window, k)}
+    assert run._boundary(k) is bool(periods)
+    if periods:
+        assert driver.skipped == [(periods, periods * run.group)]
+    else:
+        assert driver.skipped == [] and driver.engine.not_proven == {
+            "fewer periods to advance than the window of objects the schedule holds": 1}
