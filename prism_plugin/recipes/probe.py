@@ -60,6 +60,7 @@ a program without a torch optimizer reports no steps.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import gc
 import json
@@ -67,6 +68,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -229,11 +231,8 @@ class Probe:
             def call(obj: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
                 if threading.get_ident() != thread:
                     return _original(obj, *args, **kwargs)
-                tracker.suspended += 1
-                try:
+                with _uncounted(tracker):
                     return _original(obj, *args, **kwargs)
-                finally:
-                    tracker.suspended -= 1
 
             self._patches.setattr(cls, name, call)
 
@@ -326,13 +325,8 @@ class Probe:
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return
-        if self.tracker is not None:
-            self.tracker.suspended += 1  # what the barrier allocates is the probe's, not the program's
-        try:
+        with _uncounted(self.tracker):  # what the barrier allocates is the probe's, not the program's
             dist.barrier()
-        finally:
-            if self.tracker is not None:
-                self.tracker.suspended -= 1
 
     def _capture_rank(self) -> None:
         if self._rank is not None:
@@ -430,6 +424,19 @@ def chrome_trace(doc: dict[str, Any]) -> dict[str, Any]:
                            "tid": 1, "ts": 1e6 * e["t_s"],
                            "args": {k: v for k, v in e.items() if k not in ("t_s", "event", "fault")}})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"memory_source": doc["memory_source"]}}
+
+
+@contextlib.contextmanager
+def _uncounted(tracker: TimelineTracker | None) -> Iterator[None]:
+    """What the calling thread allocates inside is not counted by `tracker` (None: no tracker)."""
+    if tracker is None:
+        yield
+        return
+    tracker.suspended += 1
+    try:
+        yield
+    finally:
+        tracker.suspended -= 1
 
 
 def _prism_session() -> Any:

@@ -219,19 +219,21 @@ class ArrivalPeriods:
         """The table entries the ops between `a` and `b` looked up, `shift` periods on: per role or peer channel, each
         op's place in the period and its entry (kind and offset in s; None where the graph has no such op)."""
         table = self.arrivals.table
+
+        def collective(role: str, k: int) -> tuple[Any, float] | None:
+            return table.collectives.get((role, k))
+
+        def p2p(channel: tuple[Any, int], k: int) -> tuple[Any, float] | None:
+            offset = table.p2p.get((*channel, k))
+            return None if offset is None else (channel[0], offset)
+
         out: list[Any] = []
-        for role, k in sorted(b[3].items()):
-            k0 = a[3].get(role, 0)
-            grow = k - k0
-            for j in range(k0, k):
-                entry = table.collectives.get((role, j + shift * grow))
-                out.append((role, j - k0, None if entry is None else (entry[0], entry[1] * 1e-6)))
-        for (kind, peer), k in sorted(b[4].items(), key=lambda kv: (kv[0][0].value, kv[0][1])):
-            k0 = a[4].get((kind, peer), 0)
-            grow = k - k0
-            for j in range(k0, k):
-                offset = table.p2p.get((kind, peer, j + shift * grow))
-                out.append(((kind, peer), j - k0, None if offset is None else (kind, offset * 1e-6)))
+        for place, lookup, key in ((3, collective, None), (4, p2p, lambda kv: (kv[0][0].value, kv[0][1]))):
+            for channel, k in sorted(b[place].items(), key=key):
+                k0 = a[place].get(channel, 0)
+                for j in range(k0, k):
+                    entry = lookup(channel, j + shift * (k - k0))
+                    out.append((channel, j - k0, None if entry is None else (entry[0], entry[1] * 1e-6)))
         return out
 
     def signature(self, a: tuple[Any, ...], b: tuple[Any, ...], host_s: float, base_s: float,
